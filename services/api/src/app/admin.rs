@@ -1,0 +1,131 @@
+//! Operator use-cases: environments, API keys, quotas, queue depths.
+
+use anyhow::Context;
+use uuid::Uuid;
+
+use super::{App, Timestamp};
+use crate::{
+    apikeys::{self, ApiKeySecret},
+    config::DEFAULT_ENDPOINT_QUOTA,
+    error::{AppError, AppResult},
+};
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Environment {
+    pub id: Uuid,
+    pub name: String,
+    pub endpoint_quota: i32,
+    pub created_at: Timestamp,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ApiKey {
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub name: String,
+    pub lookup_prefix: String,
+    pub created_at: Timestamp,
+    pub revoked_at: Option<Timestamp>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct QueueDepths {
+    pub outbox_unpublished: i64,
+    pub deliveries_pending: i64,
+    pub deliveries_due: i64,
+    pub dead_letters: i64,
+}
+
+const MAX_QUOTA: u32 = 10_000;
+
+fn check_quota(quota: u32) -> AppResult<i32> {
+    if quota > MAX_QUOTA {
+        return Err(AppError::invalid("quota_out_of_range", format!("endpoint_quota may be at most {MAX_QUOTA}, got {quota}")));
+    }
+    Ok(quota as i32)
+}
+
+impl App {
+    pub async fn create_environment(&self, name: &str, endpoint_quota: u32) -> AppResult<Environment> {
+        super::require_nonempty("name", name)?;
+        let quota = if endpoint_quota == 0 { DEFAULT_ENDPOINT_QUOTA } else { check_quota(endpoint_quota)? };
+        let env = sqlx::query_as::<_, Environment>(
+            "INSERT INTO environments (id, name, endpoint_quota) VALUES ($1, $2, $3)
+             RETURNING id, name, endpoint_quota, created_at",
+        )
+        .bind(Uuid::now_v7())
+        .bind(name.trim())
+        .bind(quota)
+        .fetch_one(&self.db)
+        .await?;
+        Ok(env)
+    }
+
+    pub async fn set_endpoint_quota(&self, environment_id: Uuid, quota: u32) -> AppResult<Environment> {
+        let quota = check_quota(quota)?;
+        sqlx::query_as::<_, Environment>(
+            "UPDATE environments SET endpoint_quota = $2 WHERE id = $1
+             RETURNING id, name, endpoint_quota, created_at",
+        )
+        .bind(environment_id)
+        .bind(quota)
+        .fetch_optional(&self.db)
+        .await?
+        .ok_or_else(|| AppError::not_found("environment"))
+    }
+
+    pub async fn create_api_key(&self, environment_id: Uuid, name: &str) -> AppResult<(ApiKey, ApiKeySecret)> {
+        let minted = apikeys::mint();
+        let key = sqlx::query_as::<_, ApiKey>(
+            "INSERT INTO api_keys (id, environment_id, name, lookup_prefix, salt, key_hash)
+             SELECT $1, e.id, $3, $4, $5, $6 FROM environments e WHERE e.id = $2
+             RETURNING id, environment_id, name, lookup_prefix, created_at, revoked_at",
+        )
+        .bind(Uuid::now_v7())
+        .bind(environment_id)
+        .bind(name.trim())
+        .bind(&minted.lookup_prefix)
+        .bind(&minted.salt)
+        .bind(&minted.hash)
+        .fetch_optional(&self.db)
+        .await?
+        .ok_or_else(|| AppError::not_found("environment"))?;
+        Ok((key, minted.secret))
+    }
+
+    pub async fn revoke_api_key(&self, id: Uuid) -> AppResult<ApiKey> {
+        sqlx::query_as::<_, ApiKey>(
+            "UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1
+             RETURNING id, environment_id, name, lookup_prefix, created_at, revoked_at",
+        )
+        .bind(id)
+        .fetch_optional(&self.db)
+        .await?
+        .ok_or_else(|| AppError::not_found("API key"))
+    }
+
+    /// The environment an API key belongs to, if the key is live and matches.
+    pub async fn authenticate_api_key(&self, presented: &str) -> AppResult<Option<Uuid>> {
+        let Some(prefix) = apikeys::lookup_prefix(presented) else { return Ok(None) };
+        let row: Option<(Uuid, Vec<u8>, Vec<u8>, Option<Timestamp>)> =
+            sqlx::query_as("SELECT environment_id, salt, key_hash, revoked_at FROM api_keys WHERE lookup_prefix = $1")
+                .bind(prefix)
+                .fetch_optional(&self.db)
+                .await?;
+        Ok(row.and_then(|(env, salt, hash, revoked)| (revoked.is_none() && apikeys::matches(presented, &salt, &hash)).then_some(env)))
+    }
+
+    pub async fn queue_depths(&self) -> AppResult<QueueDepths> {
+        let (outbox, pending, due, dead): (i64, i64, i64, i64) = sqlx::query_as(
+            "SELECT
+               (SELECT count(*) FROM events WHERE published_at IS NULL),
+               (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'),
+               (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND next_attempt_at <= now()),
+               (SELECT count(*) FROM webhook_dead_letters)",
+        )
+        .fetch_one(&self.db)
+        .await
+        .context("reading queue depths")?;
+        Ok(QueueDepths { outbox_unpublished: outbox, deliveries_pending: pending, deliveries_due: due, dead_letters: dead })
+    }
+}

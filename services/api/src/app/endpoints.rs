@@ -1,0 +1,214 @@
+//! Webhook endpoints: registration rules, the quota, secrets and rotation.
+
+use std::net::IpAddr;
+
+use anyhow::Context;
+use relay_netguard::Rejection;
+use relay_signing::SigningSecret;
+use url::Host;
+use uuid::Uuid;
+
+use super::{App, Tenant, Timestamp, require_nonempty};
+use crate::{
+    error::{AppError, AppResult},
+    secrets::mint_signing_secret,
+};
+
+/// An endpoint as every read shows it. The ciphertexts are not even selected.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Endpoint {
+    pub id: Uuid,
+    pub url: String,
+    pub event_types: Vec<String>,
+    pub enabled: bool,
+    pub created_at: Timestamp,
+    pub secret_rotated_at: Option<Timestamp>,
+}
+
+/// The columns every endpoint read selects: never a ciphertext.
+macro_rules! endpoint_columns {
+    () => {
+        "id, url, event_types, enabled, created_at, secret_rotated_at"
+    };
+}
+const MAX_EVENT_TYPES: usize = 100;
+const MAX_EVENT_TYPE_LEN: usize = 128;
+const MAX_URL_LEN: usize = 2048;
+
+fn rejection(e: Rejection) -> AppError {
+    AppError::invalid("endpoint_url_rejected", e.to_string())
+}
+
+/// Event types: at least one, each a short token, duplicates folded.
+pub(crate) fn check_event_type(t: &str) -> AppResult<()> {
+    if t.is_empty() || t.len() > MAX_EVENT_TYPE_LEN || t.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return Err(AppError::invalid(
+            "invalid_event_type",
+            format!("event type {t:?} must be 1 to {MAX_EVENT_TYPE_LEN} characters with no spaces"),
+        ));
+    }
+    Ok(())
+}
+
+fn normalise_event_types(types: &[String]) -> AppResult<Vec<String>> {
+    if types.is_empty() {
+        return Err(AppError::invalid("missing_event_types", "event_types must list at least one event type"));
+    }
+    if types.len() > MAX_EVENT_TYPES {
+        return Err(AppError::invalid(
+            "too_many_event_types",
+            format!("event_types may list at most {MAX_EVENT_TYPES} types; this one lists {}", types.len()),
+        ));
+    }
+    let mut out: Vec<String> = Vec::with_capacity(types.len());
+    for t in types {
+        let t = t.trim();
+        check_event_type(t)?;
+        if !out.iter().any(|o| o == t) {
+            out.push(t.to_owned());
+        }
+    }
+    Ok(out)
+}
+
+impl App {
+    /// The URL rules, including the addresses a host name resolves to now.
+    /// The dispatcher checks again at send time, since DNS can change.
+    async fn check_endpoint_url(&self, raw: &str) -> AppResult<String> {
+        if raw.len() > MAX_URL_LEN {
+            return Err(AppError::invalid("endpoint_url_rejected", format!("url may be at most {MAX_URL_LEN} bytes, got {}", raw.len())));
+        }
+        let url = self.url_policy.check_url(raw).map_err(rejection)?;
+        if let Some(Host::Domain(name)) = url.host() {
+            let port = url.port_or_known_default().unwrap_or(443);
+            let addrs: Vec<IpAddr> = match tokio::net::lookup_host((name, port)).await {
+                Ok(found) => found.map(|a| a.ip()).collect(),
+                Err(_) => Vec::new(),
+            };
+            self.url_policy.check_addresses(name, &addrs).map_err(rejection)?;
+        }
+        Ok(url.to_string())
+    }
+
+    pub async fn create_endpoint(&self, tenant: Tenant, url: &str, event_types: &[String]) -> AppResult<(Endpoint, SigningSecret)> {
+        require_nonempty("url", url)?;
+        let url = self.check_endpoint_url(url).await?;
+        let event_types = normalise_event_types(event_types)?;
+
+        let mut tx = self.db.begin().await?;
+        // Locking the environment row serialises concurrent creates, so two
+        // racing requests cannot both take the last slot.
+        let quota: i32 = sqlx::query_scalar("SELECT endpoint_quota FROM environments WHERE id = $1 FOR UPDATE")
+            .bind(tenant.environment_id)
+            .fetch_optional(&mut *tx)
+            .await?
+            .ok_or_else(|| AppError::not_found("environment"))?;
+        let live: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_endpoints WHERE environment_id = $1 AND deleted_at IS NULL")
+            .bind(tenant.environment_id)
+            .fetch_one(&mut *tx)
+            .await?;
+        if live >= i64::from(quota) {
+            return Err(AppError::precondition(
+                "endpoint_quota_exceeded",
+                format!("an environment may have at most {quota} webhook endpoints; this one already has {live}"),
+            ));
+        }
+        let secret = mint_signing_secret();
+        let (key_id, ciphertext) = self.keyring.encrypt(&secret);
+        let endpoint = sqlx::query_as::<_, Endpoint>(concat!(
+            "INSERT INTO webhook_endpoints (id, environment_id, url, event_types, secret_key_id, secret_ciphertext)
+             VALUES ($1, $2, $3, $4, $5, $6) RETURNING ",
+            endpoint_columns!(),
+            ""
+        ))
+        .bind(Uuid::now_v7())
+        .bind(tenant.environment_id)
+        .bind(&url)
+        .bind(&event_types)
+        .bind(key_id)
+        .bind(ciphertext)
+        .fetch_one(&mut *tx)
+        .await?;
+        tx.commit().await.context("committing a new endpoint")?;
+        Ok((endpoint, secret))
+    }
+
+    pub async fn list_endpoints(&self, tenant: Tenant) -> AppResult<Vec<Endpoint>> {
+        Ok(sqlx::query_as::<_, Endpoint>(concat!(
+            "SELECT ",
+            endpoint_columns!(),
+            " FROM webhook_endpoints
+             WHERE environment_id = $1 AND deleted_at IS NULL ORDER BY created_at, id"
+        ))
+        .bind(tenant.environment_id)
+        .fetch_all(&self.db)
+        .await?)
+    }
+
+    pub async fn get_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<Endpoint> {
+        sqlx::query_as::<_, Endpoint>(concat!(
+            "SELECT ",
+            endpoint_columns!(),
+            " FROM webhook_endpoints WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL"
+        ))
+        .bind(id)
+        .bind(tenant.environment_id)
+        .fetch_optional(&self.db)
+        .await?
+        .ok_or_else(|| AppError::not_found("webhook endpoint"))
+    }
+
+    /// Mints a new secret; the current one becomes the previous one and keeps
+    /// signing for the 24 h window.
+    pub async fn rotate_endpoint_secret(&self, tenant: Tenant, id: Uuid) -> AppResult<(Endpoint, SigningSecret)> {
+        let secret = mint_signing_secret();
+        let (key_id, ciphertext) = self.keyring.encrypt(&secret);
+        let endpoint = sqlx::query_as::<_, Endpoint>(concat!(
+            "UPDATE webhook_endpoints SET
+               previous_secret_key_id = secret_key_id,
+               previous_secret_ciphertext = secret_ciphertext,
+               secret_key_id = $3, secret_ciphertext = $4, secret_rotated_at = now()
+             WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL
+             RETURNING ",
+            endpoint_columns!(),
+            ""
+        ))
+        .bind(id)
+        .bind(tenant.environment_id)
+        .bind(key_id)
+        .bind(ciphertext)
+        .fetch_optional(&self.db)
+        .await?
+        .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
+        Ok((endpoint, secret))
+    }
+
+    pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
+        sqlx::query_as::<_, Endpoint>(concat!(
+            "UPDATE webhook_endpoints SET enabled = $3
+             WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL RETURNING ",
+            endpoint_columns!(),
+            ""
+        ))
+        .bind(id)
+        .bind(tenant.environment_id)
+        .bind(enabled)
+        .fetch_optional(&self.db)
+        .await?
+        .ok_or_else(|| AppError::not_found("webhook endpoint"))
+    }
+
+    /// Soft: the row stays so its dead letters can.
+    pub async fn delete_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
+        let done =
+            sqlx::query("UPDATE webhook_endpoints SET deleted_at = now() WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL")
+                .bind(id)
+                .bind(tenant.environment_id)
+                .execute(&self.db)
+                .await?;
+        if done.rows_affected() == 0 {
+            return Err(AppError::not_found("webhook endpoint"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,121 @@
+//! Publishing events into the outbox, and reading what became of them.
+
+use anyhow::Context;
+use serde::Serialize;
+use uuid::Uuid;
+
+use super::{App, Tenant, Timestamp, endpoints::check_event_type, require_nonempty};
+use crate::error::{AppError, AppResult};
+
+/// The webhook body. Serialised once, at publish time, and stored as bytes:
+/// every attempt sends exactly these bytes, so the body a recipient verifies
+/// never changes between attempts.
+#[derive(Serialize)]
+struct Envelope<'a> {
+    id: Uuid,
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    environment_id: Uuid,
+    occurred_at: String,
+    payload: &'a serde_json::Value,
+}
+
+/// Payloads are bounded so one request cannot fill the outbox.
+pub const MAX_ENVELOPE_BYTES: usize = 256 * 1024;
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Delivery {
+    pub id: Uuid,
+    pub event_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub state: String,
+    pub attempt: i32,
+    pub next_attempt_at: Timestamp,
+    pub created_at: Timestamp,
+    pub last_status: Option<i32>,
+    pub last_error: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy)]
+pub struct Published {
+    pub event_id: Uuid,
+    pub duplicate: bool,
+}
+
+impl App {
+    pub async fn publish_event(
+        &self,
+        tenant: Tenant,
+        id: Option<Uuid>,
+        event_type: &str,
+        payload: &serde_json::Value,
+    ) -> AppResult<Published> {
+        require_nonempty("type", event_type)?;
+        let event_type = event_type.trim();
+        check_event_type(event_type)?;
+        let event_id = id.unwrap_or_else(Uuid::now_v7);
+        let occurred_at = chrono::Utc::now();
+        let envelope = serde_json::to_vec(&Envelope {
+            id: event_id,
+            event_type,
+            environment_id: tenant.environment_id,
+            occurred_at: occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+            payload,
+        })
+        .context("serialising an envelope")?;
+        if envelope.len() > MAX_ENVELOPE_BYTES {
+            return Err(AppError::invalid(
+                "payload_too_large",
+                format!("an event may be at most {MAX_ENVELOPE_BYTES} bytes as delivered; this one is {}", envelope.len()),
+            ));
+        }
+
+        // The event row is the outbox row: one insert, one transaction.
+        let inserted = sqlx::query(
+            "INSERT INTO events (id, environment_id, event_type, envelope, created_at)
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(event_id)
+        .bind(tenant.environment_id)
+        .bind(event_type)
+        .bind(&envelope)
+        .bind(occurred_at)
+        .execute(&self.db)
+        .await?;
+        if inserted.rows_affected() == 1 {
+            self.outbox_wake.wake();
+            return Ok(Published { event_id, duplicate: false });
+        }
+        let owner: Option<Uuid> =
+            sqlx::query_scalar("SELECT environment_id FROM events WHERE id = $1").bind(event_id).fetch_optional(&self.db).await?;
+        match owner {
+            Some(env) if env == tenant.environment_id => Ok(Published { event_id, duplicate: true }),
+            // A caller-chosen id that another environment already used. The
+            // caller can only collide by knowing that id already.
+            _ => Err(AppError::new(
+                crate::error::ErrorCode::AlreadyExists,
+                "event_id_taken",
+                format!("event id {event_id} is already taken; choose another UUID"),
+            )),
+        }
+    }
+
+    pub async fn list_event_deliveries(&self, tenant: Tenant, event_id: Uuid) -> AppResult<Vec<Delivery>> {
+        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1 AND environment_id = $2)")
+            .bind(event_id)
+            .bind(tenant.environment_id)
+            .fetch_one(&self.db)
+            .await?;
+        if !exists {
+            return Err(AppError::not_found("event"));
+        }
+        Ok(sqlx::query_as::<_, Delivery>(
+            "SELECT id, event_id, endpoint_id, state, attempt, next_attempt_at, created_at, last_status, last_error
+             FROM webhook_deliveries WHERE event_id = $1 AND environment_id = $2 ORDER BY created_at, id",
+        )
+        .bind(event_id)
+        .bind(tenant.environment_id)
+        .fetch_all(&self.db)
+        .await?)
+    }
+}

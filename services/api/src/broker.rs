@@ -1,0 +1,45 @@
+//! The api's side of NATS JetStream: it creates both streams, because it
+//! publishes to both. The dispatcher only consumes.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use async_nats::jetstream::{self, stream};
+use relay_contracts::StreamNames;
+
+/// How long a re-publish of the same message id is recognised and dropped.
+pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
+
+pub async fn connect(url: &str) -> Result<jetstream::Context> {
+    // Retry on initial connect: the api must come up, and keep its outbox,
+    // while the broker is away; the relays keep trying.
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .name("relay-api")
+        .connect(url)
+        .await
+        .with_context(|| format!("connecting to NATS at {url}"))?;
+    Ok(jetstream::new(client))
+}
+
+pub async fn ensure_streams(js: &jetstream::Context, names: &StreamNames) -> Result<()> {
+    for (name, subject, max_age) in [
+        // Sized for how long the dispatcher may be down, not for retry tiers:
+        // nothing waits in the broker for its time to come.
+        (names.events_stream(), names.all_events(), Duration::from_secs(7 * 24 * 3600)),
+        (names.deliveries_stream(), names.all_deliveries(), Duration::from_secs(7 * 24 * 3600)),
+    ] {
+        js.get_or_create_stream(stream::Config {
+            name: name.clone(),
+            subjects: vec![subject],
+            max_age,
+            duplicate_window: DUPLICATE_WINDOW,
+            storage: stream::StorageType::File,
+            retention: stream::RetentionPolicy::Limits,
+            ..Default::default()
+        })
+        .await
+        .with_context(|| format!("creating stream {name}"))?;
+    }
+    Ok(())
+}

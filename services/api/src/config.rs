@@ -1,0 +1,161 @@
+//! The api's configuration: read from `RELAY_*` variables, validated once at
+//! start-up, so a bad value stops the process with a message naming it.
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use anyhow::{Context, Result, bail};
+use relay_netguard::Policy;
+
+use crate::{schedule::RetrySchedule, secrets::Keyring};
+
+/// Where this process runs. Production turns every dev allowance into a
+/// start-up error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deployment {
+    Development,
+    Production,
+}
+
+/// PEM files for the internal mTLS port.
+#[derive(Debug, Clone)]
+pub struct InternalTls {
+    /// The CA whose client certificates are accepted (dispatcher, operators).
+    pub client_ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone)]
+pub struct ApiConfig {
+    pub deployment: Deployment,
+    pub database_url: String,
+    pub nats_url: String,
+    /// Prepended to stream, subject and durable names, so tests and stacks that
+    /// share one NATS never see each other's messages. Empty in production.
+    pub stream_prefix: String,
+    pub internal_tls: InternalTls,
+    pub keyring: Keyring,
+    pub url_policy: Policy,
+    pub schedule: RetrySchedule,
+    /// How long an attempt handed to the broker is leased before the relay may
+    /// hand it out again. Must exceed the dispatcher's whole redelivery window.
+    pub delivery_lease: Duration,
+    /// How long a relay sleeps when nothing wakes it.
+    pub relay_idle: Duration,
+    pub relay_batch: i64,
+    pub run_migrations: bool,
+    pub dead_letter_retention: Duration,
+}
+
+/// Addresses for `main`; tests pass their own listeners to `run`.
+#[derive(Debug, Clone)]
+pub struct ListenAddrs {
+    pub grpc: SocketAddr,
+    pub rest: SocketAddr,
+    pub internal: SocketAddr,
+}
+
+pub const DEFAULT_ENDPOINT_QUOTA: i32 = 5;
+
+fn var(name: &str) -> Option<String> {
+    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+}
+
+fn flag(name: &str) -> Result<bool> {
+    match var(name).as_deref() {
+        None | Some("0" | "false" | "off" | "no") => Ok(false),
+        Some("1" | "true" | "on" | "yes") => Ok(true),
+        Some(other) => bail!("{name} must be true or false, got {other:?}"),
+    }
+}
+
+fn required_path(name: &str) -> Result<PathBuf> {
+    var(name).map(PathBuf::from).with_context(|| format!("{name} is required: the path of a PEM file for the internal mTLS port"))
+}
+
+impl ApiConfig {
+    pub fn from_env() -> Result<Self> {
+        let deployment = match var("RELAY_ENV").as_deref() {
+            None | Some("development" | "dev" | "test") => Deployment::Development,
+            Some("production" | "prod") => Deployment::Production,
+            Some(other) => bail!("RELAY_ENV must be development or production, got {other:?}"),
+        };
+        let url_policy = Policy {
+            allow_http: flag("RELAY_DEV_ALLOW_HTTP_ENDPOINTS")?,
+            allowed_ranges: var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES")
+                .map(|v| {
+                    v.split(',')
+                        .map(|r| r.trim().parse().with_context(|| format!("RELAY_DEV_ALLOWED_ENDPOINT_RANGES: {r:?} is not a CIDR range")))
+                        .collect::<Result<Vec<_>>>()
+                })
+                .transpose()?
+                .unwrap_or_default(),
+        };
+        let keyring = match var("RELAY_SECRET_KEYS") {
+            Some(spec) => Keyring::parse(&spec).context("RELAY_SECRET_KEYS")?,
+            None if deployment == Deployment::Production => {
+                bail!("RELAY_SECRET_KEYS is required in production: webhook signing secrets cannot be stored without it")
+            }
+            None => Keyring::development(),
+        };
+        let schedule = match var("RELAY_RETRY_TIERS") {
+            Some(spec) => RetrySchedule::parse(&spec).context("RELAY_RETRY_TIERS")?,
+            None => RetrySchedule::production(),
+        };
+        let cfg = Self {
+            deployment,
+            database_url: var("DATABASE_URL").unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/relay".into()),
+            nats_url: var("RELAY_NATS_URL").unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
+            stream_prefix: var("RELAY_STREAM_PREFIX").unwrap_or_default(),
+            internal_tls: InternalTls {
+                client_ca: required_path("RELAY_TLS_CLIENT_CA")?,
+                cert: required_path("RELAY_TLS_CERT")?,
+                key: required_path("RELAY_TLS_KEY")?,
+            },
+            keyring,
+            url_policy,
+            schedule,
+            delivery_lease: Duration::from_secs(var("RELAY_DELIVERY_LEASE_SECS").map(|v| v.parse()).transpose()?.unwrap_or(300)),
+            relay_idle: Duration::from_millis(500),
+            relay_batch: 200,
+            run_migrations: !flag("RELAY_SKIP_MIGRATIONS")?,
+            dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// The rules no deployment may break, and the dev allowances production
+    /// may not carry.
+    pub fn validate(&self) -> Result<()> {
+        if self.deployment == Deployment::Production {
+            if !self.url_policy.is_strict() {
+                bail!(
+                    "RELAY_DEV_ALLOW_HTTP_ENDPOINTS / RELAY_DEV_ALLOWED_ENDPOINT_RANGES are development allowances; refusing to start with them in production"
+                );
+            }
+            if self.keyring.is_development() {
+                bail!("RELAY_SECRET_KEYS is required in production; the development key is public");
+            }
+            if self.schedule != RetrySchedule::production() {
+                bail!("RELAY_RETRY_TIERS shortens the retry schedule for tests; production runs the published schedule");
+            }
+        }
+        if self.delivery_lease < Duration::from_secs(5) {
+            bail!("RELAY_DELIVERY_LEASE_SECS must be at least 5, got {}", self.delivery_lease.as_secs());
+        }
+        Ok(())
+    }
+
+    pub fn listen_addrs_from_env() -> Result<ListenAddrs> {
+        let addr = |name: &str, default: &str| -> Result<SocketAddr> {
+            let v = var(name).unwrap_or_else(|| default.into());
+            v.parse().with_context(|| format!("{name} must be host:port, got {v:?}"))
+        };
+        Ok(ListenAddrs {
+            grpc: addr("RELAY_GRPC_ADDR", "127.0.0.1:50051")?,
+            rest: addr("RELAY_REST_ADDR", "127.0.0.1:8080")?,
+            internal: addr("RELAY_INTERNAL_ADDR", "127.0.0.1:50052")?,
+        })
+    }
+}

@@ -1,0 +1,92 @@
+//! The one error type every use-case returns. It carries a transport-neutral
+//! code, a machine-readable reason and a message for a human; the gRPC layer
+//! maps the code to a status and the REST facade maps that status to HTTP.
+
+use std::fmt;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorCode {
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    FailedPrecondition,
+    Unauthenticated,
+    PermissionDenied,
+    Unavailable,
+    Internal,
+}
+
+#[derive(thiserror::Error)]
+#[error("{message}")]
+pub struct AppError {
+    pub code: ErrorCode,
+    pub reason: &'static str,
+    pub message: String,
+    /// The cause, kept for the logs; never shown to a caller.
+    #[source]
+    pub source: Option<anyhow::Error>,
+}
+
+impl fmt::Debug for AppError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:?}/{}: {}", self.code, self.reason, self.message)?;
+        if let Some(src) = &self.source {
+            write!(f, ": {src:#}")?;
+        }
+        Ok(())
+    }
+}
+
+pub type AppResult<T> = Result<T, AppError>;
+
+impl AppError {
+    pub fn new(code: ErrorCode, reason: &'static str, message: impl Into<String>) -> Self {
+        Self { code, reason, message: message.into(), source: None }
+    }
+
+    pub fn invalid(reason: &'static str, message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::InvalidArgument, reason, message)
+    }
+
+    /// The same answer for "never existed" and "belongs to another tenant".
+    pub fn not_found(what: &str) -> Self {
+        Self::new(ErrorCode::NotFound, "not_found", format!("no such {what}"))
+    }
+
+    pub fn precondition(reason: &'static str, message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::FailedPrecondition, reason, message)
+    }
+
+    pub fn unauthenticated(message: impl Into<String>) -> Self {
+        Self::new(ErrorCode::Unauthenticated, "unauthenticated", message)
+    }
+
+    pub fn internal(source: anyhow::Error) -> Self {
+        Self { code: ErrorCode::Internal, reason: "internal", message: "internal error".into(), source: Some(source) }
+    }
+
+    pub fn unavailable(source: anyhow::Error) -> Self {
+        Self { code: ErrorCode::Unavailable, reason: "unavailable", message: "temporarily unavailable; retry".into(), source: Some(source) }
+    }
+}
+
+/// Database errors are internal unless a caller mapped them first.
+impl From<sqlx::Error> for AppError {
+    fn from(e: sqlx::Error) -> Self {
+        match &e {
+            sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => Self::unavailable(anyhow::Error::new(e).context("database")),
+            _ => Self::internal(anyhow::Error::new(e).context("database")),
+        }
+    }
+}
+
+impl From<anyhow::Error> for AppError {
+    fn from(e: anyhow::Error) -> Self {
+        Self::internal(e)
+    }
+}
+
+/// Parses an id a caller supplied, with an error naming the field.
+pub fn parse_id(field: &'static str, raw: &str) -> AppResult<uuid::Uuid> {
+    uuid::Uuid::parse_str(raw.trim()).map_err(|_| AppError::invalid("invalid_id", format!("{field} must be a UUID, got {raw:?}")))
+}

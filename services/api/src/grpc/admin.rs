@@ -1,0 +1,72 @@
+//! The operator's AdminService, on the internal mTLS port.
+
+use relay_contracts::relay::admin::v1::{self as pb, admin_service_server::AdminService};
+use tonic::{Request, Response, Status};
+
+use super::{id, status, ts};
+use crate::app::{
+    App,
+    admin::{ApiKey, Environment},
+};
+
+#[derive(Debug, Clone)]
+pub struct AdminApi {
+    pub app: App,
+}
+
+fn environment(e: Environment) -> pb::Environment {
+    pb::Environment { id: e.id.to_string(), name: e.name, endpoint_quota: e.endpoint_quota as u32, created_at: Some(ts(e.created_at)) }
+}
+
+fn api_key(k: ApiKey) -> pb::ApiKey {
+    pb::ApiKey {
+        id: k.id.to_string(),
+        environment_id: k.environment_id.to_string(),
+        name: k.name,
+        prefix: k.lookup_prefix,
+        created_at: Some(ts(k.created_at)),
+        revoked_at: k.revoked_at.map(ts),
+    }
+}
+
+#[tonic::async_trait]
+impl AdminService for AdminApi {
+    async fn create_environment(
+        &self,
+        req: Request<pb::CreateEnvironmentRequest>,
+    ) -> Result<Response<pb::CreateEnvironmentResponse>, Status> {
+        let r = req.into_inner();
+        let env = self.app.create_environment(&r.name, r.endpoint_quota).await.map_err(status)?;
+        Ok(Response::new(pb::CreateEnvironmentResponse { environment: Some(environment(env)) }))
+    }
+
+    async fn create_api_key(&self, req: Request<pb::CreateApiKeyRequest>) -> Result<Response<pb::CreateApiKeyResponse>, Status> {
+        let r = req.into_inner();
+        let (key, secret) = self.app.create_api_key(id("environment_id", &r.environment_id)?, &r.name).await.map_err(status)?;
+        Ok(Response::new(pb::CreateApiKeyResponse { api_key: Some(api_key(key)), key: secret.expose().to_owned() }))
+    }
+
+    async fn revoke_api_key(&self, req: Request<pb::RevokeApiKeyRequest>) -> Result<Response<pb::RevokeApiKeyResponse>, Status> {
+        let key = self.app.revoke_api_key(id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::RevokeApiKeyResponse { api_key: Some(api_key(key)) }))
+    }
+
+    async fn set_endpoint_quota(
+        &self,
+        req: Request<pb::SetEndpointQuotaRequest>,
+    ) -> Result<Response<pb::SetEndpointQuotaResponse>, Status> {
+        let r = req.into_inner();
+        let env = self.app.set_endpoint_quota(id("environment_id", &r.environment_id)?, r.endpoint_quota).await.map_err(status)?;
+        Ok(Response::new(pb::SetEndpointQuotaResponse { environment: Some(environment(env)) }))
+    }
+
+    async fn get_queue_depths(&self, _req: Request<pb::GetQueueDepthsRequest>) -> Result<Response<pb::GetQueueDepthsResponse>, Status> {
+        let d = self.app.queue_depths().await.map_err(status)?;
+        Ok(Response::new(pb::GetQueueDepthsResponse {
+            outbox_unpublished: d.outbox_unpublished as u64,
+            deliveries_pending: d.deliveries_pending as u64,
+            deliveries_due: d.deliveries_due as u64,
+            dead_letters: d.dead_letters as u64,
+        }))
+    }
+}

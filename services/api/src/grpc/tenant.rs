@@ -1,0 +1,184 @@
+//! The tenant services. Every handler resolves the tenant from the API key
+//! first; the environment never comes from the request body.
+
+use relay_contracts::relay::tenant::v1::{
+    self as pb, dead_letter_service_server::DeadLetterService, event_service_server::EventService,
+    webhook_endpoint_service_server::WebhookEndpointService,
+};
+use tonic::{Request, Response, Status};
+
+use super::{id, status, ts};
+use crate::{
+    app::{App, deliveries::DeadLetter, endpoints::Endpoint, events::Delivery},
+    auth,
+};
+
+#[derive(Debug, Clone)]
+pub struct TenantApi {
+    pub app: App,
+}
+
+fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
+    pb::WebhookEndpoint {
+        id: e.id.to_string(),
+        url: e.url,
+        event_types: e.event_types,
+        enabled: e.enabled,
+        created_at: Some(ts(e.created_at)),
+        secret_rotated_at: e.secret_rotated_at.map(ts),
+    }
+}
+
+fn delivery(d: Delivery) -> pb::Delivery {
+    let state = match d.state.as_str() {
+        "pending" => pb::DeliveryState::Pending,
+        "delivered" => pb::DeliveryState::Delivered,
+        "dead" => pb::DeliveryState::Dead,
+        _ => pb::DeliveryState::Unspecified,
+    };
+    pb::Delivery {
+        id: d.id.to_string(),
+        event_id: d.event_id.to_string(),
+        endpoint_id: d.endpoint_id.to_string(),
+        state: state as i32,
+        attempt: d.attempt as u32,
+        next_attempt_at: (state == pb::DeliveryState::Pending).then(|| ts(d.next_attempt_at)),
+        created_at: Some(ts(d.created_at)),
+        last_status: d.last_status.map(|s| s as u32),
+        last_error: d.last_error.unwrap_or_default(),
+    }
+}
+
+fn dead_letter(d: DeadLetter) -> pb::DeadLetter {
+    pb::DeadLetter {
+        id: d.id.to_string(),
+        delivery_id: d.delivery_id.to_string(),
+        endpoint_id: d.endpoint_id.to_string(),
+        event_id: d.event_id.to_string(),
+        attempts: d.attempts as u32,
+        last_status: d.last_status.map(|s| s as u32),
+        last_error: d.last_error.unwrap_or_default(),
+        dead_lettered_at: Some(ts(d.dead_lettered_at)),
+    }
+}
+
+/// protobuf `Value` → JSON. Whole numbers print as integers, so `42` stays
+/// `42` rather than becoming `42.0`.
+fn json(v: prost_types::Value) -> serde_json::Value {
+    use prost_types::value::Kind;
+    match v.kind {
+        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
+        Some(Kind::BoolValue(b)) => b.into(),
+        Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9_007_199_254_740_992.0 => (n as i64).into(),
+        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(n).map_or(serde_json::Value::Null, Into::into),
+        Some(Kind::StringValue(s)) => s.into(),
+        Some(Kind::ListValue(l)) => l.values.into_iter().map(json).collect(),
+        Some(Kind::StructValue(s)) => s.fields.into_iter().map(|(k, v)| (k, json(v))).collect::<serde_json::Map<_, _>>().into(),
+    }
+}
+
+#[tonic::async_trait]
+impl WebhookEndpointService for TenantApi {
+    async fn create_webhook_endpoint(
+        &self,
+        req: Request<pb::CreateWebhookEndpointRequest>,
+    ) -> Result<Response<pb::CreateWebhookEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let r = req.into_inner();
+        let (e, secret) = self.app.create_endpoint(tenant, &r.url, &r.event_types).await.map_err(status)?;
+        Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: secret.expose().to_owned() }))
+    }
+
+    async fn list_webhook_endpoints(
+        &self,
+        req: Request<pb::ListWebhookEndpointsRequest>,
+    ) -> Result<Response<pb::ListWebhookEndpointsResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let list = self.app.list_endpoints(tenant).await.map_err(status)?;
+        Ok(Response::new(pb::ListWebhookEndpointsResponse { endpoints: list.into_iter().map(endpoint).collect() }))
+    }
+
+    async fn get_webhook_endpoint(
+        &self,
+        req: Request<pb::GetWebhookEndpointRequest>,
+    ) -> Result<Response<pb::GetWebhookEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let e = self.app.get_endpoint(tenant, id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::GetWebhookEndpointResponse { endpoint: Some(endpoint(e)) }))
+    }
+
+    async fn rotate_webhook_endpoint_secret(
+        &self,
+        req: Request<pb::RotateWebhookEndpointSecretRequest>,
+    ) -> Result<Response<pb::RotateWebhookEndpointSecretResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let (e, secret) = self.app.rotate_endpoint_secret(tenant, id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::RotateWebhookEndpointSecretResponse { endpoint: Some(endpoint(e)), secret: secret.expose().to_owned() }))
+    }
+
+    async fn enable_webhook_endpoint(
+        &self,
+        req: Request<pb::EnableWebhookEndpointRequest>,
+    ) -> Result<Response<pb::EnableWebhookEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let e = self.app.set_endpoint_enabled(tenant, id("id", &req.get_ref().id)?, true).await.map_err(status)?;
+        Ok(Response::new(pb::EnableWebhookEndpointResponse { endpoint: Some(endpoint(e)) }))
+    }
+
+    async fn disable_webhook_endpoint(
+        &self,
+        req: Request<pb::DisableWebhookEndpointRequest>,
+    ) -> Result<Response<pb::DisableWebhookEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let e = self.app.set_endpoint_enabled(tenant, id("id", &req.get_ref().id)?, false).await.map_err(status)?;
+        Ok(Response::new(pb::DisableWebhookEndpointResponse { endpoint: Some(endpoint(e)) }))
+    }
+
+    async fn delete_webhook_endpoint(
+        &self,
+        req: Request<pb::DeleteWebhookEndpointRequest>,
+    ) -> Result<Response<pb::DeleteWebhookEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        self.app.delete_endpoint(tenant, id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::DeleteWebhookEndpointResponse {}))
+    }
+}
+
+#[tonic::async_trait]
+impl EventService for TenantApi {
+    async fn publish_event(&self, req: Request<pb::PublishEventRequest>) -> Result<Response<pb::PublishEventResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let r = req.into_inner();
+        let event_id = if r.id.trim().is_empty() { None } else { Some(id("id", &r.id)?) };
+        let payload = r.payload.map(json).unwrap_or(serde_json::Value::Null);
+        let p = self.app.publish_event(tenant, event_id, &r.r#type, &payload).await.map_err(status)?;
+        Ok(Response::new(pb::PublishEventResponse { event_id: p.event_id.to_string(), duplicate: p.duplicate }))
+    }
+
+    async fn list_event_deliveries(
+        &self,
+        req: Request<pb::ListEventDeliveriesRequest>,
+    ) -> Result<Response<pb::ListEventDeliveriesResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let list = self.app.list_event_deliveries(tenant, id("event_id", &req.get_ref().event_id)?).await.map_err(status)?;
+        Ok(Response::new(pb::ListEventDeliveriesResponse { deliveries: list.into_iter().map(delivery).collect() }))
+    }
+}
+
+#[tonic::async_trait]
+impl DeadLetterService for TenantApi {
+    async fn list_dead_letters(&self, req: Request<pb::ListDeadLettersRequest>) -> Result<Response<pb::ListDeadLettersResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let list = self.app.list_dead_letters(tenant).await.map_err(status)?;
+        Ok(Response::new(pb::ListDeadLettersResponse { dead_letters: list.into_iter().map(dead_letter).collect() }))
+    }
+
+    async fn replay_dead_letter(
+        &self,
+        req: Request<pb::ReplayDeadLetterRequest>,
+    ) -> Result<Response<pb::ReplayDeadLetterResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let delivery_id = self.app.replay_dead_letter(Some(tenant), id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::ReplayDeadLetterResponse { delivery_id: delivery_id.to_string() }))
+    }
+}

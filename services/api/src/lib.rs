@@ -1,0 +1,224 @@
+//! The Relay api: the only process that touches Postgres.
+//!
+//! `run` starts everything on listeners the caller binds (port 0 in tests):
+//! the tenant gRPC port, the tenant REST facade, the internal mTLS port (the
+//! dispatch seam and the operator's AdminService), and the two relays.
+
+pub mod apikeys;
+pub mod app;
+pub mod auth;
+pub mod broker;
+pub mod config;
+pub mod error;
+pub mod grpc;
+pub mod relay;
+pub mod rest;
+pub mod schedule;
+pub mod secrets;
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use relay_contracts::{
+    FILE_DESCRIPTOR_SET, StreamNames,
+    relay::{
+        admin::v1::admin_service_server::AdminServiceServer,
+        dispatch::v1::dispatch_service_server::DispatchServiceServer,
+        tenant::v1::{
+            dead_letter_service_server::DeadLetterServiceServer, event_service_server::EventServiceServer,
+            webhook_endpoint_service_server::WebhookEndpointServiceServer,
+        },
+    },
+};
+use sqlx::postgres::PgPoolOptions;
+use tokio::{net::TcpListener, sync::watch, task::JoinSet};
+use tokio_stream::wrappers::TcpListenerStream;
+use tonic::{
+    service::Routes,
+    transport::{Certificate, Identity, Server, ServerTlsConfig},
+};
+
+use crate::{
+    app::App,
+    auth::Requires,
+    config::ApiConfig,
+    grpc::{admin::AdminApi, dispatch::DispatchApi, tenant::TenantApi},
+    relay::{deliveries::DeliveryRelay, outbox::OutboxRelay},
+};
+
+pub static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("../../migrations");
+
+/// The sockets the api serves; bound by the caller.
+pub struct Listeners {
+    pub grpc: TcpListener,
+    pub rest: TcpListener,
+    pub internal: TcpListener,
+}
+
+/// A running api. Dropping it does not stop it; call `shutdown`.
+pub struct RunningApi {
+    shutdown: watch::Sender<bool>,
+    tasks: JoinSet<Result<()>>,
+}
+
+impl RunningApi {
+    /// Stops accepting, lets the relays finish their pass, and waits.
+    pub async fn shutdown(mut self) -> Result<()> {
+        let _ = self.shutdown.send(true);
+        while let Some(done) = self.tasks.join_next().await {
+            done.context("an api task panicked")??;
+        }
+        Ok(())
+    }
+
+    /// Waits until any task ends (which is an error while running).
+    pub async fn wait(&mut self) -> Result<()> {
+        match self.tasks.join_next().await {
+            Some(done) => done.context("an api task panicked")?,
+            None => Ok(()),
+        }
+    }
+}
+
+fn stopped(mut rx: watch::Receiver<bool>) -> impl Future<Output = ()> + Send + 'static {
+    async move {
+        let _ = rx.wait_for(|stop| *stop).await;
+    }
+}
+
+pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let db = PgPoolOptions::new()
+        .max_connections(20)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&cfg.database_url)
+        .await
+        .context("connecting to Postgres")?;
+    if cfg.run_migrations {
+        MIGRATOR.run(&db).await.context("running migrations")?;
+    }
+    let names = StreamNames::new(&cfg.stream_prefix).map_err(anyhow::Error::msg)?;
+    let js = broker::connect(&cfg.nats_url).await?;
+    let app = App {
+        db,
+        keyring: cfg.keyring.clone(),
+        url_policy: cfg.url_policy.clone(),
+        schedule: cfg.schedule.clone(),
+        outbox_wake: Default::default(),
+        deliveries_wake: Default::default(),
+    };
+    if !cfg.url_policy.is_strict() {
+        tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
+    }
+
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+
+    {
+        let (js, names, app, rx) = (js.clone(), names.clone(), app.clone(), stop_rx.clone());
+        let (batch, idle, lease) = (cfg.relay_batch, cfg.relay_idle, cfg.delivery_lease);
+        tasks.spawn(async move {
+            let mut rx2 = rx.clone();
+            if !ensure_streams_until_ready(&js, &names, &mut rx2).await {
+                return Ok(());
+            }
+            let outbox = OutboxRelay { app: app.clone(), js: js.clone(), names: names.clone(), batch, idle };
+            let deliveries = DeliveryRelay { app, js, names, batch, lease, idle };
+            tokio::join!(outbox.run(rx.clone()), deliveries.run(rx));
+            Ok(())
+        });
+    }
+
+    let tenant = TenantApi { app: app.clone() };
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    health.set_serving::<WebhookEndpointServiceServer<TenantApi>>().await;
+    health.set_serving::<EventServiceServer<TenantApi>>().await;
+    health.set_serving::<DeadLetterServiceServer<TenantApi>>().await;
+    health.set_serving::<DispatchServiceServer<DispatchApi>>().await;
+    health.set_serving::<AdminServiceServer<AdminApi>>().await;
+
+    // Public gRPC: the tenant services, reflection and health.
+    {
+        let reflection = || {
+            reflection_builder(&[
+                "relay.tenant.v1.WebhookEndpointService",
+                "relay.tenant.v1.EventService",
+                "relay.tenant.v1.DeadLetterService",
+            ])
+        };
+        let router = Server::builder()
+            .add_service(health_svc.clone())
+            .add_service(reflection().build_v1().context("building reflection")?)
+            .add_service(reflection().build_v1alpha().context("building reflection")?)
+            .add_service(WebhookEndpointServiceServer::new(tenant.clone()))
+            .add_service(EventServiceServer::new(tenant.clone()))
+            .add_service(DeadLetterServiceServer::new(tenant.clone()));
+        let incoming = TcpListenerStream::new(listeners.grpc);
+        let stop = stopped(stop_rx.clone());
+        tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("tenant gRPC server") });
+    }
+
+    // Internal mTLS: the dispatch seam and the operator's admin service, each
+    // behind the identity it requires.
+    {
+        let read = |p: &std::path::Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
+        let tls = ServerTlsConfig::new()
+            .identity(Identity::from_pem(read(&cfg.internal_tls.cert)?, read(&cfg.internal_tls.key)?))
+            .client_ca_root(Certificate::from_pem(read(&cfg.internal_tls.client_ca)?));
+        let reflection = || reflection_builder(&["relay.dispatch.v1.DispatchService", "relay.admin.v1.AdminService"]);
+        let router = Server::builder()
+            .tls_config(tls)
+            .context("configuring the internal port's TLS")?
+            .add_service(health_svc)
+            .add_service(reflection().build_v1().context("building reflection")?)
+            .add_service(reflection().build_v1alpha().context("building reflection")?)
+            .add_service(DispatchServiceServer::with_interceptor(DispatchApi { app: app.clone() }, Requires::Dispatcher.interceptor()))
+            .add_service(AdminServiceServer::with_interceptor(AdminApi { app: app.clone() }, Requires::Operator.interceptor()));
+        let incoming = TcpListenerStream::new(listeners.internal);
+        let stop = stopped(stop_rx.clone());
+        tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("internal gRPC server") });
+    }
+
+    // REST facade: the same tenant services, called in-process.
+    {
+        let grpc = Routes::new(WebhookEndpointServiceServer::new(tenant.clone()))
+            .add_service(EventServiceServer::new(tenant.clone()))
+            .add_service(DeadLetterServiceServer::new(tenant));
+        let router = rest::router(grpc)?.route("/healthz", axum::routing::get(|| async { "ok" }));
+        let stop = stopped(stop_rx.clone());
+        let listener = listeners.rest;
+        tasks.spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await.context("REST server") });
+    }
+
+    Ok(RunningApi { shutdown: stop_tx, tasks })
+}
+
+fn reflection_builder(services: &[&str]) -> tonic_reflection::server::Builder<'static> {
+    let mut b = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .with_service_name("grpc.health.v1.Health");
+    for s in services {
+        b = b.with_service_name(*s);
+    }
+    b
+}
+
+/// Streams are created by the api, which publishes to them. The broker may be
+/// away at start-up; keep trying without holding anything else up.
+async fn ensure_streams_until_ready(js: &async_nats::jetstream::Context, names: &StreamNames, stop: &mut watch::Receiver<bool>) -> bool {
+    let mut failures = 0;
+    loop {
+        match broker::ensure_streams(js, names).await {
+            Ok(()) => return true,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = format!("{e:#}"), "NATS streams not ready; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(relay::backoff(failures)) => {}
+                    _ = stop.changed() => return false,
+                }
+            }
+        }
+    }
+}

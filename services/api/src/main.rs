@@ -1,0 +1,40 @@
+use anyhow::{Context, Result};
+use relay_api::{Listeners, config::ApiConfig};
+use tokio::net::TcpListener;
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    init_tracing();
+    let cfg = ApiConfig::from_env().context("invalid configuration")?;
+    let addrs = ApiConfig::listen_addrs_from_env()?;
+    let bind = |a| async move { TcpListener::bind(a).await.with_context(|| format!("binding {a}")) };
+    let listeners = Listeners { grpc: bind(addrs.grpc).await?, rest: bind(addrs.rest).await?, internal: bind(addrs.internal).await? };
+    tracing::info!(grpc = %addrs.grpc, rest = %addrs.rest, internal = %addrs.internal, "relay-api listening");
+    let mut api = relay_api::run(cfg, listeners).await?;
+    tokio::select! {
+        r = api.wait() => r.context("an api task stopped")?,
+        _ = shutdown_signal() => {
+            tracing::info!("shutting down");
+            api.shutdown().await?;
+        }
+    }
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("installing SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+}
+
+fn init_tracing() {
+    use tracing_subscriber::{EnvFilter, fmt};
+    let filter = EnvFilter::try_from_env("RELAY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
+    if std::env::var("RELAY_LOG_FORMAT").as_deref() == Ok("json") {
+        fmt().json().with_env_filter(filter).init();
+    } else {
+        fmt().with_env_filter(filter).init();
+    }
+}

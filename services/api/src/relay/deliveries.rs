@@ -1,0 +1,146 @@
+//! The delivery relay: due deliveries → the DELIVERIES stream. The schedule
+//! lives in Postgres; a delivery enters the broker only once it is due, so no
+//! message waits in the broker holding an ack slot.
+//!
+//! Handing an attempt out takes a lease: `next_attempt_at` moves forward by
+//! the lease length. An outcome replaces it with the real next due time; if
+//! none ever comes (the job was lost), the row falls due again by itself and
+//! is re-published under the same message id.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use async_nats::{HeaderMap, jetstream};
+use futures::future::join_all;
+use prost::Message;
+use relay_contracts::{StreamNames, relay::queue::v1::DeliveryJob};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::app::{App, Timestamp};
+
+pub struct DeliveryRelay {
+    pub app: App,
+    pub js: jetstream::Context,
+    pub names: StreamNames,
+    pub batch: i64,
+    pub lease: Duration,
+    /// The longest sleep when nothing is due and nothing wakes the relay; a
+    /// backstop for rows written by another api process.
+    pub idle: Duration,
+}
+
+#[derive(sqlx::FromRow)]
+struct DueRow {
+    id: Uuid,
+    environment_id: Uuid,
+    endpoint_id: Uuid,
+    attempt: i32,
+    generation: i32,
+}
+
+impl DeliveryRelay {
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+        let mut failures = 0u32;
+        loop {
+            match self.drain_once().await {
+                Ok(n) if n as i64 >= self.batch => {
+                    failures = 0;
+                    continue;
+                }
+                Ok(_) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = format!("{e:#}"), "delivery relay pass failed; deliveries stay pending");
+                    tokio::select! {
+                        _ = tokio::time::sleep(super::backoff(failures)) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                    continue;
+                }
+            }
+            // Sleep until the earliest due time rather than polling blindly.
+            let sleep = match self.next_due().await {
+                Ok(Some(at)) => (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO).min(self.idle),
+                Ok(None) => self.idle,
+                Err(e) => {
+                    tracing::warn!(error = format!("{e:#}"), "reading the next due time");
+                    self.idle
+                }
+            };
+            if sleep.is_zero() {
+                continue;
+            }
+            if super::idle(&self.app.deliveries_wake, sleep, &mut shutdown).await {
+                return;
+            }
+        }
+    }
+
+    async fn next_due(&self) -> Result<Option<Timestamp>> {
+        Ok(sqlx::query_scalar("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'")
+            .fetch_one(&self.app.db)
+            .await?)
+    }
+
+    pub async fn drain_once(&self) -> Result<usize> {
+        let mut tx = self.app.db.begin().await?;
+        let rows: Vec<DueRow> = sqlx::query_as(
+            "SELECT id, environment_id, endpoint_id, attempt, generation FROM webhook_deliveries
+             WHERE state = 'pending' AND next_attempt_at <= now()
+             ORDER BY next_attempt_at LIMIT $1 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(self.batch)
+        .fetch_all(&mut *tx)
+        .await
+        .context("claiming due deliveries")?;
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        let mut pending = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let job = DeliveryJob {
+                delivery_id: row.id.to_string(),
+                endpoint_id: row.endpoint_id.to_string(),
+                environment_id: row.environment_id.to_string(),
+                attempt: row.attempt as u32,
+                generation: row.generation as u32,
+            };
+            let mut headers = HeaderMap::new();
+            let msg_id = StreamNames::delivery_message_id(&job.delivery_id, job.generation, job.attempt);
+            headers.insert("Nats-Msg-Id", msg_id.as_str());
+            let subject = self.names.deliveries_subject(&job.environment_id);
+            pending.push(self.js.publish_with_headers(subject, headers, job.encode_to_vec().into()));
+        }
+        let mut leased = Vec::with_capacity(rows.len());
+        let mut first_error = None;
+        for (row, sent) in rows.iter().zip(join_all(pending).await) {
+            let acked = match sent {
+                Ok(ack) => ack.await.map(|_| ()).map_err(anyhow::Error::from),
+                Err(e) => Err(e.into()),
+            };
+            match acked {
+                Ok(()) => leased.push(row.id),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if !leased.is_empty() {
+            sqlx::query(
+                "UPDATE webhook_deliveries SET dispatched_at = now(), next_attempt_at = now() + $2
+                 WHERE id = ANY ($1)",
+            )
+            .bind(&leased)
+            .bind(self.lease)
+            .execute(&mut *tx)
+            .await
+            .context("leasing published deliveries")?;
+        }
+        tx.commit().await.context("committing a delivery relay pass")?;
+        match first_error {
+            Some(e) if leased.is_empty() => Err(e.context("publishing to DELIVERIES")),
+            _ => Ok(leased.len()),
+        }
+    }
+}

@@ -1,0 +1,102 @@
+//! The outbox relay: unpublished events → the EVENTS stream, message id =
+//! event id, so a re-publish after a crash is dropped by the broker inside
+//! its duplicate window.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use async_nats::{HeaderMap, jetstream};
+use futures::future::join_all;
+use relay_contracts::{StreamNames, event_headers};
+use tokio::sync::watch;
+use uuid::Uuid;
+
+use crate::app::App;
+
+pub struct OutboxRelay {
+    pub app: App,
+    pub js: jetstream::Context,
+    pub names: StreamNames,
+    pub batch: i64,
+    pub idle: Duration,
+}
+
+impl OutboxRelay {
+    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
+        let mut failures = 0u32;
+        loop {
+            match self.drain_once().await {
+                Ok(n) if n as i64 >= self.batch => {
+                    failures = 0;
+                    continue;
+                }
+                Ok(_) => failures = 0,
+                Err(e) => {
+                    failures += 1;
+                    tracing::warn!(error = format!("{e:#}"), "outbox relay pass failed; events stay in the outbox");
+                    tokio::select! {
+                        _ = tokio::time::sleep(super::backoff(failures)) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                    continue;
+                }
+            }
+            if super::idle(&self.app.outbox_wake, self.idle, &mut shutdown).await {
+                return;
+            }
+        }
+    }
+
+    /// One pass: claim a batch, publish it, mark what the broker confirmed.
+    pub async fn drain_once(&self) -> Result<usize> {
+        let mut tx = self.app.db.begin().await?;
+        let rows: Vec<(Uuid, Uuid, String, Vec<u8>)> = sqlx::query_as(
+            "SELECT id, environment_id, event_type, envelope FROM events
+             WHERE published_at IS NULL ORDER BY created_at LIMIT $1 FOR UPDATE SKIP LOCKED",
+        )
+        .bind(self.batch)
+        .fetch_all(&mut *tx)
+        .await
+        .context("claiming unpublished events")?;
+        if rows.is_empty() {
+            return Ok(0);
+        }
+        // Send the whole batch, then wait for the acks together: one round
+        // trip of latency per batch rather than per event.
+        let mut pending = Vec::with_capacity(rows.len());
+        for (id, env, event_type, envelope) in &rows {
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", id.to_string().as_str());
+            headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
+            headers.insert(event_headers::EVENT_TYPE, event_type.as_str());
+            let subject = self.names.events_subject(&env.to_string());
+            pending.push(self.js.publish_with_headers(subject, headers, envelope.clone().into()));
+        }
+        let mut published = Vec::with_capacity(rows.len());
+        let mut first_error = None;
+        for ((id, ..), sent) in rows.iter().zip(join_all(pending).await) {
+            let acked = match sent {
+                Ok(ack) => ack.await.map(|_| ()).map_err(anyhow::Error::from),
+                Err(e) => Err(e.into()),
+            };
+            match acked {
+                Ok(()) => published.push(*id),
+                Err(e) => {
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if !published.is_empty() {
+            sqlx::query("UPDATE events SET published_at = now() WHERE id = ANY ($1)")
+                .bind(&published)
+                .execute(&mut *tx)
+                .await
+                .context("marking events published")?;
+        }
+        tx.commit().await.context("committing an outbox pass")?;
+        match first_error {
+            Some(e) if published.is_empty() => Err(e.context("publishing to EVENTS")),
+            _ => Ok(published.len()),
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! Signing secrets at rest: AES-256-GCM, a fresh 96-bit nonce per encryption,
+//! and the id of the key stored beside each ciphertext so keys can rotate.
+//!
+//! A signing secret is *used* (every delivery computes an HMAC with it), so it
+//! cannot be hashed like an API key. The key lives in configuration, never in
+//! the database beside what it protects.
+
+use std::{collections::HashMap, fmt};
+
+use aes_gcm::{
+    Aes256Gcm, KeyInit, Nonce,
+    aead::{Aead, AeadCore, OsRng},
+};
+use anyhow::{Context, Result, bail};
+use base64::{Engine, engine::general_purpose::STANDARD};
+use relay_signing::SigningSecret;
+
+const NONCE_LEN: usize = 12;
+const DEV_KEY_ID: &str = "dev";
+
+#[derive(Debug, thiserror::Error)]
+pub enum SecretError {
+    #[error("stored secret names key {0:?}, which is not configured")]
+    UnknownKey(String),
+    #[error("stored secret failed authentication: tampered, truncated or under another key")]
+    Tampered,
+}
+
+/// The configured keys. Encrypts with the active (first) key, decrypts with
+/// whichever key a ciphertext names.
+#[derive(Clone)]
+pub struct Keyring {
+    active: String,
+    keys: HashMap<String, Aes256Gcm>,
+}
+
+impl fmt::Debug for Keyring {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut ids: Vec<_> = self.keys.keys().collect();
+        ids.sort();
+        f.debug_struct("Keyring").field("active", &self.active).field("key_ids", &ids).finish()
+    }
+}
+
+impl Keyring {
+    /// `id:base64key[,id:base64key...]`; the first is the active key.
+    pub fn parse(spec: &str) -> Result<Self> {
+        let mut keys = HashMap::new();
+        let mut active = None;
+        for entry in spec.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+            let (id, b64) = entry.split_once(':').context("each key must be written id:base64")?;
+            let raw = STANDARD.decode(b64.trim()).with_context(|| format!("key {id:?} is not base64"))?;
+            if raw.len() != 32 {
+                bail!("key {id:?} must decode to 32 bytes, got {}", raw.len());
+            }
+            keys.insert(id.to_owned(), Aes256Gcm::new_from_slice(&raw).expect("32-byte key"));
+            active.get_or_insert_with(|| id.to_owned());
+        }
+        let active = active.context("no key given")?;
+        Ok(Self { active, keys })
+    }
+
+    /// A fixed, public key for development only; production refuses it.
+    pub fn development() -> Self {
+        let key = [0x52u8; 32];
+        Self {
+            active: DEV_KEY_ID.into(),
+            keys: HashMap::from([(DEV_KEY_ID.to_owned(), Aes256Gcm::new_from_slice(&key).expect("32-byte key"))]),
+        }
+    }
+
+    pub fn is_development(&self) -> bool {
+        self.active == DEV_KEY_ID
+    }
+
+    /// Returns (key id, nonce || ciphertext || tag).
+    pub fn encrypt(&self, secret: &SigningSecret) -> (String, Vec<u8>) {
+        let cipher = &self.keys[&self.active];
+        // A fresh nonce each time: equal secrets never give equal ciphertexts.
+        let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
+        let sealed = cipher.encrypt(&nonce, secret.expose().as_bytes()).expect("AES-GCM encryption does not fail on a short input");
+        let mut out = Vec::with_capacity(NONCE_LEN + sealed.len());
+        out.extend_from_slice(&nonce);
+        out.extend_from_slice(&sealed);
+        (self.active.clone(), out)
+    }
+
+    pub fn decrypt(&self, key_id: &str, stored: &[u8]) -> Result<SigningSecret, SecretError> {
+        let cipher = self.keys.get(key_id).ok_or_else(|| SecretError::UnknownKey(key_id.to_owned()))?;
+        if stored.len() <= NONCE_LEN {
+            return Err(SecretError::Tampered);
+        }
+        let (nonce, sealed) = stored.split_at(NONCE_LEN);
+        let plain = cipher.decrypt(Nonce::from_slice(nonce), sealed).map_err(|_| SecretError::Tampered)?;
+        String::from_utf8(plain).map(SigningSecret::new).map_err(|_| SecretError::Tampered)
+    }
+}
+
+/// A new signing secret: 32 random bytes, base64url, with a recognisable prefix.
+pub fn mint_signing_secret() -> SigningSecret {
+    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
+    let bytes: [u8; 32] = rand::random();
+    SigningSecret::new(format!("whsec_{}", URL_SAFE_NO_PAD.encode(bytes)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trips_with_fresh_nonces_and_refuses_tampering() {
+        let ring = Keyring::parse(&format!("k1:{}", STANDARD.encode([7u8; 32]))).unwrap();
+        let secret = mint_signing_secret();
+        let (id, a) = ring.encrypt(&secret);
+        let (_, b) = ring.encrypt(&secret);
+        assert_ne!(a, b, "two encryptions of one secret must differ");
+        assert_eq!(ring.decrypt(&id, &a).unwrap(), secret);
+        let mut bad = a.clone();
+        *bad.last_mut().unwrap() ^= 1;
+        assert!(matches!(ring.decrypt(&id, &bad), Err(SecretError::Tampered)));
+        assert!(matches!(ring.decrypt("nope", &a), Err(SecretError::UnknownKey(_))));
+    }
+
+    #[test]
+    fn decrypts_under_an_older_key_and_encrypts_under_the_active_one() {
+        let old = Keyring::parse(&format!("old:{}", STANDARD.encode([1u8; 32]))).unwrap();
+        let (old_id, stored) = old.encrypt(&SigningSecret::new("s"));
+        let both = Keyring::parse(&format!("new:{},old:{}", STANDARD.encode([2u8; 32]), STANDARD.encode([1u8; 32]))).unwrap();
+        assert_eq!(both.decrypt(&old_id, &stored).unwrap().expose(), "s");
+        assert_eq!(both.encrypt(&SigningSecret::new("s")).0, "new");
+    }
+
+    #[test]
+    fn wrong_sized_keys_are_refused_with_the_size() {
+        let err = Keyring::parse(&format!("k:{}", STANDARD.encode([1u8; 16]))).unwrap_err();
+        assert!(err.to_string().contains("32 bytes, got 16"), "{err}");
+    }
+}

@@ -1,0 +1,140 @@
+//! The contracts every Relay service speaks, generated from `proto/`.
+//!
+//! One crate, so that the api and the dispatcher can never disagree about a
+//! field: a rename breaks the build on both sides at once.
+
+use std::fmt;
+
+include!(concat!(env!("OUT_DIR"), "/relay.rs"));
+
+/// The encoded `FileDescriptorSet` of every contract (imports included):
+/// served by gRPC reflection and read by the REST facade for its routes.
+pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/relay_descriptor.bin"));
+
+/// The metadata key a failing RPC uses to name its reason in machine-readable
+/// form (`endpoint_quota_exceeded`, `wrong_credential_type`, ...). The REST
+/// facade copies it into the JSON error body.
+pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
+
+const REDACTED: &str = "[redacted]";
+
+impl fmt::Debug for relay::tenant::v1::CreateWebhookEndpointResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CreateWebhookEndpointResponse").field("endpoint", &self.endpoint).field("secret", &REDACTED).finish()
+    }
+}
+
+impl fmt::Debug for relay::tenant::v1::RotateWebhookEndpointSecretResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RotateWebhookEndpointSecretResponse").field("endpoint", &self.endpoint).field("secret", &REDACTED).finish()
+    }
+}
+
+impl fmt::Debug for relay::admin::v1::CreateApiKeyResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CreateApiKeyResponse").field("api_key", &self.api_key).field("key", &REDACTED).finish()
+    }
+}
+
+impl fmt::Debug for relay::dispatch::v1::MaterialResponse {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MaterialResponse")
+            .field("delivery_id", &self.delivery_id)
+            .field("endpoint_id", &self.endpoint_id)
+            .field("environment_id", &self.environment_id)
+            .field("event_id", &self.event_id)
+            .field("url", &self.url)
+            .field("attempt", &self.attempt)
+            .field("secrets", &format_args!("[{} redacted]", self.secrets.len()))
+            .field("payload_len", &self.payload.len())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::relay::dispatch::v1::MaterialResponse;
+
+    #[test]
+    fn material_debug_never_shows_a_secret() {
+        let m = MaterialResponse { secrets: vec!["whsec-very-secret".into()], ..Default::default() };
+        let shown = format!("{m:?}");
+        assert!(!shown.contains("whsec-very-secret"), "{shown}");
+        assert!(shown.contains("1 redacted"), "{shown}");
+    }
+}
+
+/// Stream, subject and durable names: one definition for the side that
+/// publishes and the side that consumes, so a rename cannot leave a consumer
+/// silently reading nothing. The prefix keeps tests and local stacks that
+/// share one NATS server apart; production uses none.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct StreamNames {
+    prefix: String,
+}
+
+impl StreamNames {
+    /// `prefix` may hold letters, digits, `_` and `-` only, since it becomes
+    /// part of stream names and subject tokens.
+    pub fn new(prefix: &str) -> Result<Self, String> {
+        if prefix.chars().all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-') {
+            Ok(Self { prefix: prefix.to_owned() })
+        } else {
+            Err(format!("stream prefix {prefix:?} may hold only letters, digits, '_' and '-'"))
+        }
+    }
+
+    pub fn events_stream(&self) -> String {
+        format!("{}EVENTS", self.prefix)
+    }
+
+    pub fn events_subject(&self, environment_id: &str) -> String {
+        format!("{}events.{environment_id}", self.prefix)
+    }
+
+    pub fn all_events(&self) -> String {
+        format!("{}events.>", self.prefix)
+    }
+
+    pub fn deliveries_stream(&self) -> String {
+        format!("{}DELIVERIES", self.prefix)
+    }
+
+    pub fn deliveries_subject(&self, environment_id: &str) -> String {
+        format!("{}deliveries.{environment_id}", self.prefix)
+    }
+
+    pub fn all_deliveries(&self) -> String {
+        format!("{}deliveries.>", self.prefix)
+    }
+
+    pub fn expand_durable(&self) -> String {
+        format!("{}dispatcher-expand", self.prefix)
+    }
+
+    pub fn deliver_durable(&self) -> String {
+        format!("{}dispatcher-deliver", self.prefix)
+    }
+
+    /// The broker message id of one attempt: a re-publish of the same attempt
+    /// is recognisable (and dropped inside the duplicate window); a new
+    /// attempt, or a replay's attempt, is new work.
+    pub fn delivery_message_id(delivery_id: &str, generation: u32, attempt: u32) -> String {
+        if generation == 0 { format!("{delivery_id}:{attempt}") } else { format!("{delivery_id}:{attempt}:r{generation}") }
+    }
+}
+
+/// NATS headers on an EVENTS message, beside the envelope body.
+pub mod event_headers {
+    pub const ENVIRONMENT_ID: &str = "relay-environment-id";
+    pub const EVENT_TYPE: &str = "relay-event-type";
+}
+
+/// Platform identities, carried as URI SANs in client certificates on the
+/// api's internal mTLS port.
+pub mod identity {
+    /// The dispatcher: may call DispatchService, nothing else.
+    pub const DISPATCHER: &str = "spiffe://relay.internal/dispatcher";
+    /// Operators (`…/operator/<name>`): may call AdminService, nothing else.
+    pub const OPERATOR_PREFIX: &str = "spiffe://relay.internal/operator/";
+}

@@ -1,0 +1,66 @@
+//! `relay-dev certs <dir>`: write a dev CA and the internal port's certificates.
+//! `relay-dev receive [--port N] [--secret S]`: listen on 127.0.0.1, verify each
+//! webhook's signature, and print it. The secret may also come from
+//! `RELAY_RECEIVER_SECRET`; without one, webhooks are printed unverified.
+
+use std::{net::SocketAddr, path::PathBuf};
+
+use anyhow::{Context, Result, bail};
+use axum::{Router, body::Bytes, http::HeaderMap, routing::post};
+use relay_signing::{DEFAULT_TOLERANCE_SECS, ID_HEADER, SIGNATURE_HEADER, SigningSecret, TIMESTAMP_HEADER, verify};
+
+#[tokio::main]
+async fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("certs") => {
+            let dir = PathBuf::from(args.get(1).context("usage: relay-dev certs <dir>")?);
+            relay_devkit::generate_pki()?.write(&dir)?;
+            println!("wrote dev certificates to {}", dir.display());
+            Ok(())
+        }
+        Some("receive") => receive(&args[1..]).await,
+        _ => bail!("usage: relay-dev certs <dir> | relay-dev receive [--port N] [--secret S]"),
+    }
+}
+
+async fn receive(args: &[String]) -> Result<()> {
+    let mut port = 9000u16;
+    let mut secret = std::env::var("RELAY_RECEIVER_SECRET").ok().filter(|s| !s.is_empty());
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "--port" => port = it.next().context("--port needs a value")?.parse().context("--port")?,
+            "--secret" => secret = Some(it.next().context("--secret needs a value")?.clone()),
+            other => bail!("unknown argument {other:?}"),
+        }
+    }
+    let secret = secret.map(SigningSecret::new);
+    let app = Router::new().fallback(post(move |headers: HeaderMap, body: Bytes| {
+        let secret = secret.clone();
+        async move {
+            let h = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+            let verdict = match &secret {
+                None => "unverified (no secret given)".to_owned(),
+                Some(s) => match verify(
+                    s,
+                    &h(SIGNATURE_HEADER),
+                    &h(TIMESTAMP_HEADER),
+                    &body,
+                    chrono::Utc::now().timestamp(),
+                    DEFAULT_TOLERANCE_SECS,
+                ) {
+                    Ok(()) => "signature OK".to_owned(),
+                    Err(e) => format!("signature REJECTED: {e}"),
+                },
+            };
+            println!("webhook {} at {} — {verdict}\n  {}", h(ID_HEADER), h(TIMESTAMP_HEADER), String::from_utf8_lossy(&body));
+            "ok"
+        }
+    }));
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let listener = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("binding {addr}"))?;
+    println!("relay-dev receiver listening on http://{addr}/ (any path)");
+    axum::serve(listener, app).await?;
+    Ok(())
+}

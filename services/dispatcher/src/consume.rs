@@ -1,0 +1,258 @@
+//! The two durable pull consumers, with explicit acks.
+//!
+//! Each message ends in exactly one of: Ack (handled, including a customer's
+//! failure, which is an outcome), Nak with a delay (we could not process it:
+//! the api was unreachable; it comes back), or Term (it can never be
+//! processed, e.g. undecodable bytes). The broker's redelivery budget is for
+//! our failures only; the customer's attempt budget lives in the api.
+
+use std::{collections::HashMap, sync::Arc, time::Duration};
+
+use anyhow::{Context, Result};
+use async_nats::jetstream::{self, AckKind, consumer::pull, message::Message};
+use futures::StreamExt;
+use prost::Message as _;
+use relay_contracts::{
+    StreamNames,
+    relay::{
+        dispatch::v1::{ExpandRequest, MaterialRequest},
+        queue::v1::DeliveryJob,
+    },
+};
+use relay_netguard::Policy;
+use tokio::sync::{Mutex, Semaphore, mpsc, watch};
+use tonic::Code;
+
+use crate::{attempt, config::DispatcherConfig, seam::Seam};
+
+/// Redeliveries of a job we could not process, before the broker gives up on
+/// it. The api's leases re-publish anything dropped here.
+const MAX_DELIVER: i64 = 50;
+const RETRY_LATER: Duration = Duration::from_secs(1);
+/// A lane with nothing to do for this long closes.
+const LANE_IDLE: Duration = Duration::from_secs(30);
+
+async fn settle(msg: &Message, kind: AckKind) {
+    if let Err(e) = msg.ack_with(kind).await {
+        tracing::warn!(error = %e, "settling a message with the broker failed; it will be redelivered");
+    }
+}
+
+pub async fn expand_loop(
+    js: jetstream::Context,
+    names: StreamNames,
+    seam: Seam,
+    cfg: Arc<DispatcherConfig>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<()> {
+    let stream = js.get_stream(names.events_stream()).await.context("EVENTS stream")?;
+    let consumer = stream
+        .get_or_create_consumer(
+            &names.expand_durable(),
+            pull::Config {
+                durable_name: Some(names.expand_durable()),
+                filter_subject: names.all_events(),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: crate::config::SEAM_BUDGET * 2,
+                max_deliver: MAX_DELIVER,
+                max_ack_pending: 1000,
+                ..Default::default()
+            },
+        )
+        .await
+        .context("creating the expand consumer")?;
+    let mut messages = consumer.messages().await.context("subscribing to EVENTS")?;
+    let permits = Arc::new(Semaphore::new(cfg.max_expanding));
+    loop {
+        let msg = tokio::select! {
+            m = messages.next() => m,
+            _ = stop.changed() => return Ok(()),
+        };
+        let Some(msg) = msg else { return Ok(()) };
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "EVENTS consumer error");
+                continue;
+            }
+        };
+        let permit = permits.clone().acquire_owned().await.expect("semaphore open");
+        let mut seam = seam.clone();
+        tokio::spawn(async move {
+            let _permit = permit;
+            let Some(req) = decode_event(&msg.payload) else {
+                tracing::error!(subject = %msg.subject, "undecodable event; terminating it");
+                return settle(&msg, AckKind::Term).await;
+            };
+            match seam.expand(req).await {
+                Ok(_) => settle(&msg, AckKind::Ack).await,
+                Err(st) if matches!(st.code(), Code::NotFound | Code::InvalidArgument) => {
+                    tracing::error!(code = ?st.code(), message = st.message(), "event cannot be expanded; terminating it");
+                    settle(&msg, AckKind::Term).await
+                }
+                Err(st) => {
+                    tracing::warn!(code = ?st.code(), message = st.message(), "expand failed; the event will come back");
+                    settle(&msg, AckKind::Nak(Some(RETRY_LATER))).await
+                }
+            }
+        });
+    }
+}
+
+fn decode_event(body: &[u8]) -> Option<ExpandRequest> {
+    #[derive(serde::Deserialize)]
+    struct Head {
+        id: String,
+        #[serde(rename = "type")]
+        event_type: String,
+        environment_id: String,
+    }
+    let h: Head = serde_json::from_slice(body).ok()?;
+    Some(ExpandRequest { event_id: h.id, environment_id: h.environment_id, r#type: h.event_type })
+}
+
+type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<(Message, DeliveryJob)>>>>;
+
+/// Deliveries: one lane per endpoint, so one attempt per endpoint is in
+/// flight and a hanging endpoint holds up only its own lane; lanes run
+/// concurrently, bounded overall by `max_in_flight`.
+pub async fn deliver_loop(
+    js: jetstream::Context,
+    names: StreamNames,
+    seam: Seam,
+    cfg: Arc<DispatcherConfig>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<()> {
+    let stream = js.get_stream(names.deliveries_stream()).await.context("DELIVERIES stream")?;
+    let consumer = stream
+        .get_or_create_consumer(
+            &names.deliver_durable(),
+            pull::Config {
+                durable_name: Some(names.deliver_durable()),
+                filter_subject: names.all_deliveries(),
+                ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                ack_wait: cfg.deliveries_ack_wait(),
+                max_deliver: MAX_DELIVER,
+                max_ack_pending: 10_000,
+                ..Default::default()
+            },
+        )
+        .await
+        .context("creating the deliveries consumer")?;
+    let mut messages = consumer.messages().await.context("subscribing to DELIVERIES")?;
+    let policy = Arc::new(cfg.url_policy.clone());
+    let client = crate::http_client::build(policy.clone(), cfg.attempt_timeout)?;
+    let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
+    let lanes: Lanes = Default::default();
+    loop {
+        let msg = tokio::select! {
+            m = messages.next() => m,
+            _ = stop.changed() => return Ok(()),
+        };
+        let Some(msg) = msg else { return Ok(()) };
+        let msg = match msg {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "DELIVERIES consumer error");
+                continue;
+            }
+        };
+        let Ok(job) = DeliveryJob::decode(msg.payload.as_ref()) else {
+            tracing::error!(subject = %msg.subject, "undecodable delivery job; terminating it");
+            settle(&msg, AckKind::Term).await;
+            continue;
+        };
+        let mut map = lanes.lock().await;
+        let key = job.endpoint_id.clone();
+        let pending = match map.get(&key) {
+            Some(tx) => tx.send((msg, job)).err().map(|e| e.0),
+            None => Some((msg, job)),
+        };
+        if let Some(first) = pending {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tx.send(first).expect("receiver alive");
+            map.insert(key.clone(), tx);
+            let lane = Lane {
+                key,
+                lanes: lanes.clone(),
+                seam: seam.clone(),
+                client: client.clone(),
+                policy: policy.clone(),
+                permits: permits.clone(),
+            };
+            tokio::spawn(lane.run(rx));
+        }
+    }
+}
+
+struct Lane {
+    key: String,
+    lanes: Lanes,
+    seam: Seam,
+    client: reqwest::Client,
+    policy: Arc<Policy>,
+    permits: Arc<Semaphore>,
+}
+
+impl Lane {
+    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<(Message, DeliveryJob)>) {
+        loop {
+            match tokio::time::timeout(LANE_IDLE, rx.recv()).await {
+                Ok(Some((msg, job))) => {
+                    let permit = self.permits.clone().acquire_owned().await.expect("semaphore open");
+                    self.handle(&msg, job).await;
+                    drop(permit);
+                }
+                Ok(None) => return,
+                Err(_) => {
+                    // Idle: close the lane, unless a job slipped in meanwhile.
+                    let mut map = self.lanes.lock().await;
+                    if rx.is_empty() {
+                        map.remove(&self.key);
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn handle(&mut self, msg: &Message, job: DeliveryJob) {
+        let material = match self
+            .seam
+            .material(MaterialRequest { delivery_id: job.delivery_id.clone(), attempt: job.attempt, generation: job.generation })
+            .await
+        {
+            Ok(m) => m.into_inner(),
+            // Already reported, delivery finished, or endpoint gone: nothing to send.
+            Err(st) if matches!(st.code(), Code::FailedPrecondition | Code::NotFound) => {
+                tracing::debug!(delivery_id = %job.delivery_id, message = st.message(), "nothing to send for this job");
+                return settle(msg, AckKind::Ack).await;
+            }
+            Err(st) => {
+                tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "material unavailable; the job will come back");
+                return settle(msg, AckKind::Nak(Some(RETRY_LATER))).await;
+            }
+        };
+        let outcome = attempt::send(&self.client, &self.policy, material).await;
+        let (status, error) = (outcome.http_status, outcome.error.clone());
+        // The POST has happened; report it, retrying briefly. If the api stays
+        // away the job comes back and is sent again: the receiver may see the
+        // event id twice, and the schedule still advances once.
+        for backoff in [0u64, 200, 1000] {
+            tokio::time::sleep(Duration::from_millis(backoff)).await;
+            match self.seam.outcome(outcome.clone()).await {
+                Ok(decision) => {
+                    tracing::info!(
+                        delivery_id = %job.delivery_id, attempt = job.attempt, status = ?status, error = %error,
+                        decision = decision.get_ref().decision, "attempt recorded"
+                    );
+                    return settle(msg, AckKind::Ack).await;
+                }
+                Err(st) => {
+                    tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed")
+                }
+            }
+        }
+        settle(msg, AckKind::Nak(Some(RETRY_LATER))).await
+    }
+}

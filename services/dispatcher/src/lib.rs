@@ -1,0 +1,94 @@
+//! The Relay dispatcher: consumes EVENTS (→ Expand) and DELIVERIES
+//! (→ Material → sign → POST → Outcome). It owns no database; every read and
+//! write goes through the api's internal seam.
+
+pub mod attempt;
+pub mod config;
+pub mod consume;
+pub mod http_client;
+pub mod seam;
+
+use std::{sync::Arc, time::Duration};
+
+use anyhow::{Context, Result};
+use relay_contracts::StreamNames;
+use tokio::{sync::watch, task::JoinSet};
+
+pub use crate::config::DispatcherConfig;
+
+pub struct RunningDispatcher {
+    shutdown: watch::Sender<bool>,
+    tasks: JoinSet<Result<()>>,
+}
+
+impl RunningDispatcher {
+    pub async fn shutdown(mut self) -> Result<()> {
+        let _ = self.shutdown.send(true);
+        while let Some(done) = self.tasks.join_next().await {
+            done.context("a dispatcher task panicked")??;
+        }
+        Ok(())
+    }
+
+    pub async fn wait(&mut self) -> Result<()> {
+        match self.tasks.join_next().await {
+            Some(done) => done.context("a dispatcher task panicked")?,
+            None => Ok(()),
+        }
+    }
+}
+
+pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let cfg = Arc::new(cfg);
+    let names = StreamNames::new(&cfg.stream_prefix).map_err(anyhow::Error::msg)?;
+    let seam = seam::connect(&cfg)?;
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .name("relay-dispatcher")
+        .connect(&cfg.nats_url)
+        .await
+        .with_context(|| format!("connecting to NATS at {}", cfg.nats_url))?;
+    let js = async_nats::jetstream::new(client);
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let mut tasks = JoinSet::new();
+    for which in [Consumer::Expand, Consumer::Deliver] {
+        let (js, names, seam, cfg, stop) = (js.clone(), names.clone(), seam.clone(), cfg.clone(), stop_rx.clone());
+        tasks.spawn(supervise(which, js, names, seam, cfg, stop));
+    }
+    Ok(RunningDispatcher { shutdown: stop_tx, tasks })
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Consumer {
+    Expand,
+    Deliver,
+}
+
+/// Runs a consumer, restarting it when it fails (the stream may not exist
+/// until the api has been up once, or the broker may be away).
+async fn supervise(
+    which: Consumer,
+    js: async_nats::jetstream::Context,
+    names: StreamNames,
+    seam: seam::Seam,
+    cfg: Arc<DispatcherConfig>,
+    mut stop: watch::Receiver<bool>,
+) -> Result<()> {
+    loop {
+        let result = match which {
+            Consumer::Expand => consume::expand_loop(js.clone(), names.clone(), seam.clone(), cfg.clone(), stop.clone()).await,
+            Consumer::Deliver => consume::deliver_loop(js.clone(), names.clone(), seam.clone(), cfg.clone(), stop.clone()).await,
+        };
+        if *stop.borrow() {
+            return Ok(());
+        }
+        if let Err(e) = result {
+            tracing::warn!(consumer = ?which, error = format!("{e:#}"), "consumer stopped; restarting");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = stop.changed() => return Ok(()),
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! Where the platform may send a webhook.
+//!
+//! A tenant supplies the URL and the platform fetches it, so without these
+//! rules the dispatcher is a request-forgery tool pointed at whatever it can
+//! reach. The api checks them at registration; the dispatcher checks them again
+//! at send time against the addresses it actually connects to.
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+
+use ipnet::IpNet;
+use url::{Host, Url};
+
+/// What is allowed beyond the production rules. Both allowances exist for the
+/// local stack and the tests, which send to receivers on loopback over plain
+/// http; a production api refuses to start with either set.
+#[derive(Debug, Clone, Default)]
+pub struct Policy {
+    /// Accept `http://` as well as `https://`.
+    pub allow_http: bool,
+    /// Address ranges accepted even though the rules block them.
+    pub allowed_ranges: Vec<IpNet>,
+}
+
+impl Policy {
+    /// The production policy: https only, no blocked address.
+    pub fn strict() -> Self {
+        Self::default()
+    }
+
+    pub fn is_strict(&self) -> bool {
+        !self.allow_http && self.allowed_ranges.is_empty()
+    }
+
+    /// Whether the platform may connect to `ip`.
+    pub fn permits(&self, ip: IpAddr) -> bool {
+        blocked_reason(ip).is_none() || self.allowed_ranges.iter().any(|r| r.contains(&ip))
+    }
+
+    /// Checks a URL's form and, where its host is an address literal, the
+    /// address. Names are checked by [`Policy::check_addresses`] once resolved.
+    pub fn check_url(&self, raw: &str) -> Result<Url, Rejection> {
+        let url = Url::parse(raw.trim()).map_err(|e| Rejection::Malformed(e.to_string()))?;
+        match url.scheme() {
+            "https" => {}
+            "http" if self.allow_http => {}
+            other => return Err(Rejection::Scheme(other.to_owned())),
+        }
+        if !url.username().is_empty() || url.password().is_some() {
+            return Err(Rejection::Credentials);
+        }
+        // The WHATWG parser has already turned integer, octal and hex IPv4
+        // spellings ("2130706433", "0x7f.1", "0177.0.0.1") into an address.
+        match url.host() {
+            None => return Err(Rejection::Malformed("the URL has no host".into())),
+            Some(Host::Ipv4(v4)) => self.check_ip(IpAddr::V4(v4))?,
+            Some(Host::Ipv6(v6)) => self.check_ip(IpAddr::V6(v6))?,
+            Some(Host::Domain(name)) => {
+                let name = name.trim_end_matches('.').to_ascii_lowercase();
+                if (name == "localhost" || name.ends_with(".localhost")) && !self.permits(IpAddr::V4(Ipv4Addr::LOCALHOST)) {
+                    return Err(Rejection::BlockedName(name));
+                }
+            }
+        }
+        Ok(url)
+    }
+
+    fn check_ip(&self, ip: IpAddr) -> Result<(), Rejection> {
+        match blocked_reason(ip) {
+            Some(reason) if !self.permits(ip) => Err(Rejection::BlockedAddress { ip, reason }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Checks every address a name resolved to: one blocked address refuses
+    /// the whole name, since the caller cannot choose which one is used.
+    pub fn check_addresses(&self, host: &str, addrs: &[IpAddr]) -> Result<(), Rejection> {
+        if addrs.is_empty() {
+            return Err(Rejection::Unresolvable(host.to_owned()));
+        }
+        for ip in addrs {
+            if let Err(Rejection::BlockedAddress { ip, reason }) = self.check_ip(*ip) {
+                return Err(Rejection::ResolvesToBlocked { host: host.to_owned(), ip, reason });
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Rejection {
+    #[error("url is not a valid absolute URL: {0}")]
+    Malformed(String),
+    #[error("url must use https, not {0}: a signature protects the body, not the reader")]
+    Scheme(String),
+    #[error("url must not carry a user name or password")]
+    Credentials,
+    #[error("url host {0} is a loopback name")]
+    BlockedName(String),
+    #[error("url host {ip} is a {reason} address, which webhooks may not target")]
+    BlockedAddress { ip: IpAddr, reason: &'static str },
+    #[error("url host {host} resolves to {ip}, a {reason} address, which webhooks may not target")]
+    ResolvesToBlocked { host: String, ip: IpAddr, reason: &'static str },
+    #[error("url host {0} does not resolve to any address")]
+    Unresolvable(String),
+}
+
+/// Why an address may not be a webhook target, or `None` if it may.
+pub fn blocked_reason(ip: IpAddr) -> Option<&'static str> {
+    match ip {
+        IpAddr::V4(v4) => blocked_v4(v4),
+        IpAddr::V6(v6) => blocked_v6(v6),
+    }
+}
+
+fn blocked_v4(ip: Ipv4Addr) -> Option<&'static str> {
+    let o = ip.octets();
+    Some(match o {
+        [0, ..] => "unspecified (0.0.0.0/8)",
+        [127, ..] => "loopback",
+        [10, ..] => "private",
+        [172, b, ..] if (16..=31).contains(&b) => "private",
+        [192, 168, ..] => "private",
+        [169, 254, ..] => "link-local (cloud metadata)",
+        [100, b, ..] if (64..=127).contains(&b) => "carrier-grade NAT",
+        [192, 0, 0, _] => "IETF protocol assignment",
+        [192, 0, 2, _] | [198, 51, 100, _] | [203, 0, 113, _] => "documentation",
+        [198, b, ..] if b == 18 || b == 19 => "benchmarking",
+        [255, 255, 255, 255] => "broadcast",
+        [a, ..] if (224..=239).contains(&a) => "multicast",
+        [a, ..] if a >= 240 => "reserved",
+        _ => return None,
+    })
+}
+
+fn blocked_v6(ip: Ipv6Addr) -> Option<&'static str> {
+    let seg = ip.segments();
+    if ip.is_unspecified() {
+        return Some("unspecified");
+    }
+    if ip.is_loopback() {
+        return Some("loopback");
+    }
+    // Addresses that embed an IPv4 address are judged by the address they embed:
+    // IPv4-mapped (::ffff:a.b.c.d), IPv4-compatible (::a.b.c.d), NAT64
+    // (64:ff9b::a.b.c.d) and 6to4 (2002:aabb:ccdd::).
+    let embedded = |hi: u16, lo: u16| Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8);
+    if let Some(v4) = ip.to_ipv4_mapped() {
+        return blocked_v4(v4).map(|_| "IPv4-mapped blocked");
+    }
+    if seg[..6] == [0, 0, 0, 0, 0, 0] {
+        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "IPv4-compatible blocked");
+    }
+    if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
+        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "NAT64 blocked");
+    }
+    if seg[0] == 0x2002 {
+        return blocked_v4(embedded(seg[1], seg[2])).map(|_| "6to4 blocked");
+    }
+    match seg[0] {
+        s if s & 0xfe00 == 0xfc00 => Some("unique-local"),
+        s if s & 0xffc0 == 0xfe80 => Some("link-local"),
+        s if s & 0xffc0 == 0xfec0 => Some("site-local"),
+        s if s & 0xff00 == 0xff00 => Some("multicast"),
+        0x2001 if seg[1] == 0x0db8 => Some("documentation"),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strict_err(url: &str) -> Rejection {
+        Policy::strict().check_url(url).expect_err(url)
+    }
+
+    #[test]
+    fn refuses_plain_http_and_credentials() {
+        assert_eq!(strict_err("http://example.com/hook"), Rejection::Scheme("http".into()));
+        assert_eq!(strict_err("https://u:p@example.com/"), Rejection::Credentials);
+        assert!(matches!(strict_err("not a url"), Rejection::Malformed(_)));
+    }
+
+    #[test]
+    fn refuses_every_spelling_of_a_blocked_address() {
+        for url in [
+            "https://127.0.0.1/",
+            "https://2130706433/",
+            "https://0x7f.0.0.1/",
+            "https://0177.0.0.1/",
+            "https://0x7f000001/",
+            "https://10.1.2.3/",
+            "https://172.31.255.255/",
+            "https://192.168.0.1/",
+            "https://169.254.169.254/latest/meta-data",
+            "https://100.64.0.1/",
+            "https://0.0.0.0/",
+            "https://255.255.255.255/",
+            "https://224.0.0.1/",
+            "https://[::1]/",
+            "https://[::]/",
+            "https://[::ffff:127.0.0.1]/",
+            "https://[::ffff:a9fe:a9fe]/",
+            "https://[::127.0.0.1]/",
+            "https://[64:ff9b::a00:1]/",
+            "https://[2002:c0a8:0101::]/",
+            "https://[fc00::1]/",
+            "https://[fd12:3456::1]/",
+            "https://[fe80::1]/",
+            "https://[ff02::1]/",
+        ] {
+            assert!(matches!(strict_err(url), Rejection::BlockedAddress { .. }), "{url} should be blocked");
+        }
+        for url in ["https://localhost/", "https://LOCALHOST./", "https://api.localhost/"] {
+            assert!(matches!(strict_err(url), Rejection::BlockedName(_)), "{url} should be blocked");
+        }
+    }
+
+    #[test]
+    fn accepts_public_hosts() {
+        for url in ["https://example.com/hook", "https://93.184.215.14/x", "https://[2606:4700::1111]/", "https://172.32.0.1/"] {
+            Policy::strict().check_url(url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+    }
+
+    #[test]
+    fn resolved_names_are_refused_if_any_address_is_blocked() {
+        let p = Policy::strict();
+        let public: IpAddr = "93.184.215.14".parse().unwrap();
+        let meta: IpAddr = "169.254.169.254".parse().unwrap();
+        p.check_addresses("ok.example", &[public]).unwrap();
+        assert!(matches!(p.check_addresses("evil.example", &[public, meta]), Err(Rejection::ResolvesToBlocked { .. })));
+        assert!(matches!(p.check_addresses("none.example", &[]), Err(Rejection::Unresolvable(_))));
+    }
+
+    #[test]
+    fn dev_allowances_are_explicit_and_narrow() {
+        let dev = Policy { allow_http: true, allowed_ranges: vec!["127.0.0.0/8".parse().unwrap()] };
+        assert!(!dev.is_strict());
+        dev.check_url("http://127.0.0.1:9000/hook").unwrap();
+        dev.check_url("http://localhost:9000/hook").unwrap();
+        assert!(matches!(dev.check_url("http://10.0.0.1/"), Err(Rejection::BlockedAddress { .. })));
+        assert!(matches!(dev.check_url("http://169.254.169.254/"), Err(Rejection::BlockedAddress { .. })));
+    }
+}

@@ -1,0 +1,309 @@
+//! Test harness: a fresh database per test, stream names per test, the real
+//! api and dispatcher started in-process on port 0, and HTTP receivers on
+//! loopback. Everything talks to the real Postgres and NATS on 127.0.0.1.
+
+use std::{
+    net::SocketAddr,
+    path::PathBuf,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result};
+use axum::{Router, body::Bytes, http::HeaderMap};
+use relay_api::{Listeners, RunningApi, config::ApiConfig, schedule::RetrySchedule, secrets::Keyring};
+use relay_contracts::relay::admin::v1::admin_service_client::AdminServiceClient;
+use relay_dispatcher::{DispatcherConfig, RunningDispatcher};
+use relay_netguard::Policy;
+use sqlx::{Connection, Executor, PgConnection};
+use tokio::net::TcpListener;
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+use uuid::Uuid;
+
+pub const PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/postgres";
+pub const NATS_URL: &str = "nats://127.0.0.1:4222";
+
+/// A database created for one test and dropped by `cleanup`.
+pub struct TestDb {
+    pub name: String,
+    pub url: String,
+}
+
+impl TestDb {
+    pub async fn create() -> Result<Self> {
+        let name = format!("relay_test_{}", Uuid::new_v4().simple());
+        let mut conn = PgConnection::connect(PG_ADMIN_URL).await.context("connecting to Postgres on 127.0.0.1:5432")?;
+        conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).await?;
+        Ok(Self { url: format!("postgres://postgres@127.0.0.1:5432/{name}"), name })
+    }
+
+    pub async fn cleanup(self) -> Result<()> {
+        let mut conn = PgConnection::connect(PG_ADMIN_URL).await?;
+        conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))).await?;
+        Ok(())
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub retry_tiers: RetrySchedule,
+    pub attempt_timeout: Duration,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        Self { retry_tiers: RetrySchedule::parse("0,50,50,50,50,50,50").expect("valid"), attempt_timeout: Duration::from_secs(2) }
+    }
+}
+
+/// The whole system for one test.
+pub struct Stack {
+    pub db: TestDb,
+    pub prefix: String,
+    pub certs: PathBuf,
+    pub rest_url: String,
+    pub grpc_url: String,
+    pub internal_url: String,
+    api: Option<RunningApi>,
+    dispatcher: Option<RunningDispatcher>,
+}
+
+fn dev_policy() -> Policy {
+    Policy { allow_http: true, allowed_ranges: vec!["127.0.0.0/8".parse().expect("valid")] }
+}
+
+impl Stack {
+    pub async fn start(opts: Options) -> Result<Self> {
+        let db = TestDb::create().await?;
+        let prefix = format!("t{}_", &Uuid::new_v4().simple().to_string()[..12]);
+        let certs = std::env::temp_dir().join(format!("relay-test-{prefix}"));
+        relay_devkit::generate_pki()?.write(&certs)?;
+        let bind = || async { TcpListener::bind("127.0.0.1:0").await };
+        let (grpc, rest, internal) = (bind().await?, bind().await?, bind().await?);
+        let addr = |l: &TcpListener| l.local_addr().expect("bound");
+        let (grpc_addr, rest_addr, internal_addr) = (addr(&grpc), addr(&rest), addr(&internal));
+        let api_cfg = ApiConfig {
+            deployment: relay_api::config::Deployment::Development,
+            database_url: db.url.clone(),
+            nats_url: NATS_URL.into(),
+            stream_prefix: prefix.clone(),
+            internal_tls: relay_api::config::InternalTls {
+                client_ca: certs.join("ca.pem"),
+                cert: certs.join("api.pem"),
+                key: certs.join("api-key.pem"),
+            },
+            keyring: Keyring::development(),
+            url_policy: dev_policy(),
+            schedule: opts.retry_tiers.clone(),
+            delivery_lease: Duration::from_secs(60),
+            relay_idle: Duration::from_millis(500),
+            relay_batch: 200,
+            run_migrations: true,
+            dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
+        };
+        api_cfg.validate()?;
+        let api = relay_api::run(api_cfg, Listeners { grpc, rest, internal }).await?;
+        let internal_url = format!("https://127.0.0.1:{}", internal_addr.port());
+        let dispatcher_cfg = DispatcherConfig {
+            production: false,
+            nats_url: NATS_URL.into(),
+            stream_prefix: prefix.clone(),
+            api_url: internal_url.clone(),
+            api_tls_name: relay_devkit::API_TLS_NAME.into(),
+            tls_ca: certs.join("ca.pem"),
+            tls_cert: certs.join("dispatcher.pem"),
+            tls_key: certs.join("dispatcher-key.pem"),
+            attempt_timeout: opts.attempt_timeout,
+            max_in_flight: 64,
+            max_expanding: 8,
+            url_policy: dev_policy(),
+        };
+        dispatcher_cfg.validate()?;
+        let dispatcher = relay_dispatcher::run(dispatcher_cfg).await?;
+        Ok(Self {
+            db,
+            prefix,
+            certs,
+            rest_url: format!("http://{rest_addr}"),
+            grpc_url: format!("http://{grpc_addr}"),
+            internal_url,
+            api: Some(api),
+            dispatcher: Some(dispatcher),
+        })
+    }
+
+    /// A client of the internal port presenting the named certificate
+    /// (`operator`, `dispatcher`), or none.
+    pub async fn internal_channel(&self, identity: Option<&str>) -> Result<Channel> {
+        let read = |f: &str| std::fs::read(self.certs.join(f)).with_context(|| format!("reading {f}"));
+        let mut tls = ClientTlsConfig::new().ca_certificate(Certificate::from_pem(read("ca.pem")?)).domain_name(relay_devkit::API_TLS_NAME);
+        if let Some(name) = identity {
+            tls = tls.identity(Identity::from_pem(read(&format!("{name}.pem"))?, read(&format!("{name}-key.pem"))?));
+        }
+        Ok(Channel::from_shared(self.internal_url.clone())?.tls_config(tls)?.connect().await?)
+    }
+
+    pub async fn admin(&self) -> Result<AdminServiceClient<Channel>> {
+        Ok(AdminServiceClient::new(self.internal_channel(Some("operator")).await?))
+    }
+
+    /// An environment with an API key, made through the admin service.
+    pub async fn tenant(&self, name: &str) -> Result<TenantCreds> {
+        use relay_contracts::relay::admin::v1::{CreateApiKeyRequest, CreateEnvironmentRequest};
+        let mut admin = self.admin().await?;
+        let env = admin
+            .create_environment(CreateEnvironmentRequest { name: name.into(), endpoint_quota: 0 })
+            .await?
+            .into_inner()
+            .environment
+            .context("no environment returned")?;
+        let key = admin.create_api_key(CreateApiKeyRequest { environment_id: env.id.clone(), name: "test".into() }).await?.into_inner();
+        Ok(TenantCreds { environment_id: env.id, api_key: key.key })
+    }
+
+    pub async fn stop(mut self) -> Result<()> {
+        if let Some(d) = self.dispatcher.take() {
+            d.shutdown().await?;
+        }
+        if let Some(a) = self.api.take() {
+            a.shutdown().await?;
+        }
+        let _ = std::fs::remove_dir_all(&self.certs);
+        delete_streams(&self.prefix).await?;
+        self.db.cleanup().await
+    }
+}
+
+async fn delete_streams(prefix: &str) -> Result<()> {
+    let js = async_nats::jetstream::new(async_nats::connect(NATS_URL).await?);
+    for s in ["EVENTS", "DELIVERIES"] {
+        let _ = js.delete_stream(format!("{prefix}{s}")).await;
+    }
+    Ok(())
+}
+
+#[derive(Debug, Clone)]
+pub struct TenantCreds {
+    pub environment_id: String,
+    pub api_key: String,
+}
+
+/// One request a receiver got.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub at: Instant,
+}
+
+/// An HTTP server on loopback that records every request and answers 200.
+#[derive(Clone)]
+pub struct Receiver {
+    pub addr: SocketAddr,
+    pub got: Arc<Mutex<Vec<Received>>>,
+}
+
+impl Receiver {
+    pub async fn start() -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let got: Arc<Mutex<Vec<Received>>> = Default::default();
+        let sink = got.clone();
+        let app = Router::new().fallback(move |uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
+            let sink = sink.clone();
+            async move {
+                sink.lock().expect("not poisoned").push(Received { path: uri.path().to_owned(), headers, body, at: Instant::now() });
+                "ok"
+            }
+        });
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Ok(Self { addr, got })
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.got.lock().expect("not poisoned").clone()
+    }
+
+    /// Waits (bounded) until at least `n` requests arrived; returns them all.
+    pub async fn wait_for(&self, n: usize, within: Duration) -> Vec<Received> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline && self.received().len() < n {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        self.received()
+    }
+}
+
+/// A REST client for one tenant.
+pub struct Rest {
+    pub base: String,
+    pub key: Option<String>,
+    pub http: reqwest::Client,
+}
+
+impl Rest {
+    pub fn new(base: &str, key: Option<&str>) -> Self {
+        Self { base: base.to_owned(), key: key.map(str::to_owned), http: reqwest::Client::new() }
+    }
+
+    pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Result<(u16, serde_json::Value)> {
+        let mut req = self.http.request(method, format!("{}{path}", self.base));
+        if let Some(k) = &self.key {
+            req = req.bearer_auth(k);
+        }
+        if let Some(b) = body {
+            req = req.json(&b);
+        }
+        let resp = req.send().await?;
+        let status = resp.status().as_u16();
+        let text = resp.text().await?;
+        let json = if text.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_str(&text).with_context(|| format!("not JSON: {text}"))?
+        };
+        Ok((status, json))
+    }
+}
+
+/// A reflection client, as grpcurl uses it.
+pub mod reflection {
+    use anyhow::{Context, Result, bail};
+    use tonic::transport::Channel;
+
+    /// Lists services through server reflection (v1, or v1alpha as grpcurl 1.8 speaks).
+    pub async fn list_services(channel: Channel, v1alpha: bool) -> Result<Vec<String>> {
+        if v1alpha {
+            use tonic_reflection::pb::v1alpha::{
+                ServerReflectionRequest, server_reflection_client::ServerReflectionClient, server_reflection_request::MessageRequest,
+                server_reflection_response::MessageResponse,
+            };
+            let mut c = ServerReflectionClient::new(channel);
+            let req = ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
+            let mut stream = c.server_reflection_info(tokio_stream::iter([req])).await?.into_inner();
+            let resp = stream.message().await?.context("no reflection response")?;
+            match resp.message_response {
+                Some(MessageResponse::ListServicesResponse(l)) => Ok(l.service.into_iter().map(|s| s.name).collect()),
+                other => bail!("unexpected reflection response {other:?}"),
+            }
+        } else {
+            use tonic_reflection::pb::v1::{
+                ServerReflectionRequest, server_reflection_client::ServerReflectionClient, server_reflection_request::MessageRequest,
+                server_reflection_response::MessageResponse,
+            };
+            let mut c = ServerReflectionClient::new(channel);
+            let req = ServerReflectionRequest { host: String::new(), message_request: Some(MessageRequest::ListServices(String::new())) };
+            let mut stream = c.server_reflection_info(tokio_stream::iter([req])).await?.into_inner();
+            let resp = stream.message().await?.context("no reflection response")?;
+            match resp.message_response {
+                Some(MessageResponse::ListServicesResponse(l)) => Ok(l.service.into_iter().map(|s| s.name).collect()),
+                other => bail!("unexpected reflection response {other:?}"),
+            }
+        }
+    }
+}
