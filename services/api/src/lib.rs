@@ -80,10 +80,8 @@ impl RunningApi {
     }
 }
 
-fn stopped(mut rx: watch::Receiver<bool>) -> impl Future<Output = ()> + Send + 'static {
-    async move {
-        let _ = rx.wait_for(|stop| *stop).await;
-    }
+async fn stopped(mut rx: watch::Receiver<bool>) {
+    let _ = rx.wait_for(|stop| *stop).await;
 }
 
 pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {

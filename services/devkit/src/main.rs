@@ -20,8 +20,38 @@ async fn main() -> Result<()> {
             Ok(())
         }
         Some("receive") => receive(&args[1..]).await,
-        _ => bail!("usage: relay-dev certs <dir> | relay-dev receive [--port N] [--secret S]"),
+        Some("bootstrap") => bootstrap(&args[1..]).await,
+        _ => bail!(
+            "usage: relay-dev certs <dir> | relay-dev receive [--port N] [--secret S] | relay-dev bootstrap <internal-url> <certs-dir> <name>"
+        ),
     }
+}
+
+/// Creates an environment and an API key through the AdminService, as an
+/// operator, and prints `RELAY_ENVIRONMENT_ID=…` and `RELAY_API_KEY=…` lines.
+async fn bootstrap(args: &[String]) -> Result<()> {
+    use relay_contracts::relay::admin::v1::{CreateApiKeyRequest, CreateEnvironmentRequest, admin_service_client::AdminServiceClient};
+    use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+    let [url, dir, name] = args else { bail!("usage: relay-dev bootstrap <internal-url> <certs-dir> <name>") };
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let dir = PathBuf::from(dir);
+    let read = |f: &str| std::fs::read(dir.join(f)).with_context(|| format!("reading {f}"));
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read("ca.pem")?))
+        .identity(Identity::from_pem(read("operator.pem")?, read("operator-key.pem")?))
+        .domain_name(relay_devkit::API_TLS_NAME);
+    let channel = Channel::from_shared(url.clone())?.tls_config(tls)?.connect().await.context("connecting to the api's internal port")?;
+    let mut admin = AdminServiceClient::new(channel);
+    let env = admin
+        .create_environment(CreateEnvironmentRequest { name: name.clone(), endpoint_quota: 0 })
+        .await?
+        .into_inner()
+        .environment
+        .context("no environment returned")?;
+    let key = admin.create_api_key(CreateApiKeyRequest { environment_id: env.id.clone(), name: "local".into() }).await?.into_inner();
+    println!("RELAY_ENVIRONMENT_ID={}", env.id);
+    println!("RELAY_API_KEY={}", key.key);
+    Ok(())
 }
 
 async fn receive(args: &[String]) -> Result<()> {

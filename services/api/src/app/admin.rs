@@ -107,12 +107,19 @@ impl App {
     /// The environment an API key belongs to, if the key is live and matches.
     pub async fn authenticate_api_key(&self, presented: &str) -> AppResult<Option<Uuid>> {
         let Some(prefix) = apikeys::lookup_prefix(presented) else { return Ok(None) };
-        let row: Option<(Uuid, Vec<u8>, Vec<u8>, Option<Timestamp>)> =
+        #[derive(sqlx::FromRow)]
+        struct Stored {
+            environment_id: Uuid,
+            salt: Vec<u8>,
+            key_hash: Vec<u8>,
+            revoked_at: Option<Timestamp>,
+        }
+        let row: Option<Stored> =
             sqlx::query_as("SELECT environment_id, salt, key_hash, revoked_at FROM api_keys WHERE lookup_prefix = $1")
                 .bind(prefix)
                 .fetch_optional(&self.db)
                 .await?;
-        Ok(row.and_then(|(env, salt, hash, revoked)| (revoked.is_none() && apikeys::matches(presented, &salt, &hash)).then_some(env)))
+        Ok(row.and_then(|k| (k.revoked_at.is_none() && apikeys::matches(presented, &k.salt, &k.key_hash)).then_some(k.environment_id)))
     }
 
     pub async fn queue_depths(&self) -> AppResult<QueueDepths> {

@@ -1,0 +1,77 @@
+# Sourced by up, down and test: make sure Postgres (127.0.0.1:5432, trust auth
+# for user postgres) and NATS with JetStream (127.0.0.1:4222) answer. Uses the
+# ones already running; otherwise installs them from Debian's packages and
+# starts private instances under .relay/ in the checkout.
+# shellcheck shell=bash
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+STATE="$ROOT/.relay"
+mkdir -p "$STATE/logs"
+
+log() { printf '\033[1m[relay]\033[0m %s\n' "$*" >&2; }
+
+port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
+
+as_root() {
+  if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
+}
+
+apt_install() {
+  log "installing $* from Debian packages"
+  if [ ! -f "$STATE/.apt-updated" ]; then
+    as_root apt-get update -qq && touch "$STATE/.apt-updated"
+  fi
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+pg_bin() {
+  local d
+  for d in /usr/lib/postgresql/*/bin; do [ -x "$d/initdb" ] && { echo "$d"; return; }; done
+  command -v initdb >/dev/null && dirname "$(command -v initdb)"
+}
+
+ensure_postgres() {
+  if port_open 5432; then
+    log "Postgres answers on 127.0.0.1:5432"
+    return
+  fi
+  [ -n "$(pg_bin)" ] || apt_install postgresql
+  local bin data="$STATE/postgres"
+  bin="$(pg_bin)"
+  # initdb refuses to run as root; the Debian package creates a postgres user.
+  local run=()
+  if [ "$(id -u)" = 0 ]; then
+    id postgres >/dev/null 2>&1 || useradd --system --home "$data" postgres
+    run=(runuser -u postgres --)
+  fi
+  if [ ! -f "$data/PG_VERSION" ]; then
+    mkdir -p "$data" && [ "$(id -u)" = 0 ] && chown postgres "$data"
+    "${run[@]}" "$bin/initdb" -D "$data" -U postgres --auth=trust >"$STATE/logs/initdb.log"
+  fi
+  [ "$(id -u)" = 0 ] && chown -R postgres "$STATE/logs" 2>/dev/null
+  log "starting a private Postgres in $data"
+  "${run[@]}" "$bin/pg_ctl" -D "$data" -l "$STATE/logs/postgres.log" -w \
+    -o "-p 5432 -c listen_addresses=127.0.0.1 -k /tmp" start >/dev/null
+  touch "$STATE/postgres.started"
+}
+
+ensure_nats() {
+  if port_open 4222; then
+    log "NATS answers on 127.0.0.1:4222"
+    return
+  fi
+  command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || apt_install nats-server
+  local bin
+  bin="$(command -v nats-server || echo /usr/sbin/nats-server)"
+  log "starting a private NATS (JetStream) with its store in $STATE/nats"
+  mkdir -p "$STATE/nats"
+  nohup "$bin" -a 127.0.0.1 -p 4222 -js -sd "$STATE/nats" >"$STATE/logs/nats.log" 2>&1 &
+  echo $! >"$STATE/nats.pid"
+  for _ in $(seq 50); do port_open 4222 && return; sleep 0.1; done
+  log "NATS did not start; see $STATE/logs/nats.log"; return 1
+}
+
+ensure_services() {
+  ensure_postgres
+  ensure_nats
+}
