@@ -48,11 +48,28 @@ impl TestDb {
 pub struct Options {
     pub retry_tiers: RetrySchedule,
     pub attempt_timeout: Duration,
+    pub seam_timeout: Duration,
+    /// Start a dispatcher with the api (tests of "no dispatcher" set false).
+    pub dispatcher: bool,
+    pub max_in_flight: usize,
 }
 
 impl Default for Options {
     fn default() -> Self {
-        Self { retry_tiers: RetrySchedule::parse("0,50,50,50,50,50,50").expect("valid"), attempt_timeout: Duration::from_secs(2) }
+        Self {
+            retry_tiers: RetrySchedule::parse("0,50,50,50,50,50,50").expect("valid"),
+            attempt_timeout: Duration::from_secs(2),
+            seam_timeout: Duration::from_secs(5),
+            dispatcher: true,
+            max_in_flight: 256,
+        }
+    }
+}
+
+impl Options {
+    pub fn tiers(mut self, spec: &str) -> Self {
+        self.retry_tiers = RetrySchedule::parse(spec).expect("valid tiers");
+        self
     }
 }
 
@@ -64,8 +81,9 @@ pub struct Stack {
     pub rest_url: String,
     pub grpc_url: String,
     pub internal_url: String,
+    pub opts: Options,
     api: Option<RunningApi>,
-    dispatcher: Option<RunningDispatcher>,
+    dispatchers: Vec<RunningDispatcher>,
 }
 
 fn dev_policy() -> Policy {
@@ -100,36 +118,66 @@ impl Stack {
             relay_batch: 200,
             run_migrations: true,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
+            dead_letter_prune_every: Duration::from_millis(200),
         };
         api_cfg.validate()?;
         let api = relay_api::run(api_cfg, Listeners { grpc, rest, internal }).await?;
         let internal_url = format!("https://127.0.0.1:{}", internal_addr.port());
-        let dispatcher_cfg = DispatcherConfig {
-            production: false,
-            nats_url: NATS_URL.into(),
-            stream_prefix: prefix.clone(),
-            api_url: internal_url.clone(),
-            api_tls_name: relay_devkit::API_TLS_NAME.into(),
-            tls_ca: certs.join("ca.pem"),
-            tls_cert: certs.join("dispatcher.pem"),
-            tls_key: certs.join("dispatcher-key.pem"),
-            attempt_timeout: opts.attempt_timeout,
-            max_in_flight: 64,
-            max_expanding: 8,
-            url_policy: dev_policy(),
-        };
-        dispatcher_cfg.validate()?;
-        let dispatcher = relay_dispatcher::run(dispatcher_cfg).await?;
-        Ok(Self {
+        let mut stack = Self {
             db,
             prefix,
             certs,
             rest_url: format!("http://{rest_addr}"),
             grpc_url: format!("http://{grpc_addr}"),
             internal_url,
+            opts: opts.clone(),
             api: Some(api),
-            dispatcher: Some(dispatcher),
-        })
+            dispatchers: Vec::new(),
+        };
+        if opts.dispatcher {
+            stack.start_dispatcher().await?;
+        }
+        Ok(stack)
+    }
+
+    /// The dispatcher's configuration for this stack.
+    pub fn dispatcher_config(&self) -> DispatcherConfig {
+        DispatcherConfig {
+            production: false,
+            nats_url: NATS_URL.into(),
+            stream_prefix: self.prefix.clone(),
+            api_url: self.internal_url.clone(),
+            api_tls_name: relay_devkit::API_TLS_NAME.into(),
+            tls_ca: self.certs.join("ca.pem"),
+            tls_cert: self.certs.join("dispatcher.pem"),
+            tls_key: self.certs.join("dispatcher-key.pem"),
+            attempt_timeout: self.opts.attempt_timeout,
+            max_in_flight: self.opts.max_in_flight,
+            max_expanding: 8,
+            seam_timeout: self.opts.seam_timeout,
+            url_policy: dev_policy(),
+        }
+    }
+
+    /// Starts one more dispatcher (in-process) on this stack.
+    pub async fn start_dispatcher(&mut self) -> Result<()> {
+        let cfg = self.dispatcher_config();
+        cfg.validate()?;
+        self.dispatchers.push(relay_dispatcher::run(cfg).await?);
+        Ok(())
+    }
+
+    /// A connection pool on this test's database, for arranging and
+    /// inspecting rows the API does not expose (backdating, counting).
+    pub async fn pg(&self) -> Result<sqlx::PgPool> {
+        Ok(sqlx::PgPool::connect(&self.db.url).await?)
+    }
+
+    /// A client of the internal seam with the dispatcher's identity.
+    pub async fn seam(&self) -> Result<relay_contracts::relay::dispatch::v1::dispatch_service_client::DispatchServiceClient<Channel>> {
+        Ok(relay_contracts::relay::dispatch::v1::dispatch_service_client::DispatchServiceClient::new(
+            self.internal_channel(Some("dispatcher")).await?,
+        ))
     }
 
     /// A client of the internal port presenting the named certificate
@@ -162,7 +210,7 @@ impl Stack {
     }
 
     pub async fn stop(mut self) -> Result<()> {
-        if let Some(d) = self.dispatcher.take() {
+        for d in self.dispatchers.drain(..) {
             d.shutdown().await?;
         }
         if let Some(a) = self.api.take() {
@@ -197,11 +245,60 @@ pub struct Received {
     pub at: Instant,
 }
 
-/// An HTTP server on loopback that records every request and answers 200.
+impl Received {
+    pub fn header(&self, name: &str) -> String {
+        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("a JSON body")
+    }
+}
+
+/// One `v1=<hex>` signature entry, computed from `docs/webhooks.md` alone
+/// and deliberately not by calling the project's signer: HMAC-SHA256 keyed
+/// with the secret's UTF-8 bytes over `v1:<timestamp>:<raw body>`, lowercase hex.
+pub fn contract_signature(secret: &str, timestamp: &str, body: &[u8]) -> String {
+    use hmac::{Hmac, Mac};
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret.as_bytes()).expect("any key length");
+    mac.update(format!("v1:{timestamp}:").as_bytes());
+    mac.update(body);
+    format!("v1={}", hex::encode(mac.finalize().into_bytes()))
+}
+
+/// Polls `check` every 50 ms until it returns `Some`, for at most `within`.
+pub async fn eventually<T, F, Fut>(within: Duration, mut check: F) -> Option<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = check().await {
+            return Some(v);
+        }
+        if Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// How a receiver answers requests to one path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reply {
+    Status(u16),
+    /// Holds the request this long before answering 200 (past any attempt timeout).
+    Hang(Duration),
+}
+
+/// An HTTP server on loopback that records every request and answers as
+/// told per path (200 unless set otherwise).
 #[derive(Clone)]
 pub struct Receiver {
     pub addr: SocketAddr,
     pub got: Arc<Mutex<Vec<Received>>>,
+    replies: Arc<Mutex<std::collections::HashMap<String, Reply>>>,
 }
 
 impl Receiver {
@@ -209,16 +306,35 @@ impl Receiver {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let got: Arc<Mutex<Vec<Received>>> = Default::default();
-        let sink = got.clone();
+        let replies: Arc<Mutex<std::collections::HashMap<String, Reply>>> = Default::default();
+        let (sink, table) = (got.clone(), replies.clone());
         let app = Router::new().fallback(move |uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
-            let sink = sink.clone();
+            let (sink, table) = (sink.clone(), table.clone());
             async move {
-                sink.lock().expect("not poisoned").push(Received { path: uri.path().to_owned(), headers, body, at: Instant::now() });
-                "ok"
+                let path = uri.path().to_owned();
+                sink.lock().expect("not poisoned").push(Received { path: path.clone(), headers, body, at: Instant::now() });
+                let reply = table.lock().expect("not poisoned").get(&path).copied().unwrap_or(Reply::Status(200));
+                match reply {
+                    Reply::Status(code) => (axum::http::StatusCode::from_u16(code).expect("valid status"), "answer"),
+                    Reply::Hang(d) => {
+                        tokio::time::sleep(d).await;
+                        (axum::http::StatusCode::OK, "late")
+                    }
+                }
             }
         });
         tokio::spawn(async move { axum::serve(listener, app).await });
-        Ok(Self { addr, got })
+        Ok(Self { addr, got, replies })
+    }
+
+    /// Sets how requests to `path` are answered from now on.
+    pub fn reply(&self, path: &str, reply: Reply) {
+        self.replies.lock().expect("not poisoned").insert(path.to_owned(), reply);
+    }
+
+    /// The requests that arrived at `path`.
+    pub fn at(&self, path: &str) -> Vec<Received> {
+        self.received().into_iter().filter(|r| r.path == path).collect()
     }
 
     pub fn url(&self, path: &str) -> String {
@@ -237,6 +353,15 @@ impl Receiver {
         }
         self.received()
     }
+
+    /// Waits (bounded) until at least `n` requests arrived at `path`.
+    pub async fn wait_at(&self, path: &str, n: usize, within: Duration) -> Vec<Received> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline && self.at(path).len() < n {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        self.at(path)
+    }
 }
 
 /// A REST client for one tenant.
@@ -247,6 +372,35 @@ pub struct Rest {
 }
 
 impl Rest {
+    pub async fn get(&self, path: &str) -> Result<serde_json::Value> {
+        let (status, body) = self.call(reqwest::Method::GET, path, None).await?;
+        anyhow::ensure!(status == 200, "GET {path} answered {status}: {body}");
+        Ok(body)
+    }
+
+    pub async fn post(&self, path: &str, body: serde_json::Value) -> Result<(u16, serde_json::Value)> {
+        self.call(reqwest::Method::POST, path, Some(body)).await
+    }
+
+    /// Registers an endpoint; returns (id, secret).
+    pub async fn endpoint(&self, url: &str, types: &[&str]) -> Result<(String, String)> {
+        let (status, body) = self.post("/v1/webhooks", serde_json::json!({"url": url, "event_types": types})).await?;
+        anyhow::ensure!(status == 201, "creating an endpoint answered {status}: {body}");
+        Ok((body["endpoint"]["id"].as_str().context("id")?.to_owned(), body["secret"].as_str().context("secret")?.to_owned()))
+    }
+
+    /// Publishes an event; returns its id.
+    pub async fn publish(&self, event_type: &str, payload: serde_json::Value) -> Result<String> {
+        let (status, body) = self.post("/v1/events", serde_json::json!({"type": event_type, "payload": payload})).await?;
+        anyhow::ensure!(status == 202, "publishing answered {status}: {body}");
+        Ok(body["event_id"].as_str().context("event_id")?.to_owned())
+    }
+
+    /// The deliveries of one event.
+    pub async fn deliveries(&self, event_id: &str) -> Result<Vec<serde_json::Value>> {
+        Ok(self.get(&format!("/v1/events/{event_id}/deliveries")).await?["deliveries"].as_array().cloned().unwrap_or_default())
+    }
+
     pub fn new(base: &str, key: Option<&str>) -> Self {
         Self { base: base.to_owned(), key: key.map(str::to_owned), http: reqwest::Client::new() }
     }

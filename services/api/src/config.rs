@@ -45,6 +45,8 @@ pub struct ApiConfig {
     pub relay_batch: i64,
     pub run_migrations: bool,
     pub dead_letter_retention: Duration,
+    /// How often dead letters past their retention are deleted.
+    pub dead_letter_prune_every: Duration,
 }
 
 /// Addresses for `main`; tests pass their own listeners to `run`.
@@ -120,6 +122,7 @@ impl ApiConfig {
             relay_batch: 200,
             run_migrations: !flag("RELAY_SKIP_MIGRATIONS")?,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
+            dead_letter_prune_every: Duration::from_secs(600),
         };
         cfg.validate()?;
         Ok(cfg)

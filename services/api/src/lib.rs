@@ -127,6 +127,24 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         });
     }
 
+    {
+        let (app, mut stop) = (app.clone(), stop_rx.clone());
+        let (every, retention) = (cfg.dead_letter_prune_every, cfg.dead_letter_retention);
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => match app.prune_dead_letters(retention).await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::info!(pruned = n, "dead letters past retention deleted"),
+                        Err(e) => tracing::warn!(error = ?e, "pruning dead letters failed"),
+                    },
+                    _ = stop.changed() => return Ok(()),
+                }
+            }
+        });
+    }
+
     let tenant = TenantApi { app: app.clone() };
     let (health, health_svc) = tonic_health::server::health_reporter();
     health.set_serving::<WebhookEndpointServiceServer<TenantApi>>().await;

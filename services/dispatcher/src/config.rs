@@ -23,12 +23,10 @@ pub struct DispatcherConfig {
     pub max_in_flight: usize,
     /// Expansions in flight.
     pub max_expanding: usize,
+    /// Deadline of one call to the api's seam.
+    pub seam_timeout: Duration,
     pub url_policy: Policy,
 }
-
-/// Budget for the seam calls around one attempt (material before, outcome
-/// after), added to the attempt timeout to size the broker's ack wait.
-pub const SEAM_BUDGET: Duration = Duration::from_secs(15);
 
 fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
@@ -55,6 +53,9 @@ impl DispatcherConfig {
             ),
             max_in_flight: var("RELAY_MAX_IN_FLIGHT").map(|v| v.parse()).transpose().context("RELAY_MAX_IN_FLIGHT")?.unwrap_or(512),
             max_expanding: 32,
+            seam_timeout: Duration::from_millis(
+                var("RELAY_SEAM_TIMEOUT_MS").map(|v| v.parse()).transpose().context("RELAY_SEAM_TIMEOUT_MS")?.unwrap_or(15_000),
+            ),
             url_policy: Policy {
                 allow_http: flag("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"),
                 allowed_ranges: var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES")
@@ -75,6 +76,12 @@ impl DispatcherConfig {
         if self.attempt_timeout < Duration::from_millis(100) || self.attempt_timeout > Duration::from_secs(120) {
             bail!("RELAY_ATTEMPT_TIMEOUT_MS must be between 100 and 120000, got {}", self.attempt_timeout.as_millis());
         }
+        if self.seam_timeout < Duration::from_millis(100) {
+            bail!("RELAY_SEAM_TIMEOUT_MS must be at least 100, got {}", self.seam_timeout.as_millis());
+        }
+        if self.deliveries_ack_wait() <= self.attempt_timeout {
+            bail!("the deliveries ack wait must be longer than the attempt timeout");
+        }
         if self.max_in_flight == 0 {
             bail!("RELAY_MAX_IN_FLIGHT must be at least 1");
         }
@@ -87,9 +94,56 @@ impl DispatcherConfig {
     }
 
     /// How long the broker waits for an ack before handing a delivery job to
-    /// another dispatcher: always longer than an attempt plus its seam calls,
-    /// so a slow customer never makes the broker think we died.
+    /// another dispatcher: derived, always longer than an attempt plus a seam
+    /// call, so a slow customer never makes the broker think we died. (Jobs
+    /// queued behind a slow endpoint send in-progress acks meanwhile.)
     pub fn deliveries_ack_wait(&self) -> Duration {
-        self.attempt_timeout + SEAM_BUDGET
+        self.attempt_timeout + self.seam_timeout
+    }
+
+    pub fn events_ack_wait(&self) -> Duration {
+        self.seam_timeout * 2
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(attempt_ms: u64, seam_ms: u64) -> DispatcherConfig {
+        DispatcherConfig {
+            production: false,
+            nats_url: String::new(),
+            stream_prefix: String::new(),
+            api_url: String::new(),
+            api_tls_name: String::new(),
+            tls_ca: PathBuf::new(),
+            tls_cert: PathBuf::new(),
+            tls_key: PathBuf::new(),
+            attempt_timeout: Duration::from_millis(attempt_ms),
+            max_in_flight: 1,
+            max_expanding: 1,
+            seam_timeout: Duration::from_millis(seam_ms),
+            url_policy: Policy::strict(),
+        }
+    }
+
+    #[test]
+    fn the_ack_wait_is_always_longer_than_an_attempt() {
+        for attempt in [100, 1_000, 15_000, 120_000] {
+            let c = cfg(attempt, 100);
+            c.validate().unwrap();
+            assert!(c.deliveries_ack_wait() > c.attempt_timeout, "attempt {attempt} ms");
+        }
+        assert!(cfg(15_000, 50).validate().is_err(), "a seam timeout under 100 ms is refused");
+        assert!(cfg(50, 1000).validate().is_err(), "an attempt timeout under 100 ms is refused");
+    }
+
+    #[test]
+    fn production_refuses_dev_allowances() {
+        let mut c = cfg(1000, 1000);
+        c.production = true;
+        c.url_policy.allow_http = true;
+        assert!(c.validate().unwrap_err().to_string().contains("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"));
     }
 }

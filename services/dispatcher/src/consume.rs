@@ -6,7 +6,11 @@
 //! processed, e.g. undecodable bytes). The broker's redelivery budget is for
 //! our failures only; the customer's attempt budget lives in the api.
 
-use std::{collections::HashMap, sync::Arc, time::Duration};
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::Arc,
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
 use async_nats::jetstream::{self, AckKind, consumer::pull, message::Message};
@@ -53,7 +57,7 @@ pub async fn expand_loop(
                 durable_name: Some(names.expand_durable()),
                 filter_subject: names.all_events(),
                 ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: crate::config::SEAM_BUDGET * 2,
+                ack_wait: cfg.events_ack_wait(),
                 max_deliver: MAX_DELIVER,
                 max_ack_pending: 1000,
                 ..Default::default()
@@ -179,6 +183,7 @@ pub async fn deliver_loop(
                 client: client.clone(),
                 policy: policy.clone(),
                 permits: permits.clone(),
+                progress_every: cfg.deliveries_ack_wait() / 3,
             };
             tokio::spawn(lane.run(rx));
         }
@@ -192,33 +197,58 @@ struct Lane {
     client: reqwest::Client,
     policy: Arc<Policy>,
     permits: Arc<Semaphore>,
+    /// How often jobs waiting in (or being worked by) this lane tell the
+    /// broker they are in progress, so a slow endpoint's queue never outlives
+    /// the ack wait and gets redelivered while still queued.
+    progress_every: Duration,
 }
 
 impl Lane {
-    async fn run(mut self, mut rx: mpsc::UnboundedReceiver<(Message, DeliveryJob)>) {
+    async fn run(self, mut rx: mpsc::UnboundedReceiver<(Message, DeliveryJob)>) {
+        let mut queue: VecDeque<(Message, DeliveryJob)> = VecDeque::new();
+        let mut tick = tokio::time::interval(self.progress_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
-            match tokio::time::timeout(LANE_IDLE, rx.recv()).await {
-                Ok(Some((msg, job))) => {
-                    let permit = self.permits.clone().acquire_owned().await.expect("semaphore open");
-                    self.handle(&msg, job).await;
-                    drop(permit);
-                }
-                Ok(None) => return,
-                Err(_) => {
-                    // Idle: close the lane, unless a job slipped in meanwhile.
-                    let mut map = self.lanes.lock().await;
-                    if rx.is_empty() {
-                        map.remove(&self.key);
-                        return;
+            let (msg, job) = match queue.pop_front() {
+                Some(next) => next,
+                None => match tokio::time::timeout(LANE_IDLE, rx.recv()).await {
+                    Ok(Some(next)) => next,
+                    Ok(None) => return,
+                    Err(_) => {
+                        // Idle: close the lane, unless a job slipped in meanwhile.
+                        let mut map = self.lanes.lock().await;
+                        match rx.try_recv() {
+                            Ok(next) => next,
+                            Err(_) => {
+                                map.remove(&self.key);
+                                return;
+                            }
+                        }
+                    }
+                },
+            };
+            let work = async {
+                let _permit = self.permits.clone().acquire_owned().await.expect("semaphore open");
+                self.handle(&msg, job).await
+            };
+            tokio::pin!(work);
+            loop {
+                tokio::select! {
+                    () = &mut work => break,
+                    Some(next) = rx.recv() => queue.push_back(next),
+                    _ = tick.tick() => {
+                        for m in std::iter::once(&msg).chain(queue.iter().map(|(m, _)| m)) {
+                            let _ = m.ack_with(AckKind::Progress).await;
+                        }
                     }
                 }
             }
         }
     }
 
-    async fn handle(&mut self, msg: &Message, job: DeliveryJob) {
-        let material = match self
-            .seam
+    async fn handle(&self, msg: &Message, job: DeliveryJob) {
+        let mut seam = self.seam.clone();
+        let material = match seam
             .material(MaterialRequest { delivery_id: job.delivery_id.clone(), attempt: job.attempt, generation: job.generation })
             .await
         {
@@ -240,7 +270,7 @@ impl Lane {
         // event id twice, and the schedule still advances once.
         for backoff in [0u64, 200, 1000] {
             tokio::time::sleep(Duration::from_millis(backoff)).await;
-            match self.seam.outcome(outcome.clone()).await {
+            match seam.outcome(outcome.clone()).await {
                 Ok(decision) => {
                     tracing::info!(
                         delivery_id = %job.delivery_id, attempt = job.attempt, status = ?status, error = %error,

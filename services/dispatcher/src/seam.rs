@@ -22,7 +22,7 @@ pub fn connect(cfg: &DispatcherConfig) -> Result<Seam> {
         .tls_config(tls)
         .context("configuring the seam's TLS")?
         .connect_timeout(std::time::Duration::from_secs(3))
-        .timeout(crate::config::SEAM_BUDGET)
+        .timeout(cfg.seam_timeout)
         .connect_lazy();
     Ok(DispatchServiceClient::new(channel))
 }

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use chrono::Utc;
+use chrono::{SubsecRound, Utc};
 use relay_signing::SigningSecret;
 use uuid::Uuid;
 
@@ -78,6 +78,7 @@ pub struct DeadLetter {
     pub attempts: i32,
     pub last_status: Option<i32>,
     pub last_error: Option<String>,
+    pub reason: String,
     pub dead_lettered_at: Timestamp,
 }
 
@@ -256,8 +257,11 @@ impl App {
             Decision::Delivered
         } else {
             match self.schedule.delay_before(report.attempt + 1) {
+                // Truncated to Postgres's microseconds, so a repeated report
+                // answers with exactly the instant the first one did.
                 Some(delay) => Decision::Rescheduled {
-                    next_attempt_at: Utc::now() + chrono::Duration::from_std(delay).context("tier fits a chrono duration")?,
+                    next_attempt_at: (Utc::now() + chrono::Duration::from_std(delay).context("tier fits a chrono duration")?)
+                        .trunc_subsecs(6),
                 },
                 None => Decision::DeadLettered,
             }
@@ -348,13 +352,22 @@ impl App {
     /// `tenant` scopes the lookup; the internal seam passes `None`.
     pub async fn replay_dead_letter(&self, tenant: Option<Tenant>, dead_letter_id: Uuid) -> AppResult<Uuid> {
         let mut tx = self.db.begin().await?;
-        let delivery_id: Uuid =
-            sqlx::query_scalar("SELECT delivery_id FROM webhook_dead_letters WHERE id = $1 AND ($2::uuid IS NULL OR environment_id = $2)")
-                .bind(dead_letter_id)
-                .bind(tenant.map(|t| t.environment_id))
-                .fetch_optional(&mut *tx)
-                .await?
-                .ok_or_else(|| AppError::not_found("dead letter"))?;
+        let (delivery_id, endpoint_id, active): (Uuid, Uuid, bool) = sqlx::query_as(
+            "SELECT l.delivery_id, l.endpoint_id, e.enabled AND e.deleted_at IS NULL
+             FROM webhook_dead_letters l JOIN webhook_endpoints e ON e.id = l.endpoint_id
+             WHERE l.id = $1 AND ($2::uuid IS NULL OR l.environment_id = $2)",
+        )
+        .bind(dead_letter_id)
+        .bind(tenant.map(|t| t.environment_id))
+        .fetch_optional(&mut *tx)
+        .await?
+        .ok_or_else(|| AppError::not_found("dead letter"))?;
+        if !active {
+            return Err(AppError::precondition(
+                "endpoint_inactive",
+                format!("endpoint {endpoint_id} is disabled or deleted; enable it before replaying its dead letters"),
+            ));
+        }
         let reset = sqlx::query(
             "UPDATE webhook_deliveries SET state = 'pending', attempt = 1, generation = generation + 1,
                next_attempt_at = now(), dispatched_at = NULL, updated_at = now()
@@ -374,9 +387,18 @@ impl App {
         Ok(delivery_id)
     }
 
+    /// Deletes dead letters older than `retention`; run by the api on a timer.
+    pub async fn prune_dead_letters(&self, retention: Duration) -> AppResult<u64> {
+        Ok(sqlx::query("DELETE FROM webhook_dead_letters WHERE dead_lettered_at < now() - $1")
+            .bind(retention)
+            .execute(&self.db)
+            .await?
+            .rows_affected())
+    }
+
     pub async fn list_dead_letters(&self, tenant: Tenant) -> AppResult<Vec<DeadLetter>> {
         Ok(sqlx::query_as::<_, DeadLetter>(
-            "SELECT id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, dead_lettered_at
+            "SELECT id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason, dead_lettered_at
              FROM webhook_dead_letters WHERE environment_id = $1 ORDER BY dead_lettered_at DESC, id DESC LIMIT 1000",
         )
         .bind(tenant.environment_id)

@@ -183,32 +183,64 @@ impl App {
         Ok((endpoint, secret))
     }
 
+    /// Disabling ends every pending delivery of the endpoint as a dead letter
+    /// with reason `endpoint_disabled`: nothing already scheduled is sent,
+    /// nothing waits forever, and the tenant can replay after re-enabling.
     pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
-        sqlx::query_as::<_, Endpoint>(concat!(
+        let mut tx = self.db.begin().await?;
+        let endpoint = sqlx::query_as::<_, Endpoint>(concat!(
             "UPDATE webhook_endpoints SET enabled = $3
              WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL RETURNING ",
-            endpoint_columns!(),
-            ""
+            endpoint_columns!()
         ))
         .bind(id)
         .bind(tenant.environment_id)
         .bind(enabled)
-        .fetch_optional(&self.db)
+        .fetch_optional(&mut *tx)
         .await?
-        .ok_or_else(|| AppError::not_found("webhook endpoint"))
+        .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
+        if !enabled {
+            end_pending_deliveries(&mut tx, id, "endpoint_disabled").await?;
+        }
+        tx.commit().await.context("committing an endpoint state change")?;
+        Ok(endpoint)
     }
 
-    /// Soft: the row stays so its dead letters can.
+    /// Soft: the row stays so its dead letters can. Pending deliveries end
+    /// as dead letters with reason `endpoint_deleted`.
     pub async fn delete_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
+        let mut tx = self.db.begin().await?;
         let done =
             sqlx::query("UPDATE webhook_endpoints SET deleted_at = now() WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL")
                 .bind(id)
                 .bind(tenant.environment_id)
-                .execute(&self.db)
+                .execute(&mut *tx)
                 .await?;
         if done.rows_affected() == 0 {
             return Err(AppError::not_found("webhook endpoint"));
         }
+        end_pending_deliveries(&mut tx, id, "endpoint_deleted").await?;
+        tx.commit().await.context("committing an endpoint deletion")?;
         Ok(())
     }
+}
+
+/// Moves every pending delivery of an endpoint to the dead-letter store with
+/// `reason`, in the caller's transaction. `attempts` counts the attempts that
+/// were made (the current one had not been reported).
+async fn end_pending_deliveries(tx: &mut sqlx::PgConnection, endpoint_id: Uuid, reason: &str) -> AppResult<u64> {
+    let ended = sqlx::query(
+        "WITH ended AS (
+           UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
+           WHERE endpoint_id = $1 AND state = 'pending'
+           RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
+         INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
+         SELECT gen_random_uuid(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
+    )
+    .bind(endpoint_id)
+    .bind(reason)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected();
+    Ok(ended)
 }

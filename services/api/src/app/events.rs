@@ -34,6 +34,23 @@ pub struct Delivery {
     pub created_at: Timestamp,
     pub last_status: Option<i32>,
     pub last_error: Option<String>,
+    pub generation: i32,
+    #[sqlx(skip)]
+    pub attempts: Vec<Attempt>,
+}
+
+/// One row of the attempt log.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Attempt {
+    pub delivery_id: Uuid,
+    pub generation: i32,
+    pub attempt: i32,
+    pub attempted_at: Timestamp,
+    pub http_status: Option<i32>,
+    pub error: Option<String>,
+    pub latency_ms: i64,
+    pub response_body: Option<Vec<u8>>,
+    pub next_attempt_at: Option<Timestamp>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -109,13 +126,29 @@ impl App {
         if !exists {
             return Err(AppError::not_found("event"));
         }
-        Ok(sqlx::query_as::<_, Delivery>(
-            "SELECT id, event_id, endpoint_id, state, attempt, next_attempt_at, created_at, last_status, last_error
+        let mut deliveries = sqlx::query_as::<_, Delivery>(
+            "SELECT id, event_id, endpoint_id, state, attempt, next_attempt_at, created_at, last_status, last_error, generation
              FROM webhook_deliveries WHERE event_id = $1 AND environment_id = $2 ORDER BY created_at, id",
         )
         .bind(event_id)
         .bind(tenant.environment_id)
         .fetch_all(&self.db)
-        .await?)
+        .await?;
+        let ids: Vec<Uuid> = deliveries.iter().map(|d| d.id).collect();
+        let attempts = sqlx::query_as::<_, Attempt>(
+            "SELECT delivery_id, generation, attempt, attempted_at, http_status, error, latency_ms, response_body, next_attempt_at
+             FROM delivery_attempts WHERE delivery_id = ANY ($1) AND environment_id = $2
+             ORDER BY generation, attempt",
+        )
+        .bind(&ids)
+        .bind(tenant.environment_id)
+        .fetch_all(&self.db)
+        .await?;
+        for a in attempts {
+            if let Some(d) = deliveries.iter_mut().find(|d| d.id == a.delivery_id) {
+                d.attempts.push(a);
+            }
+        }
+        Ok(deliveries)
     }
 }

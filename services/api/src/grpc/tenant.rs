@@ -9,7 +9,12 @@ use tonic::{Request, Response, Status};
 
 use super::{id, status, ts};
 use crate::{
-    app::{App, deliveries::DeadLetter, endpoints::Endpoint, events::Delivery},
+    app::{
+        App,
+        deliveries::DeadLetter,
+        endpoints::Endpoint,
+        events::{Attempt, Delivery},
+    },
     auth,
 };
 
@@ -46,6 +51,21 @@ fn delivery(d: Delivery) -> pb::Delivery {
         created_at: Some(ts(d.created_at)),
         last_status: d.last_status.map(|s| s as u32),
         last_error: d.last_error.unwrap_or_default(),
+        generation: d.generation as u32,
+        attempts: d.attempts.into_iter().map(attempt).collect(),
+    }
+}
+
+fn attempt(a: Attempt) -> pb::DeliveryAttempt {
+    pb::DeliveryAttempt {
+        attempt: a.attempt as u32,
+        generation: a.generation as u32,
+        attempted_at: Some(ts(a.attempted_at)),
+        http_status: a.http_status.map(|s| s as u32),
+        error: a.error.unwrap_or_default(),
+        latency_ms: a.latency_ms.clamp(0, i64::from(u32::MAX)) as u32,
+        response_body: a.response_body.map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default(),
+        next_attempt_at: a.next_attempt_at.map(ts),
     }
 }
 
@@ -58,6 +78,7 @@ fn dead_letter(d: DeadLetter) -> pb::DeadLetter {
         attempts: d.attempts as u32,
         last_status: d.last_status.map(|s| s as u32),
         last_error: d.last_error.unwrap_or_default(),
+        reason: d.reason,
         dead_lettered_at: Some(ts(d.dead_lettered_at)),
     }
 }
