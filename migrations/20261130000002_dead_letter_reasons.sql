@@ -7,3 +7,8 @@ ALTER TABLE webhook_dead_letters
 -- Pending deliveries of one endpoint: read when an endpoint is disabled or
 -- deleted, and when counting what an endpoint has outstanding.
 CREATE INDEX webhook_deliveries_endpoint_pending_idx ON webhook_deliveries (endpoint_id) WHERE state = 'pending';
+
+-- Attempts handed to the broker and not yet reported, per endpoint: the
+-- delivery relay counts these to cap what one endpoint can have outstanding.
+-- Holds at most the cap per endpoint (plus expired leases), so counting is cheap.
+CREATE INDEX webhook_deliveries_leased_idx ON webhook_deliveries (endpoint_id) WHERE state = 'pending' AND dispatched_at IS NOT NULL;

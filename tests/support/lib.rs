@@ -52,6 +52,8 @@ pub struct Options {
     /// Start a dispatcher with the api (tests of "no dispatcher" set false).
     pub dispatcher: bool,
     pub max_in_flight: usize,
+    /// The relay's per-endpoint cap on attempts handed out and unreported.
+    pub endpoint_cap: i64,
 }
 
 impl Default for Options {
@@ -62,6 +64,7 @@ impl Default for Options {
             seam_timeout: Duration::from_secs(5),
             dispatcher: true,
             max_in_flight: 256,
+            endpoint_cap: 4,
         }
     }
 }
@@ -90,8 +93,16 @@ fn dev_policy() -> Policy {
     Policy { allow_http: true, allowed_ranges: vec!["127.0.0.0/8".parse().expect("valid")] }
 }
 
+/// `RELAY_TEST_LOG=debug` (any tracing filter) shows the services' logs.
+fn init_logs() {
+    if let Ok(filter) = std::env::var("RELAY_TEST_LOG") {
+        let _ = tracing_subscriber::fmt().with_env_filter(filter).with_test_writer().try_init();
+    }
+}
+
 impl Stack {
     pub async fn start(opts: Options) -> Result<Self> {
+        init_logs();
         let db = TestDb::create().await?;
         let prefix = format!("t{}_", &Uuid::new_v4().simple().to_string()[..12]);
         let certs = std::env::temp_dir().join(format!("relay-test-{prefix}"));
@@ -116,6 +127,7 @@ impl Stack {
             delivery_lease: Duration::from_secs(60),
             relay_idle: Duration::from_millis(500),
             relay_batch: 200,
+            endpoint_in_flight_cap: opts.endpoint_cap,
             run_migrations: true,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_millis(200),

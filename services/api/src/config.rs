@@ -43,6 +43,8 @@ pub struct ApiConfig {
     /// How long a relay sleeps when nothing wakes it.
     pub relay_idle: Duration,
     pub relay_batch: i64,
+    /// Attempts one endpoint may have handed out and unreported at once.
+    pub endpoint_in_flight_cap: i64,
     pub run_migrations: bool,
     pub dead_letter_retention: Duration,
     /// How often dead letters past their retention are deleted.
@@ -120,6 +122,11 @@ impl ApiConfig {
             delivery_lease: Duration::from_secs(var("RELAY_DELIVERY_LEASE_SECS").map(|v| v.parse()).transpose()?.unwrap_or(300)),
             relay_idle: Duration::from_millis(500),
             relay_batch: 200,
+            endpoint_in_flight_cap: var("RELAY_ENDPOINT_IN_FLIGHT_CAP")
+                .map(|v| v.parse())
+                .transpose()
+                .context("RELAY_ENDPOINT_IN_FLIGHT_CAP")?
+                .unwrap_or(20),
             run_migrations: !flag("RELAY_SKIP_MIGRATIONS")?,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_secs(600),
@@ -143,6 +150,9 @@ impl ApiConfig {
             if self.schedule != RetrySchedule::production() {
                 bail!("RELAY_RETRY_TIERS shortens the retry schedule for tests; production runs the published schedule");
             }
+        }
+        if self.endpoint_in_flight_cap < 1 {
+            bail!("RELAY_ENDPOINT_IN_FLIGHT_CAP must be at least 1, got {}", self.endpoint_in_flight_cap);
         }
         if self.delivery_lease < Duration::from_secs(5) {
             bail!("RELAY_DELIVERY_LEASE_SECS must be at least 5, got {}", self.delivery_lease.as_secs());

@@ -114,14 +114,14 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
     {
         let (js, names, app, rx) = (js.clone(), names.clone(), app.clone(), stop_rx.clone());
-        let (batch, idle, lease) = (cfg.relay_batch, cfg.relay_idle, cfg.delivery_lease);
+        let (batch, idle, lease, endpoint_cap) = (cfg.relay_batch, cfg.relay_idle, cfg.delivery_lease, cfg.endpoint_in_flight_cap);
         tasks.spawn(async move {
             let mut rx2 = rx.clone();
             if !ensure_streams_until_ready(&js, &names, &mut rx2).await {
                 return Ok(());
             }
             let outbox = OutboxRelay { app: app.clone(), js: js.clone(), names: names.clone(), batch, idle };
-            let deliveries = DeliveryRelay { app, js, names, batch, lease, idle };
+            let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap };
             tokio::join!(outbox.run(rx.clone()), deliveries.run(rx));
             Ok(())
         });

@@ -151,7 +151,11 @@ pub async fn deliver_loop(
     loop {
         let msg = tokio::select! {
             m = messages.next() => m,
-            _ = stop.changed() => return Ok(()),
+            _ = stop.changed() => {
+                // Closing the lanes' queues lets each finish its job in hand and exit.
+                lanes.lock().await.clear();
+                return Ok(());
+            }
         };
         let Some(msg) = msg else { return Ok(()) };
         let msg = match msg {
@@ -184,6 +188,7 @@ pub async fn deliver_loop(
                 policy: policy.clone(),
                 permits: permits.clone(),
                 progress_every: cfg.deliveries_ack_wait() / 3,
+                stop: stop.clone(),
             };
             tokio::spawn(lane.run(rx));
         }
@@ -197,6 +202,9 @@ struct Lane {
     client: reqwest::Client,
     policy: Arc<Policy>,
     permits: Arc<Semaphore>,
+    /// Shutdown: the lane finishes the job in hand and leaves the rest unacked,
+    /// for the broker to hand to another dispatcher.
+    stop: watch::Receiver<bool>,
     /// How often jobs waiting in (or being worked by) this lane tell the
     /// broker they are in progress, so a slow endpoint's queue never outlives
     /// the ack wait and gets redelivered while still queued.
@@ -208,7 +216,7 @@ impl Lane {
         let mut queue: VecDeque<(Message, DeliveryJob)> = VecDeque::new();
         let mut tick = tokio::time::interval(self.progress_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
+        while !*self.stop.borrow() {
             let (msg, job) = match queue.pop_front() {
                 Some(next) => next,
                 None => match tokio::time::timeout(LANE_IDLE, rx.recv()).await {

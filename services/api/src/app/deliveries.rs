@@ -339,11 +339,10 @@ impl App {
         .execute(&mut *tx)
         .await?;
         tx.commit().await.context("committing an outcome")?;
-        if matches!(decision, Decision::Rescheduled { .. }) {
-            // The relay sleeps until the earliest due time; a new earlier one
-            // must shorten that sleep.
-            self.deliveries_wake.wake();
-        }
+        // Every outcome frees the endpoint's slot (the relay caps what an
+        // endpoint has outstanding), and a reschedule may be due sooner than
+        // the relay's current sleep: wake it either way.
+        self.deliveries_wake.wake();
         Ok(decision)
     }
 

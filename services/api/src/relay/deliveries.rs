@@ -7,7 +7,7 @@
 //! none ever comes (the job was lost), the row falls due again by itself and
 //! is re-published under the same message id.
 
-use std::time::Duration;
+use std::{collections::HashMap, time::Duration};
 
 use anyhow::{Context, Result};
 use async_nats::{HeaderMap, jetstream};
@@ -28,6 +28,11 @@ pub struct DeliveryRelay {
     /// The longest sleep when nothing is due and nothing wakes the relay; a
     /// backstop for rows written by another api process.
     pub idle: Duration,
+    /// At most this many attempts per endpoint handed out and not yet
+    /// reported. A dead endpoint can therefore hold only this many broker
+    /// slots, however large its backlog; its other due rows wait in Postgres
+    /// and the scan passes over them to other endpoints' work.
+    pub endpoint_cap: i64,
 }
 
 #[derive(sqlx::FromRow)]
@@ -37,12 +42,16 @@ struct DueRow {
     endpoint_id: Uuid,
     attempt: i32,
     generation: i32,
+    /// An expired lease being handed out again: it already holds its slot.
+    released: bool,
+    /// Attempts of this endpoint handed out and not yet reported.
+    outstanding: i64,
 }
 
 impl DeliveryRelay {
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut failures = 0u32;
-        loop {
+        while !*shutdown.borrow() {
             match self.drain_once().await {
                 Ok(n) if n as i64 >= self.batch => {
                     failures = 0;
@@ -59,18 +68,19 @@ impl DeliveryRelay {
                     continue;
                 }
             }
-            // Sleep until the earliest due time rather than polling blindly.
+            // Sleep until the earliest due time rather than polling blindly. A
+            // due time already past belongs to rows this pass could not take
+            // (their endpoint is at its cap, or another relay holds them): an
+            // outcome freeing a slot wakes us, so wait for that.
+            let now = chrono::Utc::now();
             let sleep = match self.next_due().await {
-                Ok(Some(at)) => (at - chrono::Utc::now()).to_std().unwrap_or(Duration::ZERO).min(self.idle),
-                Ok(None) => self.idle,
+                Ok(Some(at)) if at > now => (at - now).to_std().unwrap_or(Duration::ZERO).min(self.idle),
+                Ok(_) => self.idle,
                 Err(e) => {
                     tracing::warn!(error = format!("{e:#}"), "reading the next due time");
                     self.idle
                 }
             };
-            if sleep.is_zero() {
-                continue;
-            }
             if super::idle(&self.app.deliveries_wake, sleep, &mut shutdown).await {
                 return;
             }
@@ -85,18 +95,41 @@ impl DeliveryRelay {
 
     pub async fn drain_once(&self) -> Result<usize> {
         let mut tx = self.app.db.begin().await?;
-        let rows: Vec<DueRow> = sqlx::query_as(
-            "SELECT id, environment_id, endpoint_id, attempt, generation FROM webhook_deliveries
-             WHERE state = 'pending' AND next_attempt_at <= now()
-             ORDER BY next_attempt_at LIMIT $1 FOR UPDATE SKIP LOCKED",
+        let candidates: Vec<DueRow> = sqlx::query_as(
+            "SELECT d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation,
+                    d.dispatched_at IS NOT NULL AS released,
+                    (SELECT count(*) FROM webhook_deliveries x
+                      WHERE x.endpoint_id = d.endpoint_id AND x.state = 'pending' AND x.dispatched_at IS NOT NULL) AS outstanding
+             FROM webhook_deliveries d
+             WHERE d.state = 'pending' AND d.next_attempt_at <= now()
+               AND (d.dispatched_at IS NOT NULL
+                    OR (SELECT count(*) FROM webhook_deliveries x
+                         WHERE x.endpoint_id = d.endpoint_id AND x.state = 'pending' AND x.dispatched_at IS NOT NULL) < $2)
+             ORDER BY d.next_attempt_at LIMIT $1 FOR UPDATE OF d SKIP LOCKED",
         )
         .bind(self.batch)
+        .bind(self.endpoint_cap)
         .fetch_all(&mut *tx)
         .await
         .context("claiming due deliveries")?;
-        if rows.is_empty() {
+        if candidates.is_empty() {
             return Ok(0);
         }
+        // The query admits every row of an endpoint below its cap; keep only
+        // as many fresh rows per endpoint as it has free slots. The rest stay
+        // due and are taken once slots free up.
+        let mut taken: HashMap<Uuid, i64> = HashMap::new();
+        let rows: Vec<DueRow> = candidates
+            .into_iter()
+            .filter(|r| {
+                if r.released {
+                    return true;
+                }
+                let n = taken.entry(r.endpoint_id).or_insert(r.outstanding);
+                *n += 1;
+                *n <= self.endpoint_cap
+            })
+            .collect();
         let mut pending = Vec::with_capacity(rows.len());
         for row in &rows {
             let job = DeliveryJob {

@@ -24,7 +24,7 @@ pub struct OutboxRelay {
 impl OutboxRelay {
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut failures = 0u32;
-        loop {
+        while !*shutdown.borrow() {
             match self.drain_once().await {
                 Ok(n) if n as i64 >= self.batch => {
                     failures = 0;
