@@ -329,3 +329,50 @@ async fn a_hundred_hanging_endpoints_do_not_delay_a_healthy_one() -> anyhow::Res
     assert!(receiver.received().iter().filter(|r| r.path.starts_with("/hang/")).count() >= HANGING, "hanging endpoints were attempted");
     stack.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirects_timeouts_and_refused_connections_are_failures_with_their_cause_recorded() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { attempt_timeout: Duration::from_millis(700), ..Options::default().tiers("0") }).await?;
+    let tenant = stack.tenant("failures").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/moved", Reply::Redirect(receiver.url("/target")));
+    receiver.reply("/slow", Reply::Hang(Duration::from_secs(3)));
+    receiver.reply("/teapot", Reply::Status(418));
+    let closed = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?; // bound, then dropped: nothing listens
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (moved, _) = rest.endpoint(&receiver.url("/moved"), &["f"]).await?;
+    let (slow, _) = rest.endpoint(&receiver.url("/slow"), &["f"]).await?;
+    let (teapot, _) = rest.endpoint(&receiver.url("/teapot"), &["f"]).await?;
+    let (refused, _) = rest.endpoint(&format!("http://{closed}/hook"), &["f"]).await?;
+    let (created, _) = rest.endpoint(&receiver.url("/created"), &["f"]).await?;
+    receiver.reply("/created", Reply::Status(201));
+    let event_id = rest.publish("f", json!({})).await?;
+
+    let deliveries = eventually(Duration::from_secs(20), || async {
+        let d = rest.deliveries(&event_id).await.ok()?;
+        (d.len() == 5 && d.iter().all(|d| d["state"] != "DELIVERY_STATE_PENDING")).then_some(d)
+    })
+    .await
+    .expect("every delivery finishes after its single attempt");
+    let of = |endpoint: &str| deliveries.iter().find(|d| d["endpoint_id"] == endpoint).unwrap().clone();
+    let last_attempt = |endpoint: &str| of(endpoint)["attempts"][0].clone();
+
+    assert_eq!(of(&created)["state"], "DELIVERY_STATE_DELIVERED", "any 2xx is success");
+    assert_eq!(of(&moved)["state"], "DELIVERY_STATE_DEAD", "a 3xx is a failure");
+    assert_eq!(last_attempt(&moved)["http_status"], 302);
+    assert!(receiver.at("/target").is_empty(), "the redirect was followed");
+    assert_eq!(of(&teapot)["state"], "DELIVERY_STATE_DEAD");
+    assert_eq!(last_attempt(&teapot)["http_status"], 418);
+
+    let timeout = last_attempt(&slow);
+    assert_eq!(of(&slow)["state"], "DELIVERY_STATE_DEAD", "a response after the timeout is a failure");
+    assert!(timeout["http_status"].is_null(), "{timeout}");
+    assert!(timeout["error"].as_str().unwrap().starts_with("timeout"), "{timeout}");
+    let refusal = last_attempt(&refused);
+    assert!(refusal["http_status"].is_null(), "{refusal}");
+    assert!(refusal["error"].as_str().unwrap().starts_with("connect"), "{refusal}");
+
+    let letters = rest.get("/v1/dead-letters").await?;
+    assert_eq!(letters["dead_letters"].as_array().unwrap().len(), 4, "{letters}");
+    stack.stop().await
+}

@@ -297,9 +297,11 @@ where
 }
 
 /// How a receiver answers requests to one path.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Status(u16),
+    /// 302 with this `Location`.
+    Redirect(String),
     /// Holds the request this long before answering 200 (past any attempt timeout).
     Hang(Duration),
 }
@@ -325,12 +327,14 @@ impl Receiver {
             async move {
                 let path = uri.path().to_owned();
                 sink.lock().expect("not poisoned").push(Received { path: path.clone(), headers, body, at: Instant::now() });
-                let reply = table.lock().expect("not poisoned").get(&path).copied().unwrap_or(Reply::Status(200));
+                let reply = table.lock().expect("not poisoned").get(&path).cloned().unwrap_or(Reply::Status(200));
+                use axum::response::IntoResponse;
                 match reply {
-                    Reply::Status(code) => (axum::http::StatusCode::from_u16(code).expect("valid status"), "answer"),
+                    Reply::Status(code) => (axum::http::StatusCode::from_u16(code).expect("valid status"), "answer").into_response(),
+                    Reply::Redirect(to) => (axum::http::StatusCode::FOUND, [(axum::http::header::LOCATION, to)], "moved").into_response(),
                     Reply::Hang(d) => {
                         tokio::time::sleep(d).await;
-                        (axum::http::StatusCode::OK, "late")
+                        (axum::http::StatusCode::OK, "late").into_response()
                     }
                 }
             }
