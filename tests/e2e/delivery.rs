@@ -155,6 +155,22 @@ async fn dead_letters_are_kept_seven_days_and_pruned_after() -> anyhow::Result<(
     assert_eq!(letters["dead_letters"].as_array().unwrap().len(), 2);
 
     let pg = stack.pg().await?;
+    let age = |event: &str, days: i32| {
+        sqlx::query("UPDATE webhook_dead_letters SET dead_lettered_at = now() - make_interval(days => $2) WHERE event_id = $1::uuid")
+            .bind(event.to_owned())
+            .bind(days)
+    };
+    // Newest first.
+    age(&old, 5).execute(&pg).await?;
+    age(&recent, 4).execute(&pg).await?;
+    let listed: Vec<String> = rest.get("/v1/dead-letters").await?["dead_letters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["event_id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(listed, vec![recent.clone(), old.clone()], "dead letters are listed newest first");
+
     sqlx::query("UPDATE webhook_dead_letters SET dead_lettered_at = now() - interval '8 days' WHERE event_id = $1::uuid")
         .bind(&old)
         .execute(&pg)

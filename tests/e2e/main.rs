@@ -3,6 +3,7 @@
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
 mod delivery;
+mod faults;
 
 use std::time::Duration;
 

@@ -52,6 +52,9 @@ pub struct Options {
     /// Start a dispatcher with the api (tests of "no dispatcher" set false).
     pub dispatcher: bool,
     pub max_in_flight: usize,
+    /// Start the api in-process (tests that run it as a process set false).
+    pub api: bool,
+    pub nats_url: String,
     /// The relay's per-endpoint cap on attempts handed out and unreported.
     pub endpoint_cap: i64,
 }
@@ -64,6 +67,8 @@ impl Default for Options {
             seam_timeout: Duration::from_secs(5),
             dispatcher: true,
             max_in_flight: 256,
+            api: true,
+            nats_url: NATS_URL.into(),
             endpoint_cap: 4,
         }
     }
@@ -85,7 +90,10 @@ pub struct Stack {
     pub grpc_url: String,
     pub internal_url: String,
     pub opts: Options,
+    pub addrs: relay_api::config::ListenAddrs,
+    api_cfg: ApiConfig,
     api: Option<RunningApi>,
+    replicas: Vec<RunningApi>,
     dispatchers: Vec<RunningDispatcher>,
 }
 
@@ -100,6 +108,29 @@ fn init_logs() {
     }
 }
 
+async fn free_addr() -> Result<SocketAddr> {
+    Ok(TcpListener::bind("127.0.0.1:0").await?.local_addr()?)
+}
+
+async fn listeners(addrs: &relay_api::config::ListenAddrs) -> Result<Listeners> {
+    // The port may linger for a moment after an api on it stopped.
+    for _ in 0..50 {
+        let bound = async {
+            Ok::<_, std::io::Error>((
+                TcpListener::bind(addrs.grpc).await?,
+                TcpListener::bind(addrs.rest).await?,
+                TcpListener::bind(addrs.internal).await?,
+            ))
+        }
+        .await;
+        if let Ok((grpc, rest, internal)) = bound {
+            return Ok(Listeners { grpc, rest, internal });
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    anyhow::bail!("could not bind the api's ports {addrs:?}")
+}
+
 impl Stack {
     pub async fn start(opts: Options) -> Result<Self> {
         init_logs();
@@ -107,14 +138,11 @@ impl Stack {
         let prefix = format!("t{}_", &Uuid::new_v4().simple().to_string()[..12]);
         let certs = std::env::temp_dir().join(format!("relay-test-{prefix}"));
         relay_devkit::generate_pki()?.write(&certs)?;
-        let bind = || async { TcpListener::bind("127.0.0.1:0").await };
-        let (grpc, rest, internal) = (bind().await?, bind().await?, bind().await?);
-        let addr = |l: &TcpListener| l.local_addr().expect("bound");
-        let (grpc_addr, rest_addr, internal_addr) = (addr(&grpc), addr(&rest), addr(&internal));
+        let addrs = relay_api::config::ListenAddrs { grpc: free_addr().await?, rest: free_addr().await?, internal: free_addr().await? };
         let api_cfg = ApiConfig {
             deployment: relay_api::config::Deployment::Development,
             database_url: db.url.clone(),
-            nats_url: NATS_URL.into(),
+            nats_url: opts.nats_url.clone(),
             stream_prefix: prefix.clone(),
             internal_tls: relay_api::config::InternalTls {
                 client_ca: certs.join("ca.pem"),
@@ -133,30 +161,70 @@ impl Stack {
             dead_letter_prune_every: Duration::from_millis(200),
         };
         api_cfg.validate()?;
-        let api = relay_api::run(api_cfg, Listeners { grpc, rest, internal }).await?;
-        let internal_url = format!("https://127.0.0.1:{}", internal_addr.port());
         let mut stack = Self {
             db,
             prefix,
             certs,
-            rest_url: format!("http://{rest_addr}"),
-            grpc_url: format!("http://{grpc_addr}"),
-            internal_url,
+            rest_url: format!("http://{}", addrs.rest),
+            grpc_url: format!("http://{}", addrs.grpc),
+            internal_url: format!("https://127.0.0.1:{}", addrs.internal.port()),
             opts: opts.clone(),
-            api: Some(api),
+            addrs,
+            api_cfg,
+            api: None,
+            replicas: Vec::new(),
             dispatchers: Vec::new(),
         };
+        if opts.api {
+            stack.start_api().await?;
+        }
         if opts.dispatcher {
             stack.start_dispatcher().await?;
         }
         Ok(stack)
     }
 
+    /// Starts the api in-process on this stack's ports (again, after `stop_api`).
+    pub async fn start_api(&mut self) -> Result<()> {
+        anyhow::ensure!(self.api.is_none(), "the api is already running");
+        let l = listeners(&self.addrs).await?;
+        self.api = Some(relay_api::run(self.api_cfg.clone(), l).await?);
+        Ok(())
+    }
+
+    /// Stops the in-process api, closing its ports.
+    pub async fn stop_api(&mut self) -> Result<()> {
+        if let Some(a) = self.api.take() {
+            a.shutdown().await?;
+        }
+        Ok(())
+    }
+
+    /// Starts another api on the same database and streams, on its own
+    /// ports; returns its REST and internal URLs.
+    pub async fn start_api_replica(&mut self) -> Result<(String, String)> {
+        let addrs = relay_api::config::ListenAddrs { grpc: free_addr().await?, rest: free_addr().await?, internal: free_addr().await? };
+        let l = listeners(&addrs).await?;
+        self.replicas.push(relay_api::run(self.api_cfg.clone(), l).await?);
+        Ok((format!("http://{}", addrs.rest), format!("https://127.0.0.1:{}", addrs.internal.port())))
+    }
+
+    /// A durable consumer's state, as the broker reports it.
+    pub async fn consumer_info(&self, deliveries: bool) -> Result<async_nats::jetstream::consumer::Info> {
+        let js = async_nats::jetstream::new(async_nats::connect(&self.opts.nats_url).await?);
+        let names = relay_contracts::StreamNames::new(&self.prefix).map_err(anyhow::Error::msg)?;
+        let (stream, durable) =
+            if deliveries { (names.deliveries_stream(), names.deliver_durable()) } else { (names.events_stream(), names.expand_durable()) };
+        let mut consumer: async_nats::jetstream::consumer::PullConsumer =
+            js.get_stream(stream).await?.get_consumer(&durable).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(consumer.info().await?.clone())
+    }
+
     /// The dispatcher's configuration for this stack.
     pub fn dispatcher_config(&self) -> DispatcherConfig {
         DispatcherConfig {
             production: false,
-            nats_url: NATS_URL.into(),
+            nats_url: self.opts.nats_url.clone(),
             stream_prefix: self.prefix.clone(),
             api_url: self.internal_url.clone(),
             api_tls_name: relay_devkit::API_TLS_NAME.into(),
@@ -174,9 +242,65 @@ impl Stack {
     /// Starts one more dispatcher (in-process) on this stack.
     pub async fn start_dispatcher(&mut self) -> Result<()> {
         let cfg = self.dispatcher_config();
+        self.start_dispatcher_with(cfg).await
+    }
+
+    pub async fn start_dispatcher_with(&mut self, cfg: DispatcherConfig) -> Result<()> {
         cfg.validate()?;
         self.dispatchers.push(relay_dispatcher::run(cfg).await?);
         Ok(())
+    }
+
+    /// The environment a `relay-dispatcher` process needs for this stack.
+    pub fn dispatcher_env(&self) -> Vec<(&'static str, String)> {
+        let c = self.dispatcher_config();
+        vec![
+            ("RELAY_NATS_URL", c.nats_url),
+            ("RELAY_STREAM_PREFIX", c.stream_prefix),
+            ("RELAY_API_INTERNAL_URL", c.api_url),
+            ("RELAY_API_TLS_NAME", c.api_tls_name),
+            ("RELAY_TLS_CA", c.tls_ca.display().to_string()),
+            ("RELAY_TLS_CERT", c.tls_cert.display().to_string()),
+            ("RELAY_TLS_KEY", c.tls_key.display().to_string()),
+            ("RELAY_ATTEMPT_TIMEOUT_MS", c.attempt_timeout.as_millis().to_string()),
+            ("RELAY_SEAM_TIMEOUT_MS", c.seam_timeout.as_millis().to_string()),
+            ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
+            ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
+        ]
+    }
+
+    /// The environment a `relay-api` process needs for this stack, on its ports.
+    pub fn api_env(&self) -> Vec<(&'static str, String)> {
+        let c = &self.api_cfg;
+        let tiers: Vec<String> =
+            (1..=c.schedule.max_attempts()).map(|a| c.schedule.delay_before(a).expect("in range").as_millis().to_string()).collect();
+        vec![
+            ("DATABASE_URL", c.database_url.clone()),
+            ("RELAY_NATS_URL", c.nats_url.clone()),
+            ("RELAY_STREAM_PREFIX", c.stream_prefix.clone()),
+            ("RELAY_TLS_CLIENT_CA", c.internal_tls.client_ca.display().to_string()),
+            ("RELAY_TLS_CERT", c.internal_tls.cert.display().to_string()),
+            ("RELAY_TLS_KEY", c.internal_tls.key.display().to_string()),
+            ("RELAY_GRPC_ADDR", self.addrs.grpc.to_string()),
+            ("RELAY_REST_ADDR", self.addrs.rest.to_string()),
+            ("RELAY_INTERNAL_ADDR", self.addrs.internal.to_string()),
+            ("RELAY_RETRY_TIERS", tiers.join(",")),
+            ("RELAY_ENDPOINT_IN_FLIGHT_CAP", c.endpoint_in_flight_cap.to_string()),
+            ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
+            ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
+        ]
+    }
+
+    /// Waits (bounded) until the REST port answers.
+    pub async fn wait_for_api(&self) -> Result<()> {
+        let http = reqwest::Client::new();
+        for _ in 0..200 {
+            if http.get(format!("{}/healthz", self.rest_url)).send().await.is_ok_and(|r| r.status().is_success()) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::bail!("the api did not answer on {}", self.rest_url)
     }
 
     /// A connection pool on this test's database, for arranging and
@@ -225,6 +349,9 @@ impl Stack {
         for d in self.dispatchers.drain(..) {
             d.shutdown().await?;
         }
+        for a in self.replicas.drain(..) {
+            a.shutdown().await?;
+        }
         if let Some(a) = self.api.take() {
             a.shutdown().await?;
         }
@@ -235,7 +362,8 @@ impl Stack {
 }
 
 async fn delete_streams(prefix: &str) -> Result<()> {
-    let js = async_nats::jetstream::new(async_nats::connect(NATS_URL).await?);
+    let Ok(client) = async_nats::connect(NATS_URL).await else { return Ok(()) };
+    let js = async_nats::jetstream::new(client);
     for s in ["EVENTS", "DELIVERIES"] {
         let _ = js.delete_stream(format!("{prefix}{s}")).await;
     }
@@ -475,5 +603,103 @@ pub mod reflection {
                 other => bail!("unexpected reflection response {other:?}"),
             }
         }
+    }
+}
+
+/// A service binary built next to the tests (`cargo build --bins`, which
+/// `deploy/local/test` runs first).
+pub fn binary(name: &str) -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().and_then(|deps| deps.parent()).context("test binary has no target dir")?;
+    let path = dir.join(name);
+    anyhow::ensure!(path.exists(), "{} is missing: run `cargo build --bins` first (deploy/local/test does)", path.display());
+    Ok(path)
+}
+
+/// A service running as a real process, so a test can kill -9 it.
+pub struct Process {
+    child: tokio::process::Child,
+}
+
+impl Process {
+    pub fn spawn(name: &str, env: &[(&'static str, String)]) -> Result<Self> {
+        let mut cmd = tokio::process::Command::new(binary(name)?);
+        cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RELAY_LOG", std::env::var("RELAY_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .kill_on_drop(true)
+            .stdin(std::process::Stdio::null());
+        Ok(Self { child: cmd.spawn().with_context(|| format!("starting {name}"))? })
+    }
+
+    /// SIGKILL: no shutdown path runs.
+    pub async fn kill9(mut self) -> Result<()> {
+        self.child.start_kill()?;
+        self.child.wait().await?;
+        Ok(())
+    }
+}
+
+/// A NATS server of the test's own, on its own port and store, so a test
+/// can stop the broker without disturbing anything else on the machine.
+pub struct PrivateNats {
+    pub port: u16,
+    dir: PathBuf,
+    child: Option<tokio::process::Child>,
+}
+
+impl PrivateNats {
+    pub async fn start() -> Result<Self> {
+        let port = free_addr().await?.port();
+        let dir = std::env::temp_dir().join(format!("relay-test-nats-{}", Uuid::new_v4().simple()));
+        let mut n = Self { port, dir, child: None };
+        n.resume().await?;
+        Ok(n)
+    }
+
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// (Re)starts the server on the same port and store.
+    pub async fn resume(&mut self) -> Result<()> {
+        let bin = ["/usr/sbin/nats-server", "/usr/bin/nats-server", "/usr/local/bin/nats-server"]
+            .into_iter()
+            .find(|p| std::path::Path::new(p).exists())
+            .context("nats-server is not installed")?;
+        let child = tokio::process::Command::new(bin)
+            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
+            .arg(&self.dir)
+            .kill_on_drop(true)
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        self.child = Some(child);
+        for _ in 0..100 {
+            if tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        anyhow::bail!("the private NATS did not start on port {}", self.port)
+    }
+
+    /// Stops the server the way an operator would (SIGTERM), and waits.
+    pub async fn stop(&mut self) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            if let Some(pid) = c.id() {
+                std::process::Command::new("kill").args(["-TERM", &pid.to_string()]).status()?;
+            }
+            c.wait().await?;
+        }
+        Ok(())
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        if let Some(c) = self.child.as_mut() {
+            let _ = c.start_kill();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

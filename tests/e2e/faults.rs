@@ -1,0 +1,224 @@
+//! Broker semantics and crash windows: each fault is made real — a process
+//! killed with SIGKILL, a broker stopped, an api taken away — and the test
+//! checks that nothing is lost and the schedule advances once.
+
+use std::{collections::HashSet, time::Duration};
+
+use async_nats::jetstream;
+use relay_contracts::{StreamNames, relay::dispatch::v1::ExpandRequest};
+use relay_tests::{Options, PrivateNats, Process, Receiver, Reply, Rest, Stack, eventually};
+use serde_json::json;
+
+/// Event ids that arrived at `path`, with how often each arrived.
+fn arrivals(receiver: &Receiver, path: &str) -> (Vec<String>, HashSet<String>) {
+    let all: Vec<String> = receiver.at(path).iter().map(|r| r.header("relay-webhook-id")).collect();
+    let distinct = all.iter().cloned().collect();
+    (all, distinct)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undecodable_messages_are_terminated_on_first_sight() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let names = StreamNames::new(&stack.prefix).map_err(anyhow::Error::msg)?;
+    let js = jetstream::new(async_nats::connect(&stack.opts.nats_url).await?);
+    // Wait until the dispatcher's consumers exist, then feed them garbage.
+    eventually(Duration::from_secs(10), || async { stack.consumer_info(true).await.ok().and(stack.consumer_info(false).await.ok()) })
+        .await
+        .expect("the dispatcher creates its consumers");
+    let junk_delivery = js.publish(names.deliveries_subject("junk"), "\u{0}not protobuf\u{ff}".into()).await?.await?.sequence;
+    let junk_event = js.publish(names.events_subject("junk"), "{not json".into()).await?.await?.sequence;
+
+    for (deliveries, seq) in [(true, junk_delivery), (false, junk_event)] {
+        let info = eventually(Duration::from_secs(10), || async {
+            let i = stack.consumer_info(deliveries).await.ok()?;
+            (i.ack_floor.stream_sequence >= seq).then_some(i)
+        })
+        .await
+        .unwrap_or_else(|| panic!("the junk message (deliveries={deliveries}) was never settled"));
+        assert_eq!(info.num_ack_pending, 0);
+        assert_eq!(info.num_redelivered, 0, "terminated on first sight, never redelivered");
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    for deliveries in [true, false] {
+        let info = stack.consumer_info(deliveries).await?;
+        assert_eq!((info.num_redelivered, info.num_ack_pending), (0, 0), "deliveries={deliveries}");
+    }
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_the_dispatcher_cannot_process_is_not_acked_and_comes_back() -> anyhow::Result<()> {
+    let mut stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let tenant = stack.tenant("api-away").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/away"), &["x"]).await?;
+    let event_id = rest.publish("x", json!({})).await?;
+    stack
+        .seam()
+        .await?
+        .expand(ExpandRequest { event_id: event_id.clone(), environment_id: tenant.environment_id.clone(), r#type: "x".into() })
+        .await?;
+    // Wait until the relay has handed the job to the broker, then take the api away.
+    let pg = stack.pg().await?;
+    eventually(Duration::from_secs(10), || async {
+        let leased: Option<bool> = sqlx::query_scalar("SELECT dispatched_at IS NOT NULL FROM webhook_deliveries WHERE event_id = $1::uuid")
+            .bind(&event_id)
+            .fetch_optional(&pg)
+            .await
+            .ok()?;
+        leased.filter(|l| *l)
+    })
+    .await
+    .expect("the relay publishes the due delivery");
+    pg.close().await;
+    stack.stop_api().await?;
+
+    stack.start_dispatcher().await?;
+    let info = eventually(Duration::from_secs(15), || async {
+        let i = stack.consumer_info(true).await.ok()?;
+        (i.num_redelivered >= 1).then_some(i)
+    })
+    .await
+    .expect("the job comes back while the api is unreachable");
+    assert!(info.num_ack_pending >= 1 || info.num_pending >= 1, "the job is still owed: {info:?}");
+    assert!(receiver.received().is_empty(), "nothing can be sent without the material");
+
+    stack.start_api().await?;
+    assert_eq!(receiver.wait_at("/away", 1, Duration::from_secs(20)).await.len(), 1, "delivered once the api is back");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert_eq!(receiver.at("/away").len(), 1);
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_between_post_and_outcome_resends_the_same_event_id_and_advances_the_schedule_once() -> anyhow::Result<()> {
+    let stack = Stack::start(Options {
+        dispatcher: false,
+        attempt_timeout: Duration::from_secs(5),
+        seam_timeout: Duration::from_secs(1),
+        ..Options::default()
+    })
+    .await?;
+    let tenant = stack.tenant("crash").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/crash", Reply::Hang(Duration::from_secs(30)));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/crash"), &["c"]).await?;
+
+    let first = Process::spawn("relay-dispatcher", &stack.dispatcher_env())?;
+    let event_id = rest.publish("c", json!({"crash": true})).await?;
+    // The POST is in the receiver's hands; the outcome has not been reported.
+    assert_eq!(receiver.wait_at("/crash", 1, Duration::from_secs(20)).await.len(), 1);
+    first.kill9().await?;
+    receiver.reply("/crash", Reply::Status(200));
+
+    let second = Process::spawn("relay-dispatcher", &stack.dispatcher_env())?;
+    let got = receiver.wait_at("/crash", 2, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 2, "the unacknowledged job is redelivered and sent again");
+    assert!(got.iter().all(|r| r.header("relay-webhook-id") == event_id), "the receiver can deduplicate on the event id");
+    assert_eq!(got[0].body, got[1].body);
+    let done = eventually(Duration::from_secs(10), || async {
+        let d = rest.deliveries(&event_id).await.ok()?;
+        d.into_iter().next().filter(|d| d["state"] == "DELIVERY_STATE_DELIVERED")
+    })
+    .await
+    .expect("delivered");
+    assert_eq!(done["attempt"], 1, "the schedule advanced once");
+    assert_eq!(done["attempts"].as_array().unwrap().len(), 1, "one outcome recorded");
+    second.kill9().await?;
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stopping_nats_while_events_are_published_loses_nothing() -> anyhow::Result<()> {
+    let mut nats = PrivateNats::start().await?;
+    let stack = Stack::start(Options { nats_url: nats.url(), ..Options::default() }).await?;
+    let tenant = stack.tenant("nats-outage").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/n"), &["n"]).await?;
+    let mut published = HashSet::new();
+    for i in 0..5 {
+        published.insert(rest.publish("n", json!({"i": i})).await?);
+    }
+    assert_eq!(receiver.wait_at("/n", 5, Duration::from_secs(20)).await.len(), 5);
+
+    nats.stop().await?;
+    for i in 5..15 {
+        published.insert(rest.publish("n", json!({"i": i})).await?); // the api keeps accepting
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(receiver.at("/n").len(), 5, "nothing can move while the broker is down");
+    nats.resume().await?;
+
+    let got = receiver.wait_at("/n", 15, Duration::from_secs(60)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (all, distinct) = arrivals(&receiver, "/n");
+    assert_eq!(distinct, published, "every event arrives after the broker returns ({} of 15 so far)", got.len());
+    assert_eq!(all.len(), 15, "and none twice");
+    stack.stop().await?;
+    nats.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_the_api_mid_relay_loses_nothing_and_sends_nothing_twice() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { api: false, ..Options::default() }).await?;
+    let mut api = Process::spawn("relay-api", &stack.api_env())?;
+    stack.wait_for_api().await?;
+    let tenant = stack.tenant("api-crash").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    for path in ["/a", "/b"] {
+        rest.endpoint(&receiver.url(path), &["k"]).await?;
+    }
+    let mut published = HashSet::new();
+    for i in 0..40 {
+        if i == 20 {
+            api.kill9().await?;
+            api = Process::spawn("relay-api", &stack.api_env())?;
+            stack.wait_for_api().await?;
+        }
+        published.insert(rest.publish("k", json!({"i": i})).await?);
+    }
+    for path in ["/a", "/b"] {
+        receiver.wait_at(path, 40, Duration::from_secs(60)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for path in ["/a", "/b"] {
+        let (all, distinct) = arrivals(&receiver, path);
+        assert_eq!(distinct, published, "{path}: every event arrives");
+        assert_eq!(all.len(), published.len(), "{path}: none twice");
+    }
+    api.kill9().await?;
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_apis_and_two_dispatchers_share_the_work_and_send_each_delivery_once() -> anyhow::Result<()> {
+    let mut stack = Stack::start(Options::default()).await?;
+    let (replica_rest, replica_internal) = stack.start_api_replica().await?;
+    let mut second = stack.dispatcher_config();
+    second.api_url = replica_internal;
+    stack.start_dispatcher_with(second).await?;
+    let tenant = stack.tenant("scale-out").await?;
+    let receiver = Receiver::start().await?;
+    let rests = [Rest::new(&stack.rest_url, Some(&tenant.api_key)), Rest::new(&replica_rest, Some(&tenant.api_key))];
+    for path in ["/1", "/2", "/3"] {
+        rests[0].endpoint(&receiver.url(path), &["s"]).await?;
+    }
+    let mut published = HashSet::new();
+    for i in 0..60 {
+        published.insert(rests[i % 2].publish("s", json!({"i": i})).await?);
+    }
+    for path in ["/1", "/2", "/3"] {
+        receiver.wait_at(path, 60, Duration::from_secs(60)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    for path in ["/1", "/2", "/3"] {
+        let (all, distinct) = arrivals(&receiver, path);
+        assert_eq!(distinct, published, "{path}: every event arrives");
+        assert_eq!(all.len(), 60, "{path}: none twice");
+    }
+    stack.stop().await
+}
