@@ -11,6 +11,7 @@ pub mod broker;
 pub mod config;
 pub mod error;
 pub mod grpc;
+pub mod openapi;
 pub mod relay;
 pub mod rest;
 pub mod schedule;
@@ -200,7 +201,14 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         let grpc = Routes::new(WebhookEndpointServiceServer::new(tenant.clone()))
             .add_service(EventServiceServer::new(tenant.clone()))
             .add_service(DeadLetterServiceServer::new(tenant));
-        let router = rest::router(grpc)?.route("/healthz", axum::routing::get(|| async { "ok" }));
+        let spec = openapi::rendered()?;
+        let router = rest::router(grpc)?.route("/healthz", axum::routing::get(|| async { "ok" })).route(
+            "/openapi.json",
+            axum::routing::get(move || {
+                let spec = spec.clone();
+                async move { ([(http::header::CONTENT_TYPE, "application/json")], spec) }
+            }),
+        );
         let stop = stopped(stop_rx.clone());
         let listener = listeners.rest;
         tasks.spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await.context("REST server") });

@@ -4,6 +4,10 @@ use tokio::net::TcpListener;
 
 #[tokio::main]
 async fn main() -> Result<()> {
+    if std::env::args().nth(1).as_deref() == Some("openapi") {
+        print!("{}", relay_api::openapi::rendered()?);
+        return Ok(());
+    }
     init_tracing();
     let cfg = ApiConfig::from_env().context("invalid configuration")?;
     let addrs = ApiConfig::listen_addrs_from_env()?;

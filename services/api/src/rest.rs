@@ -37,14 +37,15 @@ use tower::ServiceExt;
 const REST_PACKAGES: &[&str] = &["relay.tenant.v1"];
 
 #[derive(Debug)]
-struct Binding {
-    grpc_path: String,
-    input: MessageDescriptor,
-    output: MessageDescriptor,
+pub(crate) struct Binding {
+    pub(crate) method: MethodDescriptor,
+    pub(crate) grpc_path: String,
+    pub(crate) input: MessageDescriptor,
+    pub(crate) output: MessageDescriptor,
     /// `*`, or empty for no body.
-    body_all: bool,
-    response_field: Option<FieldDescriptor>,
-    success: StatusCode,
+    pub(crate) body_all: bool,
+    pub(crate) response_field: Option<FieldDescriptor>,
+    pub(crate) success: StatusCode,
 }
 
 /// One route as read from the contracts: used by the router and by the docs.
@@ -107,6 +108,7 @@ fn rule_of(method: &MethodDescriptor, ext: &Extensions) -> Result<Option<(Method
     let code = options.get_extension(&ext.success).as_u32().unwrap_or(0);
     let success = if code == 0 { StatusCode::OK } else { StatusCode::from_u16(code as u16)? };
     let binding = Binding {
+        method: method.clone(),
         grpc_path: format!("/{}/{}", method.parent_service().full_name(), method.name()),
         input: method.input(),
         output: method.output(),
@@ -117,7 +119,7 @@ fn rule_of(method: &MethodDescriptor, ext: &Extensions) -> Result<Option<(Method
     Ok(Some((verb, path, binding)))
 }
 
-fn rest_methods() -> Result<Vec<(Method, String, Binding)>> {
+pub(crate) fn rest_methods() -> Result<Vec<(Method, String, Binding)>> {
     let (pool, ext) = pool()?;
     let mut out = Vec::new();
     for service in pool.services().filter(|s| REST_PACKAGES.contains(&s.package_name())) {
