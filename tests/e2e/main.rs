@@ -4,6 +4,7 @@
 
 mod delivery;
 mod faults;
+mod security;
 
 use std::time::Duration;
 

@@ -27,7 +27,9 @@ pub async fn tenant<T>(app: &App, req: &Request<T>) -> Result<Tenant, Status> {
         .ok_or_else(|| Status::unauthenticated("the Authorization header must be `Bearer <API key>`"))?;
     match app.authenticate_api_key(presented).await.map_err(status)? {
         Some(environment_id) => Ok(Tenant { environment_id }),
-        None => Err(Status::unauthenticated("the API key presented is not valid: it is unknown or has been revoked")),
+        None => Err(Status::unauthenticated(
+            "the API key presented is not valid (unknown or revoked); send a live key as `Authorization: Bearer <key>`",
+        )),
     }
 }
 
@@ -45,6 +47,19 @@ pub fn peer_identities<T>(req: &Request<T>) -> Vec<String> {
             _ => None,
         })
         .collect()
+}
+
+/// Tenant routes take an API key. On the internal port every caller carries
+/// a platform identity, which reaches every environment and so may never act
+/// as a tenant: such a call is refused with 403 `wrong_credential_type`.
+pub fn refuse_platform_identity(req: Request<()>) -> Result<Request<()>, Status> {
+    let ids = peer_identities(&req);
+    let mut st = Status::permission_denied(format!(
+        "this is a tenant route: it takes an API key (`Authorization: Bearer <key>`) on the public port, not a platform identity{}",
+        if ids.is_empty() { String::new() } else { format!(" ({})", ids.join(", ")) }
+    ));
+    st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, "wrong_credential_type".parse().expect("ascii"));
+    Err(st)
 }
 
 /// Which platform identity a service on the internal port accepts.

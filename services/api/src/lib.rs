@@ -190,7 +190,12 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             .add_service(reflection().build_v1().context("building reflection")?)
             .add_service(reflection().build_v1alpha().context("building reflection")?)
             .add_service(DispatchServiceServer::with_interceptor(DispatchApi { app: app.clone() }, Requires::Dispatcher.interceptor()))
-            .add_service(AdminServiceServer::with_interceptor(AdminApi { app: app.clone() }, Requires::Operator.interceptor()));
+            .add_service(AdminServiceServer::with_interceptor(AdminApi { app: app.clone() }, Requires::Operator.interceptor()))
+            // Tenant routes answer here only to refuse platform identities
+            // explicitly (403 wrong_credential_type) rather than as unknown.
+            .add_service(WebhookEndpointServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
+            .add_service(EventServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
+            .add_service(DeadLetterServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity));
         let incoming = TcpListenerStream::new(listeners.internal);
         let stop = stopped(stop_rx.clone());
         tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("internal gRPC server") });

@@ -33,6 +33,9 @@ use relay_contracts::{ERROR_REASON_METADATA, FILE_DESCRIPTOR_SET};
 use tonic::{Code, Status, service::Routes};
 use tower::ServiceExt;
 
+/// Query parameters that would carry a credential in the URL.
+const CREDENTIAL_PARAMS: &[&str] = &["api_key", "apikey", "key", "token", "access_token", "authorization", "bearer"];
+
 /// Packages whose annotated methods become REST routes.
 const REST_PACKAGES: &[&str] = &["relay.tenant.v1"];
 
@@ -254,6 +257,17 @@ async fn transcode(
     headers: HeaderMap,
     body: Bytes,
 ) -> Result<Response, Response> {
+    // A credential in the URL ends up in logs and referrers: refuse it
+    // outright, whatever the route, rather than ignoring or binding it.
+    let pairs: Vec<(String, String)> = url::form_urlencoded::parse(query.as_deref().unwrap_or_default().as_bytes()).into_owned().collect();
+    if pairs.iter().any(|(k, _)| CREDENTIAL_PARAMS.contains(&k.to_ascii_lowercase().as_str())) {
+        return Err(error_response(
+            StatusCode::UNAUTHORIZED,
+            Code::Unauthenticated,
+            "credential_in_url",
+            "API keys are accepted only in the Authorization header (`Authorization: Bearer <key>`), never in the URL",
+        ));
+    }
     // Bind: body (when the rule takes one), then path, then query.
     let mut msg = if b.body_all && !body.iter().all(u8::is_ascii_whitespace) {
         let mut de = serde_json::Deserializer::from_slice(&body);
@@ -267,8 +281,8 @@ async fn transcode(
         set_scalar(&mut msg, name, value)?;
     }
     if !b.body_all {
-        for (name, value) in url::form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
-            set_scalar(&mut msg, &name, &value)?;
+        for (name, value) in &pairs {
+            set_scalar(&mut msg, name, value)?;
         }
     }
 

@@ -69,6 +69,10 @@ impl Keyring {
         }
     }
 
+    pub fn active_key_id(&self) -> &str {
+        &self.active
+    }
+
     pub fn is_development(&self) -> bool {
         self.active == DEV_KEY_ID
     }

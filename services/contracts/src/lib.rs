@@ -116,6 +116,12 @@ impl StreamNames {
         format!("{}dispatcher-deliver", self.prefix)
     }
 
+    /// The broker message id of one event. Event ids are chosen by tenants and
+    /// unique per environment, so the environment is part of the id.
+    pub fn event_message_id(environment_id: &str, event_id: &str) -> String {
+        format!("{environment_id}:{event_id}")
+    }
+
     /// The broker message id of one attempt: a re-publish of the same attempt
     /// is recognisable (and dropped inside the duplicate window); a new
     /// attempt, or a replay's attempt, is new work.

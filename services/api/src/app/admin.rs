@@ -136,3 +136,70 @@ impl App {
         Ok(QueueDepths { outbox_unpublished: outbox, deliveries_pending: pending, deliveries_due: due, dead_letters: dead })
     }
 }
+
+impl App {
+    /// Fails with NOT_FOUND unless the environment exists; operator calls
+    /// that act within one environment start here.
+    pub async fn environment_scope(&self, environment_id: Uuid) -> AppResult<super::Tenant> {
+        let exists: bool =
+            sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM environments WHERE id = $1)").bind(environment_id).fetch_one(&self.db).await?;
+        if !exists {
+            return Err(AppError::not_found("environment"));
+        }
+        Ok(super::Tenant { environment_id })
+    }
+
+    /// Re-encrypts every current and previous signing secret that is not under
+    /// the active key. Each endpoint is rewritten in its own short transaction.
+    pub async fn rewrap_secrets(&self) -> AppResult<u32> {
+        #[derive(sqlx::FromRow)]
+        struct Stored {
+            id: Uuid,
+            secret_key_id: String,
+            secret_ciphertext: Vec<u8>,
+            previous_secret_key_id: Option<String>,
+            previous_secret_ciphertext: Option<Vec<u8>>,
+        }
+        let active = self.keyring.active_key_id().to_owned();
+        let mut rewrapped = 0u32;
+        loop {
+            let mut tx = self.db.begin().await?;
+            let batch: Vec<Stored> = sqlx::query_as(
+                "SELECT id, secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext
+                 FROM webhook_endpoints
+                 WHERE secret_key_id <> $1 OR (previous_secret_key_id IS NOT NULL AND previous_secret_key_id <> $1)
+                 ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED",
+            )
+            .bind(&active)
+            .fetch_all(&mut *tx)
+            .await?;
+            if batch.is_empty() {
+                return Ok(rewrapped);
+            }
+            for row in batch {
+                let current = self.keyring.decrypt(&row.secret_key_id, &row.secret_ciphertext).context("decrypting a stored secret")?;
+                let (key_id, ciphertext) = self.keyring.encrypt(&current);
+                let previous = match (row.previous_secret_key_id, row.previous_secret_ciphertext) {
+                    (Some(k), Some(c)) => {
+                        let plain = self.keyring.decrypt(&k, &c).context("decrypting a stored previous secret")?;
+                        Some(self.keyring.encrypt(&plain))
+                    }
+                    _ => None,
+                };
+                sqlx::query(
+                    "UPDATE webhook_endpoints SET secret_key_id = $2, secret_ciphertext = $3,
+                       previous_secret_key_id = $4, previous_secret_ciphertext = $5 WHERE id = $1",
+                )
+                .bind(row.id)
+                .bind(key_id)
+                .bind(ciphertext)
+                .bind(previous.as_ref().map(|p| p.0.clone()))
+                .bind(previous.map(|p| p.1))
+                .execute(&mut *tx)
+                .await?;
+                rewrapped += 1;
+            }
+            tx.commit().await.context("committing a rewrap batch")?;
+        }
+    }
+}

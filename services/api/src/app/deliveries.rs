@@ -129,16 +129,22 @@ impl App {
     pub async fn expand(&self, event_id: Uuid, environment_id: Uuid, event_type: &str) -> AppResult<Expanded> {
         let mut tx = self.db.begin().await?;
         let stored: Option<(Uuid, String)> =
-            sqlx::query_as("SELECT environment_id, event_type FROM events WHERE id = $1").bind(event_id).fetch_optional(&mut *tx).await?;
+            sqlx::query_as("SELECT environment_id, event_type FROM events WHERE environment_id = $1 AND id = $2")
+                .bind(environment_id)
+                .bind(event_id)
+                .fetch_optional(&mut *tx)
+                .await?;
         let Some((stored_env, stored_type)) = stored else { return Err(AppError::not_found("event")) };
         if stored_env != environment_id || stored_type != event_type {
             return Err(AppError::invalid("event_mismatch", format!("event {event_id} does not have that environment and type")));
         }
-        let claimed = sqlx::query("INSERT INTO consumed_events (consumer, event_id) VALUES ($1, $2) ON CONFLICT DO NOTHING")
-            .bind(EXPAND_CONSUMER)
-            .bind(event_id)
-            .execute(&mut *tx)
-            .await?;
+        let claimed =
+            sqlx::query("INSERT INTO consumed_events (consumer, environment_id, event_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
+                .bind(EXPAND_CONSUMER)
+                .bind(environment_id)
+                .bind(event_id)
+                .execute(&mut *tx)
+                .await?;
         if claimed.rows_affected() == 0 {
             return Ok(Expanded { created: 0, duplicate: true });
         }
@@ -172,7 +178,7 @@ impl App {
                     e.secret_rotated_at, v.envelope
              FROM webhook_deliveries d
              JOIN webhook_endpoints e ON e.id = d.endpoint_id
-             JOIN events v ON v.id = d.event_id
+             JOIN events v ON v.environment_id = d.environment_id AND v.id = d.event_id
              WHERE d.id = $1",
         )
         .bind(delivery_id)

@@ -87,10 +87,12 @@ impl App {
             ));
         }
 
-        // The event row is the outbox row: one insert, one transaction.
+        // The event row is the outbox row: one insert, one transaction. Ids
+        // are unique per environment, so a conflict is this tenant's own
+        // earlier publish of the same id.
         let inserted = sqlx::query(
             "INSERT INTO events (id, environment_id, event_type, envelope, created_at)
-             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING",
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (environment_id, id) DO NOTHING",
         )
         .bind(event_id)
         .bind(tenant.environment_id)
@@ -99,22 +101,11 @@ impl App {
         .bind(occurred_at)
         .execute(&self.db)
         .await?;
-        if inserted.rows_affected() == 1 {
+        let duplicate = inserted.rows_affected() == 0;
+        if !duplicate {
             self.outbox_wake.wake();
-            return Ok(Published { event_id, duplicate: false });
         }
-        let owner: Option<Uuid> =
-            sqlx::query_scalar("SELECT environment_id FROM events WHERE id = $1").bind(event_id).fetch_optional(&self.db).await?;
-        match owner {
-            Some(env) if env == tenant.environment_id => Ok(Published { event_id, duplicate: true }),
-            // A caller-chosen id that another environment already used. The
-            // caller can only collide by knowing that id already.
-            _ => Err(AppError::new(
-                crate::error::ErrorCode::AlreadyExists,
-                "event_id_taken",
-                format!("event id {event_id} is already taken; choose another UUID"),
-            )),
-        }
+        Ok(Published { event_id, duplicate })
     }
 
     pub async fn list_event_deliveries(&self, tenant: Tenant, event_id: Uuid) -> AppResult<Vec<Delivery>> {

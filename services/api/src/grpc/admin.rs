@@ -3,7 +3,11 @@
 use relay_contracts::relay::admin::v1::{self as pb, admin_service_server::AdminService};
 use tonic::{Request, Response, Status};
 
-use super::{id, status, ts};
+use super::{
+    id, status,
+    tenant::{dead_letter, delivery, endpoint},
+    ts,
+};
 use crate::app::{
     App,
     admin::{ApiKey, Environment},
@@ -68,5 +72,38 @@ impl AdminService for AdminApi {
             deliveries_due: d.deliveries_due as u64,
             dead_letters: d.dead_letters as u64,
         }))
+    }
+
+    async fn list_endpoints(&self, req: Request<pb::ListEndpointsRequest>) -> Result<Response<pb::ListEndpointsResponse>, Status> {
+        let scope = self.app.environment_scope(id("environment_id", &req.get_ref().environment_id)?).await.map_err(status)?;
+        let list = self.app.list_endpoints(scope).await.map_err(status)?;
+        Ok(Response::new(pb::ListEndpointsResponse { endpoints: list.into_iter().map(endpoint).collect() }))
+    }
+
+    async fn list_deliveries(&self, req: Request<pb::ListDeliveriesRequest>) -> Result<Response<pb::ListDeliveriesResponse>, Status> {
+        let r = req.into_inner();
+        let scope = self.app.environment_scope(id("environment_id", &r.environment_id)?).await.map_err(status)?;
+        let list = self.app.list_event_deliveries(scope, id("event_id", &r.event_id)?).await.map_err(status)?;
+        Ok(Response::new(pb::ListDeliveriesResponse { deliveries: list.into_iter().map(delivery).collect() }))
+    }
+
+    async fn list_dead_letters(&self, req: Request<pb::ListDeadLettersRequest>) -> Result<Response<pb::ListDeadLettersResponse>, Status> {
+        let scope = self.app.environment_scope(id("environment_id", &req.get_ref().environment_id)?).await.map_err(status)?;
+        let list = self.app.list_dead_letters(scope).await.map_err(status)?;
+        Ok(Response::new(pb::ListDeadLettersResponse { dead_letters: list.into_iter().map(dead_letter).collect() }))
+    }
+
+    async fn replay_dead_letter(
+        &self,
+        req: Request<pb::ReplayDeadLetterRequest>,
+    ) -> Result<Response<pb::ReplayDeadLetterResponse>, Status> {
+        let delivery_id = self.app.replay_dead_letter(None, id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::ReplayDeadLetterResponse { delivery_id: delivery_id.to_string() }))
+    }
+
+    async fn rewrap_secrets(&self, _req: Request<pb::RewrapSecretsRequest>) -> Result<Response<pb::RewrapSecretsResponse>, Status> {
+        let rewrapped = self.app.rewrap_secrets().await.map_err(status)?;
+        tracing::info!(rewrapped, active_key_id = self.app.keyring.active_key_id(), "signing secrets rewrapped");
+        Ok(Response::new(pb::RewrapSecretsResponse { rewrapped, active_key_id: self.app.keyring.active_key_id().to_owned() }))
     }
 }

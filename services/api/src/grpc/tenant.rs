@@ -23,7 +23,7 @@ pub struct TenantApi {
     pub app: App,
 }
 
-fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
+pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
     pb::WebhookEndpoint {
         id: e.id.to_string(),
         url: e.url,
@@ -34,7 +34,7 @@ fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
     }
 }
 
-fn delivery(d: Delivery) -> pb::Delivery {
+pub(crate) fn delivery(d: Delivery) -> pb::Delivery {
     let state = match d.state.as_str() {
         "pending" => pb::DeliveryState::Pending,
         "delivered" => pb::DeliveryState::Delivered,
@@ -69,7 +69,7 @@ fn attempt(a: Attempt) -> pb::DeliveryAttempt {
     }
 }
 
-fn dead_letter(d: DeadLetter) -> pb::DeadLetter {
+pub(crate) fn dead_letter(d: DeadLetter) -> pb::DeadLetter {
     pb::DeadLetter {
         id: d.id.to_string(),
         delivery_id: d.delivery_id.to_string(),

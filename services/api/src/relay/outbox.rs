@@ -1,6 +1,7 @@
 //! The outbox relay: unpublished events → the EVENTS stream, message id =
-//! event id, so a re-publish after a crash is dropped by the broker inside
-//! its duplicate window.
+//! `<environment id>:<event id>` (event ids are unique per environment), so a
+//! re-publish after a crash is dropped by the broker inside its duplicate
+//! window.
 
 use std::time::Duration;
 
@@ -50,9 +51,9 @@ impl OutboxRelay {
     /// One pass: claim a batch, publish it, mark what the broker confirmed.
     pub async fn drain_once(&self) -> Result<usize> {
         let mut tx = self.app.db.begin().await?;
-        let rows: Vec<(Uuid, Uuid, String, Vec<u8>)> = sqlx::query_as(
-            "SELECT id, environment_id, event_type, envelope FROM events
-             WHERE published_at IS NULL ORDER BY created_at LIMIT $1 FOR UPDATE SKIP LOCKED",
+        let rows: Vec<(i64, Uuid, Uuid, String, Vec<u8>)> = sqlx::query_as(
+            "SELECT seq, id, environment_id, event_type, envelope FROM events
+             WHERE published_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(self.batch)
         .fetch_all(&mut *tx)
@@ -64,9 +65,9 @@ impl OutboxRelay {
         // Send the whole batch, then wait for the acks together: one round
         // trip of latency per batch rather than per event.
         let mut pending = Vec::with_capacity(rows.len());
-        for (id, env, event_type, envelope) in &rows {
+        for (_, id, env, event_type, envelope) in &rows {
             let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", id.to_string().as_str());
+            headers.insert("Nats-Msg-Id", StreamNames::event_message_id(&env.to_string(), &id.to_string()).as_str());
             headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
             headers.insert(event_headers::EVENT_TYPE, event_type.as_str());
             let subject = self.names.events_subject(&env.to_string());
@@ -74,20 +75,20 @@ impl OutboxRelay {
         }
         let mut published = Vec::with_capacity(rows.len());
         let mut first_error = None;
-        for ((id, ..), sent) in rows.iter().zip(join_all(pending).await) {
+        for ((seq, ..), sent) in rows.iter().zip(join_all(pending).await) {
             let acked = match sent {
                 Ok(ack) => ack.await.map(|_| ()).map_err(anyhow::Error::from),
                 Err(e) => Err(e.into()),
             };
             match acked {
-                Ok(()) => published.push(*id),
+                Ok(()) => published.push(*seq),
                 Err(e) => {
                     first_error.get_or_insert(e);
                 }
             }
         }
         if !published.is_empty() {
-            sqlx::query("UPDATE events SET published_at = now() WHERE id = ANY ($1)")
+            sqlx::query("UPDATE events SET published_at = now() WHERE seq = ANY ($1)")
                 .bind(&published)
                 .execute(&mut *tx)
                 .await
