@@ -5,6 +5,7 @@
 mod delivery;
 mod faults;
 mod security;
+mod ssrf;
 
 use std::time::Duration;
 

@@ -57,6 +57,15 @@ pub struct Options {
     pub nats_url: String,
     /// The relay's per-endpoint cap on attempts handed out and unreported.
     pub endpoint_cap: i64,
+    /// Production URL rules (https only, nothing blocked allowed) instead of
+    /// the dev allowances for loopback receivers.
+    pub strict_urls: bool,
+    /// Resolvers for the api's registration check and the dispatcher's send.
+    pub api_resolver: Option<std::sync::Arc<dyn relay_netguard::Resolve>>,
+    pub dispatcher_resolver: Option<std::sync::Arc<dyn relay_netguard::Resolve>>,
+    pub egress_proxy: Option<String>,
+    /// `RELAY_SECRET_KEYS` for the api; the development key when `None`.
+    pub secret_keys: Option<String>,
 }
 
 impl Default for Options {
@@ -70,11 +79,20 @@ impl Default for Options {
             api: true,
             nats_url: NATS_URL.into(),
             endpoint_cap: 4,
+            strict_urls: false,
+            api_resolver: None,
+            dispatcher_resolver: None,
+            egress_proxy: None,
+            secret_keys: None,
         }
     }
 }
 
 impl Options {
+    pub fn url_policy(&self) -> Policy {
+        if self.strict_urls { Policy::strict() } else { dev_policy() }
+    }
+
     pub fn tiers(mut self, spec: &str) -> Self {
         self.retry_tiers = RetrySchedule::parse(spec).expect("valid tiers");
         self
@@ -149,8 +167,12 @@ impl Stack {
                 cert: certs.join("api.pem"),
                 key: certs.join("api-key.pem"),
             },
-            keyring: Keyring::development(),
-            url_policy: dev_policy(),
+            keyring: match &opts.secret_keys {
+                Some(spec) => Keyring::parse(spec)?,
+                None => Keyring::development(),
+            },
+            url_policy: opts.url_policy(),
+            resolver: opts.api_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
             schedule: opts.retry_tiers.clone(),
             delivery_lease: Duration::from_secs(60),
             relay_idle: Duration::from_millis(500),
@@ -182,6 +204,12 @@ impl Stack {
             stack.start_dispatcher().await?;
         }
         Ok(stack)
+    }
+
+    /// Changes `RELAY_SECRET_KEYS` for the next `start_api`.
+    pub fn set_secret_keys(&mut self, spec: &str) -> Result<()> {
+        self.api_cfg.keyring = Keyring::parse(spec)?;
+        Ok(())
     }
 
     /// Starts the api in-process on this stack's ports (again, after `stop_api`).
@@ -235,7 +263,9 @@ impl Stack {
             max_in_flight: self.opts.max_in_flight,
             max_expanding: 8,
             seam_timeout: self.opts.seam_timeout,
-            url_policy: dev_policy(),
+            url_policy: self.opts.url_policy(),
+            resolver: self.opts.dispatcher_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
+            egress_proxy: self.opts.egress_proxy.clone(),
         }
     }
 

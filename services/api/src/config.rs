@@ -36,6 +36,8 @@ pub struct ApiConfig {
     pub internal_tls: InternalTls,
     pub keyring: Keyring,
     pub url_policy: Policy,
+    /// How endpoint host names are resolved for the URL rules.
+    pub resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
     pub schedule: RetrySchedule,
     /// How long an attempt handed to the broker is leased before the relay may
     /// hand it out again. Must exceed the dispatcher's whole redelivery window.
@@ -118,6 +120,7 @@ impl ApiConfig {
             },
             keyring,
             url_policy,
+            resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             schedule,
             delivery_lease: Duration::from_secs(var("RELAY_DELIVERY_LEASE_SECS").map(|v| v.parse()).transpose()?.unwrap_or(300)),
             relay_idle: Duration::from_millis(500),

@@ -102,6 +102,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         db,
         keyring: cfg.keyring.clone(),
         url_policy: cfg.url_policy.clone(),
+        resolver: cfg.resolver.clone(),
         schedule: cfg.schedule.clone(),
         outbox_wake: Default::default(),
         deliveries_wake: Default::default(),

@@ -6,16 +6,17 @@ use std::{
 };
 
 use relay_contracts::relay::dispatch::v1::{MaterialResponse, OutcomeRequest};
-use relay_netguard::Policy;
 use relay_signing::{ID_HEADER, SIGNATURE_HEADER, SigningSecret, TIMESTAMP_HEADER, signature_header};
 use url::Host;
+
+use crate::http_client::Sender;
 
 /// How much of a response body the attempt log keeps.
 const KEEP_BODY: usize = 4096;
 
 /// Sends one attempt and returns the outcome to report. Never fails: every
 /// way a customer's side can go wrong is an outcome, not an error.
-pub async fn send(client: &reqwest::Client, policy: &Policy, material: MaterialResponse) -> OutcomeRequest {
+pub async fn send(sender: &Sender, material: MaterialResponse) -> OutcomeRequest {
     let started = Instant::now();
     let mut outcome = OutcomeRequest {
         delivery_id: material.delivery_id.clone(),
@@ -23,7 +24,7 @@ pub async fn send(client: &reqwest::Client, policy: &Policy, material: MaterialR
         generation: material.generation,
         ..Default::default()
     };
-    match post(client, policy, material).await {
+    match post(sender, material).await {
         Ok((status, body)) => {
             outcome.http_status = Some(u32::from(status));
             outcome.response_body = body;
@@ -34,23 +35,26 @@ pub async fn send(client: &reqwest::Client, policy: &Policy, material: MaterialR
     outcome
 }
 
-async fn post(client: &reqwest::Client, policy: &Policy, m: MaterialResponse) -> Result<(u16, Vec<u8>), String> {
+async fn post(sender: &Sender, m: MaterialResponse) -> Result<(u16, Vec<u8>), String> {
+    let policy = &sender.policy;
     // The rules again, at send time: the URL may predate a rule, and an address
     // literal never reaches the resolver that checks names.
     let url = policy.check_url(&m.url).map_err(|e| format!("blocked: {e}"))?;
-    if let Some(ip) = match url.host() {
-        Some(Host::Ipv4(v4)) => Some(IpAddr::V4(v4)),
-        Some(Host::Ipv6(v6)) => Some(IpAddr::V6(v6)),
-        _ => None,
-    } && !policy.permits(ip)
-    {
-        return Err(format!("blocked: {ip} is not a permitted address"));
+    match url.host() {
+        Some(Host::Ipv4(v4)) if !policy.permits(IpAddr::V4(v4)) => return Err(format!("blocked: {v4} is not a permitted address")),
+        Some(Host::Ipv6(v6)) if !policy.permits(IpAddr::V6(v6)) => return Err(format!("blocked: {v6} is not a permitted address")),
+        Some(Host::Domain(name)) if sender.via_proxy => {
+            let ips = sender.resolver.lookup(name).await.map_err(|e| format!("dns: {name}: {e}"))?;
+            policy.check_addresses(name, &ips).map_err(|e| format!("blocked: {e}"))?;
+        }
+        _ => {}
     }
     let secrets: Vec<SigningSecret> = m.secrets.into_iter().map(SigningSecret::new).collect();
     let timestamp = chrono_free_unix_now().to_string();
     let signature = signature_header(&secrets, &timestamp, &m.payload);
     drop(secrets);
-    let response = client
+    let response = sender
+        .client
         .post(url)
         .header("content-type", "application/json")
         .header(ID_HEADER, &m.event_id)

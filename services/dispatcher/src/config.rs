@@ -26,6 +26,11 @@ pub struct DispatcherConfig {
     /// Deadline of one call to the api's seam.
     pub seam_timeout: Duration,
     pub url_policy: Policy,
+    /// How endpoint host names are resolved; every answer is checked.
+    pub resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
+    /// An outbound HTTP proxy for webhooks (`RELAY_EGRESS_PROXY`). The URL
+    /// rules still apply: the target is resolved and checked here first.
+    pub egress_proxy: Option<String>,
 }
 
 fn var(name: &str) -> Option<String> {
@@ -67,6 +72,8 @@ impl DispatcherConfig {
                     .transpose()?
                     .unwrap_or_default(),
             },
+            resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
+            egress_proxy: var("RELAY_EGRESS_PROXY"),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -125,6 +132,8 @@ mod tests {
             max_expanding: 1,
             seam_timeout: Duration::from_millis(seam_ms),
             url_policy: Policy::strict(),
+            resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
+            egress_proxy: None,
         }
     }
 

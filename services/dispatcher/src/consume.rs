@@ -23,11 +23,10 @@ use relay_contracts::{
         queue::v1::DeliveryJob,
     },
 };
-use relay_netguard::Policy;
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tonic::Code;
 
-use crate::{attempt, config::DispatcherConfig, seam::Seam};
+use crate::{attempt, config::DispatcherConfig, http_client::Sender, seam::Seam};
 
 /// Redeliveries of a job we could not process, before the broker gives up on
 /// it. The api's leases re-publish anything dropped here.
@@ -144,8 +143,12 @@ pub async fn deliver_loop(
         .await
         .context("creating the deliveries consumer")?;
     let mut messages = consumer.messages().await.context("subscribing to DELIVERIES")?;
-    let policy = Arc::new(cfg.url_policy.clone());
-    let client = crate::http_client::build(policy.clone(), cfg.attempt_timeout)?;
+    let sender = crate::http_client::build(
+        Arc::new(cfg.url_policy.clone()),
+        cfg.resolver.clone(),
+        cfg.egress_proxy.as_deref(),
+        cfg.attempt_timeout,
+    )?;
     let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
     let lanes: Lanes = Default::default();
     loop {
@@ -184,8 +187,7 @@ pub async fn deliver_loop(
                 key,
                 lanes: lanes.clone(),
                 seam: seam.clone(),
-                client: client.clone(),
-                policy: policy.clone(),
+                sender: sender.clone(),
                 permits: permits.clone(),
                 progress_every: cfg.deliveries_ack_wait() / 3,
                 stop: stop.clone(),
@@ -199,8 +201,7 @@ struct Lane {
     key: String,
     lanes: Lanes,
     seam: Seam,
-    client: reqwest::Client,
-    policy: Arc<Policy>,
+    sender: Sender,
     permits: Arc<Semaphore>,
     /// Shutdown: the lane finishes the job in hand and leaves the rest unacked,
     /// for the broker to hand to another dispatcher.
@@ -271,7 +272,7 @@ impl Lane {
                 return settle(msg, AckKind::Nak(Some(RETRY_LATER))).await;
             }
         };
-        let outcome = attempt::send(&self.client, &self.policy, material).await;
+        let outcome = attempt::send(&self.sender, material).await;
         let (status, error) = (outcome.http_status, outcome.error.clone());
         // The POST has happened; report it, retrying briefly. If the api stays
         // away the job comes back and is sent again: the receiver may see the

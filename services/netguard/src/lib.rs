@@ -96,9 +96,9 @@ pub enum Rejection {
     Credentials,
     #[error("url host {0} is a loopback name")]
     BlockedName(String),
-    #[error("url host {ip} is a {reason} address, which webhooks may not target")]
+    #[error("url host {ip} is {reason}, which webhooks may not target")]
     BlockedAddress { ip: IpAddr, reason: &'static str },
-    #[error("url host {host} resolves to {ip}, a {reason} address, which webhooks may not target")]
+    #[error("url host {host} resolves to {ip}, {reason}, which webhooks may not target")]
     ResolvesToBlocked { host: String, ip: IpAddr, reason: &'static str },
     #[error("url host {0} does not resolve to any address")]
     Unresolvable(String),
@@ -115,19 +115,19 @@ pub fn blocked_reason(ip: IpAddr) -> Option<&'static str> {
 fn blocked_v4(ip: Ipv4Addr) -> Option<&'static str> {
     let o = ip.octets();
     Some(match o {
-        [0, ..] => "unspecified (0.0.0.0/8)",
-        [127, ..] => "loopback",
-        [10, ..] => "private",
-        [172, b, ..] if (16..=31).contains(&b) => "private",
-        [192, 168, ..] => "private",
-        [169, 254, ..] => "link-local (cloud metadata)",
-        [100, b, ..] if (64..=127).contains(&b) => "carrier-grade NAT",
-        [192, 0, 0, _] => "IETF protocol assignment",
-        [192, 0, 2, _] | [198, 51, 100, _] | [203, 0, 113, _] => "documentation",
-        [198, b, ..] if b == 18 || b == 19 => "benchmarking",
-        [255, 255, 255, 255] => "broadcast",
-        [a, ..] if (224..=239).contains(&a) => "multicast",
-        [a, ..] if a >= 240 => "reserved",
+        [0, ..] => "an unspecified (0.0.0.0/8) address",
+        [127, ..] => "a loopback address",
+        [10, ..] => "a private address",
+        [172, b, ..] if (16..=31).contains(&b) => "a private address",
+        [192, 168, ..] => "a private address",
+        [169, 254, ..] => "a link-local (cloud metadata) address",
+        [100, b, ..] if (64..=127).contains(&b) => "a carrier-grade NAT address",
+        [192, 0, 0, _] => "an IETF protocol assignment address",
+        [192, 0, 2, _] | [198, 51, 100, _] | [203, 0, 113, _] => "a documentation address",
+        [198, b, ..] if b == 18 || b == 19 => "a benchmarking address",
+        [255, 255, 255, 255] => "the broadcast address",
+        [a, ..] if (224..=239).contains(&a) => "a multicast address",
+        [a, ..] if a >= 240 => "a reserved address",
         _ => return None,
     })
 }
@@ -135,33 +135,33 @@ fn blocked_v4(ip: Ipv4Addr) -> Option<&'static str> {
 fn blocked_v6(ip: Ipv6Addr) -> Option<&'static str> {
     let seg = ip.segments();
     if ip.is_unspecified() {
-        return Some("unspecified");
+        return Some("the unspecified address");
     }
     if ip.is_loopback() {
-        return Some("loopback");
+        return Some("a loopback address");
     }
     // Addresses that embed an IPv4 address are judged by the address they embed:
     // IPv4-mapped (::ffff:a.b.c.d), IPv4-compatible (::a.b.c.d), NAT64
     // (64:ff9b::a.b.c.d) and 6to4 (2002:aabb:ccdd::).
     let embedded = |hi: u16, lo: u16| Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8);
     if let Some(v4) = ip.to_ipv4_mapped() {
-        return blocked_v4(v4).map(|_| "IPv4-mapped blocked");
+        return blocked_v4(v4).map(|_| "an IPv4-mapped form of a blocked address");
     }
     if seg[..6] == [0, 0, 0, 0, 0, 0] {
-        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "IPv4-compatible blocked");
+        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "an IPv4-compatible form of a blocked address");
     }
     if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "NAT64 blocked");
+        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "a NAT64 form of a blocked address");
     }
     if seg[0] == 0x2002 {
-        return blocked_v4(embedded(seg[1], seg[2])).map(|_| "6to4 blocked");
+        return blocked_v4(embedded(seg[1], seg[2])).map(|_| "a 6to4 form of a blocked address");
     }
     match seg[0] {
-        s if s & 0xfe00 == 0xfc00 => Some("unique-local"),
-        s if s & 0xffc0 == 0xfe80 => Some("link-local"),
-        s if s & 0xffc0 == 0xfec0 => Some("site-local"),
-        s if s & 0xff00 == 0xff00 => Some("multicast"),
-        0x2001 if seg[1] == 0x0db8 => Some("documentation"),
+        s if s & 0xfe00 == 0xfc00 => Some("a unique-local address"),
+        s if s & 0xffc0 == 0xfe80 => Some("a link-local address"),
+        s if s & 0xffc0 == 0xfec0 => Some("a site-local address"),
+        s if s & 0xff00 == 0xff00 => Some("a multicast address"),
+        0x2001 if seg[1] == 0x0db8 => Some("a documentation address"),
         _ => None,
     }
 }
@@ -241,5 +241,53 @@ mod tests {
         dev.check_url("http://localhost:9000/hook").unwrap();
         assert!(matches!(dev.check_url("http://10.0.0.1/"), Err(Rejection::BlockedAddress { .. })));
         assert!(matches!(dev.check_url("http://169.254.169.254/"), Err(Rejection::BlockedAddress { .. })));
+    }
+}
+
+/// Name resolution, injectable so tests can control what a name resolves to
+/// (and change it between registration and send time, as a rebinding
+/// attacker would).
+pub trait Resolve: Send + Sync + std::fmt::Debug {
+    fn lookup(&self, host: &str) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<Vec<IpAddr>>> + Send + '_>>;
+}
+
+/// The system resolver.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct SystemResolver;
+
+impl Resolve for SystemResolver {
+    fn lookup(&self, host: &str) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<Vec<IpAddr>>> + Send + '_>> {
+        let host = host.to_owned();
+        Box::pin(async move { Ok(tokio::net::lookup_host((host.as_str(), 0)).await?.map(|a| a.ip()).collect()) })
+    }
+}
+
+/// A resolver answering from a table, counting lookups; for tests.
+#[derive(Debug, Default)]
+pub struct StaticResolver {
+    table: std::sync::Mutex<std::collections::HashMap<String, Vec<IpAddr>>>,
+    lookups: std::sync::Mutex<std::collections::HashMap<String, usize>>,
+}
+
+impl StaticResolver {
+    /// Sets (or replaces) what `host` resolves to.
+    pub fn set(&self, host: &str, addrs: &[IpAddr]) {
+        self.table.lock().expect("not poisoned").insert(host.to_ascii_lowercase(), addrs.to_vec());
+    }
+
+    /// How many times `host` was looked up.
+    pub fn lookups(&self, host: &str) -> usize {
+        self.lookups.lock().expect("not poisoned").get(&host.to_ascii_lowercase()).copied().unwrap_or(0)
+    }
+}
+
+impl Resolve for StaticResolver {
+    fn lookup(&self, host: &str) -> std::pin::Pin<Box<dyn std::future::Future<Output = std::io::Result<Vec<IpAddr>>> + Send + '_>> {
+        let host = host.to_ascii_lowercase();
+        *self.lookups.lock().expect("not poisoned").entry(host.clone()).or_default() += 1;
+        let found = self.table.lock().expect("not poisoned").get(&host).cloned();
+        Box::pin(
+            async move { found.ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, format!("{host} is not in the table"))) },
+        )
     }
 }

@@ -80,11 +80,7 @@ impl App {
         }
         let url = self.url_policy.check_url(raw).map_err(rejection)?;
         if let Some(Host::Domain(name)) = url.host() {
-            let port = url.port_or_known_default().unwrap_or(443);
-            let addrs: Vec<IpAddr> = match tokio::net::lookup_host((name, port)).await {
-                Ok(found) => found.map(|a| a.ip()).collect(),
-                Err(_) => Vec::new(),
-            };
+            let addrs: Vec<IpAddr> = self.resolver.lookup(name).await.unwrap_or_default();
             self.url_policy.check_addresses(name, &addrs).map_err(rejection)?;
         }
         Ok(url.to_string())

@@ -40,6 +40,7 @@ pub struct App {
     pub db: PgPool,
     pub keyring: Keyring,
     pub url_policy: Policy,
+    pub resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
     pub schedule: RetrySchedule,
     pub outbox_wake: Wake,
     pub deliveries_wake: Wake,
