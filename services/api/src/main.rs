@@ -8,7 +8,7 @@ async fn main() -> Result<()> {
         print!("{}", relay_api::openapi::rendered()?);
         return Ok(());
     }
-    init_tracing();
+    relay_telemetry::init();
     let cfg = ApiConfig::from_env().context("invalid configuration")?;
     let addrs = ApiConfig::listen_addrs_from_env()?;
     let bind = |a| async move { TcpListener::bind(a).await.with_context(|| format!("binding {a}")) };
@@ -30,15 +30,5 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {}
         _ = term.recv() => {}
-    }
-}
-
-fn init_tracing() {
-    use tracing_subscriber::{EnvFilter, fmt};
-    let filter = EnvFilter::try_from_env("RELAY_LOG").unwrap_or_else(|_| EnvFilter::new("info"));
-    if std::env::var("RELAY_LOG_FORMAT").as_deref() == Ok("json") {
-        fmt().json().with_env_filter(filter).init();
-    } else {
-        fmt().with_env_filter(filter).init();
     }
 }

@@ -272,6 +272,7 @@ impl Lane {
                 return settle(msg, AckKind::Nak(Some(RETRY_LATER))).await;
             }
         };
+        let event_id = material.event_id.clone();
         let outcome = attempt::send(&self.sender, material).await;
         let (status, error) = (outcome.http_status, outcome.error.clone());
         // The POST has happened; report it, retrying briefly. If the api stays
@@ -282,7 +283,7 @@ impl Lane {
             match seam.outcome(outcome.clone()).await {
                 Ok(decision) => {
                     tracing::info!(
-                        delivery_id = %job.delivery_id, attempt = job.attempt, status = ?status, error = %error,
+                        delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
                         decision = decision.get_ref().decision, "attempt recorded"
                     );
                     return settle(msg, AckKind::Ack).await;
