@@ -31,7 +31,12 @@ use crate::{attempt, config::DispatcherConfig, http_client::Sender, seam::Seam};
 /// Redeliveries of a job we could not process, before the broker gives up on
 /// it. The api's leases re-publish anything dropped here.
 const MAX_DELIVER: i64 = 50;
-const RETRY_LATER: Duration = Duration::from_secs(1);
+/// Asking for a job back: 1 s, doubling with each redelivery, at most 30 s,
+/// so an api outage is ridden out for many minutes within `MAX_DELIVER`.
+fn retry_later(msg: &Message) -> AckKind {
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1).clamp(1, 6) as u32;
+    AckKind::Nak(Some((Duration::from_secs(1) * 2u32.pow(delivered - 1)).min(Duration::from_secs(30))))
+}
 /// A lane with nothing to do for this long closes.
 const LANE_IDLE: Duration = Duration::from_secs(30);
 
@@ -95,7 +100,7 @@ pub async fn expand_loop(
                 }
                 Err(st) => {
                     tracing::warn!(code = ?st.code(), message = st.message(), "expand failed; the event will come back");
-                    settle(&msg, AckKind::Nak(Some(RETRY_LATER))).await
+                    settle(&msg, retry_later(&msg)).await
                 }
             }
         });
@@ -269,7 +274,7 @@ impl Lane {
             }
             Err(st) => {
                 tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "material unavailable; the job will come back");
-                return settle(msg, AckKind::Nak(Some(RETRY_LATER))).await;
+                return settle(msg, retry_later(msg)).await;
             }
         };
         let event_id = material.event_id.clone();
@@ -293,6 +298,6 @@ impl Lane {
                 }
             }
         }
-        settle(msg, AckKind::Nak(Some(RETRY_LATER))).await
+        settle(msg, retry_later(msg)).await
     }
 }
