@@ -1,0 +1,63 @@
+//! The benchmark's receiver on loopback, keep-alive: the path chooses the
+//! answer — `/ok/<n>` 200, `/status/<code>/<n>` that status, `/hang/<secs>/<n>`
+//! hold the request that long, then 200.
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+use axum::{Router, body::Bytes, http::HeaderMap, http::StatusCode};
+
+/// Arrivals per (path, event id).
+#[derive(Default)]
+pub struct Arrivals {
+    pub by_key: HashMap<(String, String), Vec<Instant>>,
+    pub total: usize,
+}
+
+#[derive(Clone)]
+pub struct Receiver {
+    pub addr: SocketAddr,
+    pub arrivals: Arc<Mutex<Arrivals>>,
+}
+
+impl Receiver {
+    pub async fn start() -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let arrivals: Arc<Mutex<Arrivals>> = Default::default();
+        let sink = arrivals.clone();
+        let app = Router::new().fallback(move |uri: axum::http::Uri, headers: HeaderMap, _body: Bytes| {
+            let sink = sink.clone();
+            async move {
+                let now = Instant::now();
+                let path = uri.path().to_owned();
+                let id = headers.get("relay-webhook-id").and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned();
+                {
+                    let mut a = sink.lock().expect("not poisoned");
+                    a.total += 1;
+                    a.by_key.entry((path.clone(), id)).or_default().push(now);
+                }
+                let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+                match parts.as_slice() {
+                    ["status", code, ..] => StatusCode::from_u16(code.parse().unwrap_or(500)).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR),
+                    ["hang", secs, ..] => {
+                        tokio::time::sleep(Duration::from_secs(secs.parse().unwrap_or(60))).await;
+                        StatusCode::OK
+                    }
+                    _ => StatusCode::OK,
+                }
+            }
+        });
+        tokio::spawn(async move { axum::serve(listener, app).await });
+        Ok(Self { addr, arrivals })
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+}

@@ -1,0 +1,134 @@
+//! What a run measured, as JSON and as a markdown table row.
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use serde::Serialize;
+
+use crate::{receiver::Receiver, workload::Workload};
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub workload: Workload,
+    pub machine: String,
+    pub events_accepted_per_sec: f64,
+    pub deliveries_per_sec: f64,
+    pub healthy_deliveries: usize,
+    pub expected_healthy_deliveries: usize,
+    pub missing: usize,
+    pub duplicates: usize,
+    pub latency_ms: Latency,
+    pub cpu_seconds: Resources<f64>,
+    pub peak_rss_mib: Resources<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Latency {
+    pub p50: f64,
+    pub p95: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Resources<T> {
+    pub api: T,
+    pub dispatcher: T,
+    pub postgres: T,
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1000.0 * 10.0).round() / 10.0
+}
+
+fn machine() -> String {
+    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_owned()))
+        .unwrap_or_else(|| "unknown CPU".into());
+    let mem = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|kb| kb.parse::<u64>().ok()))
+        .map(|kb| kb / 1024 / 1024)
+        .unwrap_or(0);
+    format!("{cpus} cores ({model}), {mem} GiB")
+}
+
+impl Report {
+    #[allow(clippy::too_many_arguments)]
+    pub fn build(
+        w: &Workload,
+        receiver: &Receiver,
+        published_at: &HashMap<String, Instant>,
+        healthy_paths: &[String],
+        started: Instant,
+        publish_done: Instant,
+        cpu_before: &[f64],
+        cpu_after: &[f64],
+        peaks: &[u64],
+    ) -> Self {
+        let arrivals = receiver.arrivals.lock().expect("not poisoned");
+        let mut latencies = Vec::new();
+        let (mut distinct, mut duplicates, mut last) = (0usize, 0usize, started);
+        for path in healthy_paths {
+            for (id, at) in published_at {
+                if let Some(times) = arrivals.by_key.get(&(path.clone(), id.clone())) {
+                    distinct += 1;
+                    duplicates += times.len() - 1;
+                    latencies.push(times[0] - *at);
+                    last = last.max(times[0]);
+                }
+            }
+        }
+        latencies.sort();
+        let pct =
+            |p: f64| latencies.get(((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().map(ms).unwrap_or(f64::NAN);
+        let expected = w.events * w.healthy;
+        let cpu = |i: usize| ((cpu_after.get(i).unwrap_or(&0.0) - cpu_before.get(i).unwrap_or(&0.0)) * 100.0).round() / 100.0;
+        let mib = |i: usize| ((*peaks.get(i).unwrap_or(&0) as f64 / 1_048_576.0) * 10.0).round() / 10.0;
+        Self {
+            workload: w.clone(),
+            machine: machine(),
+            events_accepted_per_sec: (w.events as f64 / (publish_done - started).as_secs_f64()).round(),
+            deliveries_per_sec: (distinct as f64 / (last - started).as_secs_f64().max(1e-9)).round(),
+            healthy_deliveries: distinct,
+            expected_healthy_deliveries: expected,
+            missing: expected.saturating_sub(distinct),
+            duplicates,
+            latency_ms: Latency { p50: pct(0.50), p95: pct(0.95), p99: pct(0.99), max: pct(1.0) },
+            cpu_seconds: Resources { api: cpu(0), dispatcher: cpu(1), postgres: cpu(2) },
+            peak_rss_mib: Resources { api: mib(0), dispatcher: mib(1), postgres: mib(2) },
+        }
+    }
+
+    pub const MARKDOWN_HEADER: &str = "| workload | events | endpoints (ok/hang/500) | events/s accepted | deliveries/s | p50 ms | p95 ms | p99 ms | max ms | missing | duplicates | CPU s api/disp/pg | peak RSS MiB api/disp/pg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+
+    pub fn markdown_row(&self) -> String {
+        let w = &self.workload;
+        format!(
+            "| {} | {} | {}/{}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{}/{} | {}/{}/{} |",
+            w.name,
+            w.events,
+            w.healthy,
+            w.hanging,
+            w.failing,
+            self.events_accepted_per_sec,
+            self.deliveries_per_sec,
+            self.latency_ms.p50,
+            self.latency_ms.p95,
+            self.latency_ms.p99,
+            self.latency_ms.max,
+            self.missing,
+            self.duplicates,
+            self.cpu_seconds.api,
+            self.cpu_seconds.dispatcher,
+            self.cpu_seconds.postgres,
+            self.peak_rss_mib.api,
+            self.peak_rss_mib.dispatcher,
+            self.peak_rss_mib.postgres,
+        )
+    }
+}

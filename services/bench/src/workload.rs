@@ -1,0 +1,301 @@
+//! Workloads and the run: bring the system up as processes, publish, wait,
+//! measure, tear down.
+
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    path::PathBuf,
+    process::Stdio,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context, Result, bail};
+use relay_contracts::relay::admin::v1::{CreateApiKeyRequest, CreateEnvironmentRequest, admin_service_client::AdminServiceClient};
+use sqlx::{Connection, Executor};
+use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
+
+use crate::{
+    procs::{PeakSampler, Target},
+    receiver::Receiver,
+    report::Report,
+};
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Workload {
+    pub name: String,
+    pub events: usize,
+    pub publishers: usize,
+    pub healthy: usize,
+    pub hanging: usize,
+    pub failing: usize,
+    /// Pending-but-not-due deliveries seeded before the run (W3).
+    pub backlog: u64,
+    pub payload_bytes: usize,
+}
+
+impl Workload {
+    pub fn named(name: &str) -> Result<Self> {
+        let w = |events, publishers, healthy, hanging, failing, backlog| Workload {
+            name: name.to_owned(),
+            events,
+            publishers,
+            healthy,
+            hanging,
+            failing,
+            backlog,
+            payload_bytes: 1024,
+        };
+        Ok(match name {
+            "w1" => w(2_000, 32, 10, 0, 0, 0),
+            "w2" => w(500, 32, 10, 10, 10, 0),
+            "w2b" => w(1_500, 32, 10, 10, 10, 0),
+            "w3" => w(2_000, 32, 10, 0, 0, 1_000_000),
+            // What CI runs so the benchmark keeps working.
+            "smoke" => w(200, 8, 3, 1, 1, 0),
+            other => bail!("unknown workload {other:?}: w1, w2, w2b, w3 or smoke"),
+        })
+    }
+
+    fn endpoints(&self) -> usize {
+        self.healthy + self.hanging + self.failing
+    }
+}
+
+pub struct Env {
+    pub pg_admin_url: String,
+    pub nats_url: String,
+    pub bin_dir: PathBuf,
+}
+
+/// Held for its `kill_on_drop`: dropping it stops the process.
+struct Child(#[allow(dead_code)] tokio::process::Child);
+
+impl Child {
+    fn spawn(bin: PathBuf, env: &[(&str, String)], log: PathBuf) -> Result<(Self, u32)> {
+        let out = std::fs::File::create(&log)?;
+        let child = tokio::process::Command::new(&bin)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .env("RELAY_LOG", "warn")
+            .stdout(Stdio::from(out.try_clone()?))
+            .stderr(Stdio::from(out))
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let pid = child.id().context("no pid")?;
+        Ok((Self(child), pid))
+    }
+}
+
+async fn free_port() -> Result<SocketAddr> {
+    Ok(tokio::net::TcpListener::bind("127.0.0.1:0").await?.local_addr()?)
+}
+
+pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let tag = format!("bench_{}", uuid::Uuid::new_v4().simple().to_string().get(..10).unwrap_or("x"));
+    let db_url = env.pg_admin_url.rsplit_once('/').map(|(base, _)| format!("{base}/{tag}")).context("a database URL")?;
+    let mut admin_conn = sqlx::PgConnection::connect(&env.pg_admin_url).await.context("connecting to Postgres")?;
+    admin_conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {tag}"))).await?;
+    let work = std::env::temp_dir().join(&tag);
+    relay_devkit::generate_pki()?.write(&work)?;
+    let (grpc, rest, internal) = (free_port().await?, free_port().await?, free_port().await?);
+    let prefix = format!("{tag}_");
+    let api_env = vec![
+        ("DATABASE_URL", db_url.clone()),
+        ("RELAY_NATS_URL", env.nats_url.clone()),
+        ("RELAY_STREAM_PREFIX", prefix.clone()),
+        ("RELAY_TLS_CLIENT_CA", work.join("ca.pem").display().to_string()),
+        ("RELAY_TLS_CERT", work.join("api.pem").display().to_string()),
+        ("RELAY_TLS_KEY", work.join("api-key.pem").display().to_string()),
+        ("RELAY_GRPC_ADDR", grpc.to_string()),
+        ("RELAY_REST_ADDR", rest.to_string()),
+        ("RELAY_INTERNAL_ADDR", internal.to_string()),
+        ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
+        ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
+    ];
+    let (api, api_pid) = Child::spawn(env.bin_dir.join("relay-api"), &api_env, work.join("api.log"))?;
+    let rest_url = format!("http://{rest}");
+    let http = reqwest::Client::builder().pool_max_idle_per_host(w.publishers).build()?;
+    wait_healthy(&http, &rest_url).await?;
+    let dispatcher_env = vec![
+        ("RELAY_NATS_URL", env.nats_url.clone()),
+        ("RELAY_STREAM_PREFIX", prefix.clone()),
+        ("RELAY_API_INTERNAL_URL", format!("https://127.0.0.1:{}", internal.port())),
+        ("RELAY_TLS_CA", work.join("ca.pem").display().to_string()),
+        ("RELAY_TLS_CERT", work.join("dispatcher.pem").display().to_string()),
+        ("RELAY_TLS_KEY", work.join("dispatcher-key.pem").display().to_string()),
+        ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
+        ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
+    ];
+    let (dispatcher, dispatcher_pid) = Child::spawn(env.bin_dir.join("relay-dispatcher"), &dispatcher_env, work.join("dispatcher.log"))?;
+
+    // The tenant, through the operator's AdminService.
+    let read = |f: &str| std::fs::read(work.join(f)).with_context(|| format!("reading {f}"));
+    let tls = ClientTlsConfig::new()
+        .ca_certificate(Certificate::from_pem(read("ca.pem")?))
+        .identity(Identity::from_pem(read("operator.pem")?, read("operator-key.pem")?))
+        .domain_name(relay_devkit::API_TLS_NAME);
+    let channel = Channel::from_shared(format!("https://127.0.0.1:{}", internal.port()))?.tls_config(tls)?.connect().await?;
+    let mut admin = AdminServiceClient::new(channel);
+    let environment = admin
+        .create_environment(CreateEnvironmentRequest { name: format!("bench-{}", w.name), endpoint_quota: w.endpoints() as u32 })
+        .await?
+        .into_inner()
+        .environment
+        .context("no environment")?;
+    let key =
+        admin.create_api_key(CreateApiKeyRequest { environment_id: environment.id.clone(), name: "bench".into() }).await?.into_inner().key;
+
+    let receiver = Receiver::start().await?;
+    let mut healthy_paths = Vec::new();
+    let mut paths = Vec::new();
+    for i in 0..w.healthy {
+        healthy_paths.push(format!("/ok/{i}"));
+        paths.push(format!("/ok/{i}"));
+    }
+    for i in 0..w.hanging {
+        paths.push(format!("/hang/600/{i}"));
+    }
+    for i in 0..w.failing {
+        paths.push(format!("/status/500/{i}"));
+    }
+    for p in &paths {
+        let resp = http
+            .post(format!("{rest_url}/v1/webhooks"))
+            .bearer_auth(&key)
+            .json(&serde_json::json!({"url": receiver.url(p), "event_types": ["bench.event"]}))
+            .send()
+            .await?;
+        anyhow::ensure!(resp.status().as_u16() == 201, "creating an endpoint: {} {}", resp.status(), resp.text().await?);
+    }
+    if w.backlog > 0 {
+        seed_backlog(&db_url, &environment.id, w.backlog).await?;
+    }
+
+    // Measure from here.
+    let targets = vec![Target::Pid(api_pid), Target::Pid(dispatcher_pid), Target::Named("postgres")];
+    let cpu_before: Vec<f64> = targets.iter().map(Target::cpu).collect();
+    let sampler = PeakSampler::start(targets.clone(), Duration::from_millis(100));
+    let ids: Arc<Vec<String>> = Arc::new((0..w.events).map(|_| uuid::Uuid::new_v4().to_string()).collect());
+    let filler = "x".repeat(w.payload_bytes.saturating_sub(120));
+    let next = Arc::new(AtomicUsize::new(0));
+    let started = Instant::now();
+    let mut publishers = Vec::new();
+    for _ in 0..w.publishers {
+        let (http, ids, next, key, url, filler) = (http.clone(), ids.clone(), next.clone(), key.clone(), rest_url.clone(), filler.clone());
+        publishers.push(tokio::spawn(async move {
+            let mut sent: Vec<(usize, Instant)> = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= ids.len() {
+                    return anyhow::Ok(sent);
+                }
+                let body = serde_json::json!({"id": ids[i], "type": "bench.event", "payload": {"n": i, "data": filler}});
+                let at = Instant::now();
+                let resp = http.post(format!("{url}/v1/events")).bearer_auth(&key).json(&body).send().await?;
+                anyhow::ensure!(resp.status().as_u16() == 202, "publishing: {}", resp.status());
+                sent.push((i, at));
+            }
+        }));
+    }
+    let mut published_at: HashMap<String, Instant> = HashMap::with_capacity(w.events);
+    for p in publishers {
+        for (i, at) in p.await?? {
+            published_at.insert(ids[i].clone(), at);
+        }
+    }
+    let publish_done = Instant::now();
+
+    // Wait for every healthy delivery, or until progress stops.
+    let expected = w.events * w.healthy;
+    let (mut last_count, mut last_progress) = (0usize, Instant::now());
+    loop {
+        let count = {
+            let a = receiver.arrivals.lock().expect("not poisoned");
+            a.by_key.keys().filter(|(p, _)| p.starts_with("/ok/")).count()
+        };
+        if count >= expected {
+            break;
+        }
+        if count > last_count {
+            (last_count, last_progress) = (count, Instant::now());
+        } else if last_progress.elapsed() > Duration::from_secs(60) {
+            eprintln!("no progress for 60 s: {count} of {expected} healthy deliveries arrived");
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let cpu_after: Vec<f64> = targets.iter().map(Target::cpu).collect();
+    let peaks = sampler.finish().await;
+
+    let report = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, &cpu_before, &cpu_after, &peaks);
+    drop(dispatcher);
+    drop(api);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let _ = admin_conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {tag} WITH (FORCE)"))).await;
+    delete_streams(&env.nats_url, &prefix).await;
+    let _ = std::fs::remove_dir_all(&work);
+    Ok(report)
+}
+
+async fn delete_streams(url: &str, prefix: &str) {
+    if let Ok(client) = async_nats::connect(url).await {
+        let js = async_nats::jetstream::new(client);
+        for s in ["EVENTS", "DELIVERIES"] {
+            let _ = js.delete_stream(format!("{prefix}{s}")).await;
+        }
+    }
+}
+
+async fn wait_healthy(http: &reqwest::Client, rest: &str) -> Result<()> {
+    for _ in 0..300 {
+        if http.get(format!("{rest}/healthz")).send().await.is_ok_and(|r| r.status().is_success()) {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bail!("the api did not come up on {rest}")
+}
+
+/// W3's backlog: pending deliveries due tomorrow, on endpoints of their own,
+/// written straight into the table (the API would take hours to make them).
+async fn seed_backlog(db_url: &str, environment_id: &str, rows: u64) -> Result<()> {
+    let mut c = sqlx::PgConnection::connect(db_url).await?;
+    let endpoints = 1000u64;
+    let events = rows.div_ceil(endpoints);
+    let env: uuid::Uuid = environment_id.parse()?;
+    sqlx::query(
+        "INSERT INTO webhook_endpoints (id, environment_id, url, event_types, secret_key_id, secret_ciphertext)
+         SELECT gen_random_uuid(), $1, 'http://127.0.0.1:9/backlog', ARRAY['backlog.event'], 'dev', '\\x00'::bytea
+         FROM generate_series(1, $2)",
+    )
+    .bind(env)
+    .bind(endpoints as i64)
+    .execute(&mut c)
+    .await?;
+    sqlx::query(
+        "INSERT INTO events (id, environment_id, event_type, envelope, published_at)
+         SELECT gen_random_uuid(), $1, 'backlog.event', '\\x7b7d'::bytea, now() FROM generate_series(1, $2)",
+    )
+    .bind(env)
+    .bind(events as i64)
+    .execute(&mut c)
+    .await?;
+    sqlx::query(
+        "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, next_attempt_at)
+         SELECT gen_random_uuid(), $1, e.id, v.id, now() + interval '1 day'
+         FROM (SELECT id FROM events WHERE environment_id = $1 AND event_type = 'backlog.event') v
+         CROSS JOIN (SELECT id FROM webhook_endpoints WHERE environment_id = $1 AND url = 'http://127.0.0.1:9/backlog') e
+         LIMIT $2",
+    )
+    .bind(env)
+    .bind(rows as i64)
+    .execute(&mut c)
+    .await?;
+    c.execute("ANALYZE webhook_deliveries").await?;
+    Ok(())
+}
