@@ -33,10 +33,9 @@ use relay_contracts::{
 };
 use sqlx::postgres::PgPoolOptions;
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
-use tokio_stream::wrappers::TcpListenerStream;
 use tonic::{
     service::Routes,
-    transport::{Certificate, Identity, Server, ServerTlsConfig},
+    transport::{Certificate, Identity, Server, ServerTlsConfig, server::TcpIncoming},
 };
 
 use crate::{
@@ -171,7 +170,8 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             .add_service(WebhookEndpointServiceServer::new(tenant.clone()))
             .add_service(EventServiceServer::new(tenant.clone()))
             .add_service(DeadLetterServiceServer::new(tenant.clone()));
-        let incoming = TcpListenerStream::new(listeners.grpc);
+        // Small gRPC frames must not wait for Nagle's algorithm.
+        let incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
         let stop = stopped(stop_rx.clone());
         tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("tenant gRPC server") });
     }
@@ -197,7 +197,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             .add_service(WebhookEndpointServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
             .add_service(EventServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
             .add_service(DeadLetterServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity));
-        let incoming = TcpListenerStream::new(listeners.internal);
+        let incoming = TcpIncoming::from(listeners.internal).with_nodelay(Some(true));
         let stop = stopped(stop_rx.clone());
         tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("internal gRPC server") });
     }
@@ -216,7 +216,10 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             }),
         );
         let stop = stopped(stop_rx.clone());
-        let listener = listeners.rest;
+        use axum::serve::ListenerExt;
+        let listener = listeners.rest.tap_io(|tcp| {
+            let _ = tcp.set_nodelay(true);
+        });
         tasks.spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await.context("REST server") });
     }
 

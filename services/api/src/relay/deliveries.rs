@@ -96,15 +96,16 @@ impl DeliveryRelay {
     pub async fn drain_once(&self) -> Result<usize> {
         let mut tx = self.app.db.begin().await?;
         let candidates: Vec<DueRow> = sqlx::query_as(
-            "SELECT d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation,
-                    d.dispatched_at IS NOT NULL AS released,
-                    (SELECT count(*) FROM webhook_deliveries x
-                      WHERE x.endpoint_id = d.endpoint_id AND x.state = 'pending' AND x.dispatched_at IS NOT NULL) AS outstanding
-             FROM webhook_deliveries d
+            // Outstanding attempts are counted once per endpoint (a small
+            // partial index of leased rows), not once per scanned row.
+            "WITH busy AS (
+               SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
+               WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id)
+             SELECT d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation,
+                    d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding
+             FROM webhook_deliveries d LEFT JOIN busy b ON b.endpoint_id = d.endpoint_id
              WHERE d.state = 'pending' AND d.next_attempt_at <= now()
-               AND (d.dispatched_at IS NOT NULL
-                    OR (SELECT count(*) FROM webhook_deliveries x
-                         WHERE x.endpoint_id = d.endpoint_id AND x.state = 'pending' AND x.dispatched_at IS NOT NULL) < $2)
+               AND (d.dispatched_at IS NOT NULL OR coalesce(b.n, 0) < $2)
              ORDER BY d.next_attempt_at LIMIT $1 FOR UPDATE OF d SKIP LOCKED",
         )
         .bind(self.batch)
