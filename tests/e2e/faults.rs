@@ -222,3 +222,24 @@ async fn two_apis_and_two_dispatchers_share_the_work_and_send_each_delivery_once
     }
     stack.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deliveries_ack_wait_is_derived_from_the_attempt_timeout_and_follows_its_changes() -> anyhow::Result<()> {
+    let mut stack =
+        Stack::start(Options { attempt_timeout: Duration::from_secs(2), seam_timeout: Duration::from_secs(1), ..Options::default() }).await?;
+    let info = eventually(Duration::from_secs(10), || async { stack.consumer_info(true).await.ok() }).await.expect("the consumer exists");
+    assert_eq!(info.config.ack_wait, Duration::from_secs(3), "attempt timeout + seam timeout");
+    assert!(info.config.ack_wait > Duration::from_secs(2), "always longer than an attempt");
+    assert_eq!(info.config.max_deliver, 50, "the broker's own redelivery budget, not the customer's seven attempts");
+
+    // A dispatcher deployed with a longer attempt timeout brings the broker along.
+    let mut longer = stack.dispatcher_config();
+    longer.attempt_timeout = Duration::from_secs(10);
+    stack.start_dispatcher_with(longer).await?;
+    let updated = eventually(Duration::from_secs(10), || async {
+        stack.consumer_info(true).await.ok().filter(|i| i.config.ack_wait == Duration::from_secs(11))
+    })
+    .await;
+    assert!(updated.is_some(), "the consumer's ack wait follows the configuration");
+    stack.stop().await
+}

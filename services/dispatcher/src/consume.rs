@@ -40,6 +40,20 @@ fn retry_later(msg: &Message) -> AckKind {
 /// A lane with nothing to do for this long closes.
 const LANE_IDLE: Duration = Duration::from_secs(30);
 
+/// Creates the durable consumer, or updates it to this configuration (ack
+/// wait, redelivery budget and ack-pending limit follow the current config
+/// rather than whatever the first dispatcher ever created).
+async fn durable(stream: &jetstream::stream::Stream, config: pull::Config) -> Result<jetstream::consumer::PullConsumer> {
+    let name = config.durable_name.clone().unwrap_or_default();
+    match stream.create_consumer(config).await {
+        Ok(c) => Ok(c),
+        Err(e) => {
+            tracing::warn!(consumer = %name, error = %e, "could not apply the consumer configuration; using the existing consumer");
+            stream.get_consumer(&name).await.map_err(|e| anyhow::anyhow!("{e}")).context("getting the consumer")
+        }
+    }
+}
+
 async fn settle(msg: &Message, kind: AckKind) {
     if let Err(e) = msg.ack_with(kind).await {
         tracing::warn!(error = %e, "settling a message with the broker failed; it will be redelivered");
@@ -54,21 +68,19 @@ pub async fn expand_loop(
     mut stop: watch::Receiver<bool>,
 ) -> Result<()> {
     let stream = js.get_stream(names.events_stream()).await.context("EVENTS stream")?;
-    let consumer = stream
-        .get_or_create_consumer(
-            &names.expand_durable(),
-            pull::Config {
-                durable_name: Some(names.expand_durable()),
-                filter_subject: names.all_events(),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: cfg.events_ack_wait(),
-                max_deliver: MAX_DELIVER,
-                max_ack_pending: 1000,
-                ..Default::default()
-            },
-        )
-        .await
-        .context("creating the expand consumer")?;
+    let consumer = durable(
+        &stream,
+        pull::Config {
+            durable_name: Some(names.expand_durable()),
+            filter_subject: names.all_events(),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: cfg.events_ack_wait(),
+            max_deliver: MAX_DELIVER,
+            max_ack_pending: 1000,
+            ..Default::default()
+        },
+    )
+    .await?;
     let mut messages = consumer.messages().await.context("subscribing to EVENTS")?;
     let permits = Arc::new(Semaphore::new(cfg.max_expanding));
     loop {
@@ -132,21 +144,19 @@ pub async fn deliver_loop(
     mut stop: watch::Receiver<bool>,
 ) -> Result<()> {
     let stream = js.get_stream(names.deliveries_stream()).await.context("DELIVERIES stream")?;
-    let consumer = stream
-        .get_or_create_consumer(
-            &names.deliver_durable(),
-            pull::Config {
-                durable_name: Some(names.deliver_durable()),
-                filter_subject: names.all_deliveries(),
-                ack_policy: jetstream::consumer::AckPolicy::Explicit,
-                ack_wait: cfg.deliveries_ack_wait(),
-                max_deliver: MAX_DELIVER,
-                max_ack_pending: 10_000,
-                ..Default::default()
-            },
-        )
-        .await
-        .context("creating the deliveries consumer")?;
+    let consumer = durable(
+        &stream,
+        pull::Config {
+            durable_name: Some(names.deliver_durable()),
+            filter_subject: names.all_deliveries(),
+            ack_policy: jetstream::consumer::AckPolicy::Explicit,
+            ack_wait: cfg.deliveries_ack_wait(),
+            max_deliver: MAX_DELIVER,
+            max_ack_pending: 10_000,
+            ..Default::default()
+        },
+    )
+    .await?;
     let mut messages = consumer.messages().await.context("subscribing to DELIVERIES")?;
     let sender = crate::http_client::build(
         Arc::new(cfg.url_policy.clone()),
