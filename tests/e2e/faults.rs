@@ -144,13 +144,21 @@ async fn stopping_nats_while_events_are_published_loses_nothing() -> anyhow::Res
     }
     assert_eq!(receiver.wait_at("/n", 5, Duration::from_secs(20)).await.len(), 5);
 
+    let http = reqwest::Client::new();
+    let ready = || async { http.get(format!("{}/readyz", stack.rest_url)).send().await.map(|r| r.status().as_u16()).unwrap_or(0) };
+    assert_eq!(ready().await, 200, "ready while Postgres and NATS answer");
     nats.stop().await?;
+    assert!(
+        eventually(Duration::from_secs(10), || async { (ready().await == 503).then_some(()) }).await.is_some(),
+        "not ready without the broker"
+    );
     for i in 5..15 {
         published.insert(rest.publish("n", json!({"i": i})).await?); // the api keeps accepting
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(receiver.at("/n").len(), 5, "nothing can move while the broker is down");
     nats.resume().await?;
+    assert!(eventually(Duration::from_secs(20), || async { (ready().await == 200).then_some(()) }).await.is_some(), "ready again");
 
     let got = receiver.wait_at("/n", 15, Duration::from_secs(60)).await;
     tokio::time::sleep(Duration::from_millis(1500)).await;
@@ -226,7 +234,8 @@ async fn two_apis_and_two_dispatchers_share_the_work_and_send_each_delivery_once
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_deliveries_ack_wait_is_derived_from_the_attempt_timeout_and_follows_its_changes() -> anyhow::Result<()> {
     let mut stack =
-        Stack::start(Options { attempt_timeout: Duration::from_secs(2), seam_timeout: Duration::from_secs(1), ..Options::default() }).await?;
+        Stack::start(Options { attempt_timeout: Duration::from_secs(2), seam_timeout: Duration::from_secs(1), ..Options::default() })
+            .await?;
     let info = eventually(Duration::from_secs(10), || async { stack.consumer_info(true).await.ok() }).await.expect("the consumer exists");
     assert_eq!(info.config.ack_wait, Duration::from_secs(3), "attempt timeout + seam timeout");
     assert!(info.config.ack_wait > Duration::from_secs(2), "always longer than an attempt");

@@ -208,13 +208,21 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             .add_service(EventServiceServer::new(tenant.clone()))
             .add_service(DeadLetterServiceServer::new(tenant));
         let spec = openapi::rendered()?;
-        let router = rest::router(grpc)?.route("/healthz", axum::routing::get(|| async { "ok" })).route(
-            "/openapi.json",
-            axum::routing::get(move || {
-                let spec = spec.clone();
-                async move { ([(http::header::CONTENT_TYPE, "application/json")], spec) }
-            }),
-        );
+        let ready = {
+            let (db, js) = (app.db.clone(), js.clone());
+            move || {
+                let (db, js) = (db.clone(), js.clone());
+                async move { readiness(&db, &js).await }
+            }
+        };
+        let router =
+            rest::router(grpc)?.route("/healthz", axum::routing::get(|| async { "ok" })).route("/readyz", axum::routing::get(ready)).route(
+                "/openapi.json",
+                axum::routing::get(move || {
+                    let spec = spec.clone();
+                    async move { ([(http::header::CONTENT_TYPE, "application/json")], spec) }
+                }),
+            );
         let stop = stopped(stop_rx.clone());
         use axum::serve::ListenerExt;
         let listener = listeners.rest.tap_io(|tcp| {
@@ -224,6 +232,15 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     }
 
     Ok(RunningApi { shutdown: stop_tx, tasks })
+}
+
+/// Ready means able to take writes and move them on: Postgres answers and
+/// the broker connection is up. (Alive, `/healthz`, only means the process runs.)
+async fn readiness(db: &sqlx::PgPool, js: &async_nats::jetstream::Context) -> (http::StatusCode, String) {
+    let pg = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(db).await.is_ok();
+    let nats = js.client().connection_state() == async_nats::connection::State::Connected;
+    let body = format!("{{\"postgres\":{pg},\"nats\":{nats}}}");
+    if pg && nats { (http::StatusCode::OK, body) } else { (http::StatusCode::SERVICE_UNAVAILABLE, body) }
 }
 
 fn reflection_builder(services: &[&str]) -> tonic_reflection::server::Builder<'static> {

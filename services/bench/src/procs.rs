@@ -6,20 +6,24 @@ use std::{fs, time::Duration};
 /// Clock ticks per second for /proc/<pid>/stat times (Linux's USER_HZ).
 const TICKS: f64 = 100.0;
 
-/// CPU seconds (user + system) a process has used, children excluded.
+/// CPU seconds (user + system) a process has used, plus what its exited
+/// children used (so Postgres backends that come and go are still counted,
+/// through the postmaster that reaped them).
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
     let stat = fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // The command name may hold spaces; fields resume after its ')'.
     let rest = &stat[stat.rfind(')')? + 2..];
     let f: Vec<&str> = rest.split_whitespace().collect();
-    let (utime, stime): (f64, f64) = (f.get(11)?.parse().ok()?, f.get(12)?.parse().ok()?);
-    Some((utime + stime) / TICKS)
+    let field = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok());
+    Some((field(11)? + field(12)? + field(13)? + field(14)?) / TICKS)
 }
 
-/// Resident set size in bytes.
+/// Proportional set size in bytes: shared pages are divided among the
+/// processes sharing them, so summing over Postgres's processes does not
+/// count its shared buffers once per backend.
 pub fn rss_bytes(pid: u32) -> Option<u64> {
-    let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let rollup = fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    let line = rollup.lines().find(|l| l.starts_with("Pss:"))?;
     Some(line.split_whitespace().nth(1)?.parse::<u64>().ok()? * 1024)
 }
 

@@ -104,7 +104,7 @@ impl Report {
         }
     }
 
-    pub const MARKDOWN_HEADER: &str = "| workload | events | endpoints (ok/hang/500) | events/s accepted | deliveries/s | p50 ms | p95 ms | p99 ms | max ms | missing | duplicates | CPU s api/disp/pg | peak RSS MiB api/disp/pg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+    pub const MARKDOWN_HEADER: &str = "| workload | events | endpoints (ok/hang/500) | events/s accepted | deliveries/s | p50 ms | p95 ms | p99 ms | max ms | missing | duplicates | CPU s api/disp/pg | peak memory (PSS) MiB api/disp/pg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
     pub fn markdown_row(&self) -> String {
         let w = &self.workload;
