@@ -252,3 +252,33 @@ async fn the_deliveries_ack_wait_is_derived_from_the_attempt_timeout_and_follows
     assert!(updated.is_some(), "the consumer's ack wait follows the configuration");
     stack.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn deliveries_written_by_one_api_wake_the_relay_of_another() -> anyhow::Result<()> {
+    // The main api runs the relays but would sleep 60 s when idle; the replica
+    // serves the seam and runs no relay. Only a cross-process wake-up can
+    // get the delivery sent promptly.
+    let mut stack = Stack::start(Options { dispatcher: false, relay_idle: Duration::from_secs(60), ..Options::default() }).await?;
+    let mut serving_only = stack.api_config();
+    serving_only.run_relays = false;
+    let (_, replica_internal) = stack.start_api_replica_with(serving_only).await?;
+    let mut via_replica = stack.dispatcher_config();
+    via_replica.api_url = replica_internal;
+    stack.start_dispatcher_with(via_replica).await?;
+    let tenant = stack.tenant("wake").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/w"), &["w"]).await?;
+    // Let the relay fall into its long idle sleep, then publish.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let published = std::time::Instant::now();
+    rest.publish("w", json!({})).await?;
+    let got = receiver.wait_at("/w", 1, Duration::from_secs(10)).await;
+    assert_eq!(got.len(), 1, "the delivery expanded by the replica was sent");
+    assert!(
+        got[0].at - published < Duration::from_secs(5),
+        "woken across processes, not by the 60 s idle timer: {:?}",
+        got[0].at - published
+    );
+    stack.stop().await
+}

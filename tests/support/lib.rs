@@ -66,6 +66,8 @@ pub struct Options {
     pub egress_proxy: Option<String>,
     /// `RELAY_SECRET_KEYS` for the api; the development key when `None`.
     pub secret_keys: Option<String>,
+    /// How long an idle relay sleeps when nothing wakes it.
+    pub relay_idle: Duration,
 }
 
 impl Default for Options {
@@ -84,6 +86,7 @@ impl Default for Options {
             dispatcher_resolver: None,
             egress_proxy: None,
             secret_keys: None,
+            relay_idle: Duration::from_millis(500),
         }
     }
 }
@@ -175,10 +178,11 @@ impl Stack {
             resolver: opts.api_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
             schedule: opts.retry_tiers.clone(),
             delivery_lease: Duration::from_secs(60),
-            relay_idle: Duration::from_millis(500),
+            relay_idle: opts.relay_idle,
             relay_batch: 200,
             endpoint_in_flight_cap: opts.endpoint_cap,
             run_migrations: true,
+            run_relays: true,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_millis(200),
         };
@@ -231,9 +235,19 @@ impl Stack {
     /// Starts another api on the same database and streams, on its own
     /// ports; returns its REST and internal URLs.
     pub async fn start_api_replica(&mut self) -> Result<(String, String)> {
+        let cfg = self.api_cfg.clone();
+        self.start_api_replica_with(cfg).await
+    }
+
+    /// The api's configuration for this stack, to vary for a replica.
+    pub fn api_config(&self) -> ApiConfig {
+        self.api_cfg.clone()
+    }
+
+    pub async fn start_api_replica_with(&mut self, cfg: ApiConfig) -> Result<(String, String)> {
         let addrs = relay_api::config::ListenAddrs { grpc: free_addr().await?, rest: free_addr().await?, internal: free_addr().await? };
         let l = listeners(&addrs).await?;
-        self.replicas.push(relay_api::run(self.api_cfg.clone(), l).await?);
+        self.replicas.push(relay_api::run(cfg, l).await?);
         Ok((format!("http://{}", addrs.rest), format!("https://127.0.0.1:{}", addrs.internal.port())))
     }
 

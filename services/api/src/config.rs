@@ -48,6 +48,9 @@ pub struct ApiConfig {
     /// Attempts one endpoint may have handed out and unreported at once.
     pub endpoint_in_flight_cap: i64,
     pub run_migrations: bool,
+    /// Run the outbox and delivery relays in this process (`RELAY_RUN_RELAYS`,
+    /// default true); an api can also serve requests only.
+    pub run_relays: bool,
     pub dead_letter_retention: Duration,
     /// How often dead letters past their retention are deleted.
     pub dead_letter_prune_every: Duration,
@@ -131,6 +134,7 @@ impl ApiConfig {
                 .context("RELAY_ENDPOINT_IN_FLIGHT_CAP")?
                 .unwrap_or(20),
             run_migrations: !flag("RELAY_SKIP_MIGRATIONS")?,
+            run_relays: std::env::var("RELAY_RUN_RELAYS").map(|v| v != "false" && v != "0" && v != "off").unwrap_or(true),
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_secs(600),
         };

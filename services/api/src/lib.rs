@@ -113,7 +113,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
 
-    {
+    if cfg.run_relays {
         let (js, names, app, rx) = (js.clone(), names.clone(), app.clone(), stop_rx.clone());
         let (batch, idle, lease, endpoint_cap) = (cfg.relay_batch, cfg.relay_idle, cfg.delivery_lease, cfg.endpoint_in_flight_cap);
         tasks.spawn(async move {
@@ -122,8 +122,9 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 return Ok(());
             }
             let outbox = OutboxRelay { app: app.clone(), js: js.clone(), names: names.clone(), batch, idle };
+            let listen = DeliveryRelay::listen(app.clone(), rx.clone());
             let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap };
-            tokio::join!(outbox.run(rx.clone()), deliveries.run(rx));
+            tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen);
             Ok(())
         });
     }

@@ -123,6 +123,16 @@ fn truncate(mut s: String, max: usize) -> String {
     s
 }
 
+/// The Postgres channel that says "deliveries are due now". Every api
+/// process's delivery relay listens, so a row written by one api wakes the
+/// relays of all of them; delivered at commit, so never before the rows exist.
+pub const DUE_CHANNEL: &str = "relay_deliveries_due";
+
+async fn notify_due(tx: &mut sqlx::PgConnection) -> AppResult<()> {
+    sqlx::query("SELECT pg_notify($1, '')").bind(DUE_CHANNEL).execute(&mut *tx).await?;
+    Ok(())
+}
+
 impl App {
     /// One delivery per matching endpoint, exactly once: the ledger claim and
     /// the rows commit together, so a redelivered event is a no-op.
@@ -162,6 +172,9 @@ impl App {
         .execute(&mut *tx)
         .await?
         .rows_affected();
+        if created > 0 {
+            notify_due(&mut tx).await?;
+        }
         tx.commit().await.context("committing an expansion")?;
         if created > 0 {
             self.deliveries_wake.wake();
@@ -387,6 +400,7 @@ impl App {
                 format!("delivery {delivery_id} is no longer dead: it was already replayed"),
             ));
         }
+        notify_due(&mut tx).await?;
         tx.commit().await.context("committing a replay")?;
         self.deliveries_wake.wake();
         Ok(delivery_id)

@@ -48,6 +48,15 @@ struct DueRow {
     outstanding: i64,
 }
 
+async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
+    let mut l = sqlx::postgres::PgListener::connect_with(&app.db).await?;
+    l.listen(crate::app::deliveries::DUE_CHANNEL).await?;
+    loop {
+        l.recv().await?;
+        app.deliveries_wake.wake();
+    }
+}
+
 impl DeliveryRelay {
     pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
         let mut failures = 0u32;
@@ -83,6 +92,25 @@ impl DeliveryRelay {
             };
             if super::idle(&self.app.deliveries_wake, sleep, &mut shutdown).await {
                 return;
+            }
+        }
+    }
+
+    /// Wakes this relay whenever any api process commits due deliveries.
+    /// sqlx's listener reconnects by itself; the idle interval covers the gap.
+    pub async fn listen(app: App, mut shutdown: watch::Receiver<bool>) {
+        let mut failures = 0u32;
+        loop {
+            tokio::select! {
+                r = listen_once(&app) => {
+                    failures += 1;
+                    tracing::warn!(error = ?r.err(), "listening for due deliveries failed; relying on the idle interval meanwhile");
+                    tokio::select! {
+                        _ = tokio::time::sleep(super::backoff(failures)) => {}
+                        _ = shutdown.changed() => return,
+                    }
+                }
+                _ = shutdown.changed() => return,
             }
         }
     }
