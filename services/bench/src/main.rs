@@ -44,16 +44,15 @@ async fn main() -> Result<()> {
         rows.push(r.markdown_row());
         bad |= r.missing > 0 || r.duplicates > 0;
     }
-    let table = format!("Machine: {}\n\n{}\n", relay_bench_machine(), rows.join("\n"));
+    let table = format!(
+        "Machine: {}; everything (Postgres, NATS, api, dispatcher, receiver, driver) on it\n\n{}\n",
+        relay_bench::report::machine(),
+        rows.join("\n")
+    );
     std::fs::write(out.join("results.md"), &table)?;
     println!("{table}");
     if bad {
         anyhow::bail!("deliveries were missing or duplicated");
     }
     Ok(())
-}
-
-fn relay_bench_machine() -> String {
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
-    format!("{cpus} cores, everything (Postgres, NATS, api, dispatcher, receiver, driver) on one machine")
 }

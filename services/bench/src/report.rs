@@ -43,7 +43,8 @@ fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1000.0 * 10.0).round() / 10.0
 }
 
-fn machine() -> String {
+/// The machine a run measured: cores, CPU model, memory.
+pub fn machine() -> String {
     let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0);
     let model = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
