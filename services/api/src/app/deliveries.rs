@@ -110,6 +110,9 @@ struct OutcomeRow {
     generation: i32,
     state: String,
     next_attempt_at: Timestamp,
+    /// The decision already recorded for this very attempt, if any.
+    recorded_decision: Option<String>,
+    recorded_next_attempt_at: Option<Timestamp>,
 }
 
 fn truncate(mut s: String, max: usize) -> String {
@@ -236,25 +239,23 @@ impl App {
     /// twice for one attempt.
     pub async fn record_outcome(&self, report: AttemptReport) -> AppResult<Decision> {
         let mut tx = self.db.begin().await?;
+        // The delivery, locked, and whatever was already recorded for this
+        // attempt: one round trip.
         let row = sqlx::query_as::<_, OutcomeRow>(
-            "SELECT environment_id, endpoint_id, event_id, attempt, generation, state, next_attempt_at
-             FROM webhook_deliveries WHERE id = $1 FOR UPDATE",
-        )
-        .bind(report.delivery_id)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| AppError::not_found("delivery"))?;
-
-        let recorded: Option<(String, Option<Timestamp>)> = sqlx::query_as(
-            "SELECT decision, next_attempt_at FROM delivery_attempts WHERE delivery_id = $1 AND generation = $2 AND attempt = $3",
+            "SELECT d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state, d.next_attempt_at,
+                    a.decision AS recorded_decision, a.next_attempt_at AS recorded_next_attempt_at
+             FROM webhook_deliveries d
+             LEFT JOIN delivery_attempts a ON a.delivery_id = d.id AND a.generation = $2 AND a.attempt = $3
+             WHERE d.id = $1 FOR UPDATE OF d",
         )
         .bind(report.delivery_id)
         .bind(report.generation as i32)
         .bind(report.attempt as i32)
         .fetch_optional(&mut *tx)
-        .await?;
-        if let Some((decision, next)) = recorded {
-            return Ok(match (decision.as_str(), next) {
+        .await?
+        .ok_or_else(|| AppError::not_found("delivery"))?;
+        if let Some(decision) = &row.recorded_decision {
+            return Ok(match (decision.as_str(), row.recorded_next_attempt_at) {
                 ("delivered", _) => Decision::Delivered,
                 ("rescheduled", Some(next_attempt_at)) => Decision::Rescheduled { next_attempt_at },
                 _ => Decision::DeadLettered,
