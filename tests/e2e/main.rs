@@ -97,6 +97,13 @@ async fn one_signed_webhook_travels_through_every_component() -> anyhow::Result<
     let (_, none) = rest.call(Method::GET, &format!("/v1/events/{other_id}/deliveries"), None).await?;
     assert_eq!(none["deliveries"], json!([]), "an unsubscribed type creates no delivery");
 
+    // The operator's metrics saw the attempt, and label nothing secret.
+    let metrics = reqwest::get(&stack.metrics_url).await?.text().await?;
+    assert!(metrics.contains("relay_attempts_total{decision=\"delivered\"} 1"), "{metrics}");
+    assert!(metrics.contains("relay_attempt_latency_seconds_count{decision=\"delivered\"} 1"), "{metrics}");
+    assert!(metrics.contains("relay_queue_depth{queue=\"outbox_unpublished\"} 0"), "{metrics}");
+    assert!(!metrics.contains(&secret) && !metrics.contains(&tenant.api_key) && !metrics.contains("in_123"), "metrics leak: {metrics}");
+
     stack.stop().await
 }
 

@@ -112,6 +112,8 @@ pub struct Stack {
     pub internal_url: String,
     pub opts: Options,
     pub addrs: relay_api::config::ListenAddrs,
+    /// The in-process api's Prometheus endpoint.
+    pub metrics_url: String,
     api_cfg: ApiConfig,
     api: Option<RunningApi>,
     replicas: Vec<RunningApi>,
@@ -145,7 +147,7 @@ async fn listeners(addrs: &relay_api::config::ListenAddrs) -> Result<Listeners> 
         }
         .await;
         if let Ok((grpc, rest, internal)) = bound {
-            return Ok(Listeners { grpc, rest, internal });
+            return Ok(Listeners { grpc, rest, internal, metrics: None });
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -196,6 +198,7 @@ impl Stack {
             internal_url: format!("https://127.0.0.1:{}", addrs.internal.port()),
             opts: opts.clone(),
             addrs,
+            metrics_url: String::new(),
             api_cfg,
             api: None,
             replicas: Vec::new(),
@@ -219,7 +222,10 @@ impl Stack {
     /// Starts the api in-process on this stack's ports (again, after `stop_api`).
     pub async fn start_api(&mut self) -> Result<()> {
         anyhow::ensure!(self.api.is_none(), "the api is already running");
-        let l = listeners(&self.addrs).await?;
+        let mut l = listeners(&self.addrs).await?;
+        let metrics = TcpListener::bind("127.0.0.1:0").await?;
+        self.metrics_url = format!("http://{}/metrics", metrics.local_addr()?);
+        l.metrics = Some(metrics);
         self.api = Some(relay_api::run(self.api_cfg.clone(), l).await?);
         Ok(())
     }
@@ -328,6 +334,7 @@ impl Stack {
             ("RELAY_GRPC_ADDR", self.addrs.grpc.to_string()),
             ("RELAY_REST_ADDR", self.addrs.rest.to_string()),
             ("RELAY_INTERNAL_ADDR", self.addrs.internal.to_string()),
+            ("RELAY_METRICS_ADDR", "off".into()),
             ("RELAY_RETRY_TIERS", tiers.join(",")),
             ("RELAY_ENDPOINT_IN_FLIGHT_CAP", c.endpoint_in_flight_cap.to_string()),
             ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),

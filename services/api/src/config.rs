@@ -64,6 +64,16 @@ pub struct ListenAddrs {
     pub internal: SocketAddr,
 }
 
+/// The operator's metrics port: `RELAY_METRICS_ADDR` (default
+/// 127.0.0.1:9464; `off` disables it).
+pub fn metrics_addr_from_env() -> Result<Option<SocketAddr>> {
+    match var("RELAY_METRICS_ADDR").as_deref() {
+        Some("off") => Ok(None),
+        Some(v) => Ok(Some(v.parse().with_context(|| format!("RELAY_METRICS_ADDR must be host:port or off, got {v:?}"))?)),
+        None => Ok(Some("127.0.0.1:9464".parse().expect("valid"))),
+    }
+}
+
 pub const DEFAULT_ENDPOINT_QUOTA: i32 = 5;
 
 fn var(name: &str) -> Option<String> {

@@ -11,6 +11,7 @@ pub mod broker;
 pub mod config;
 pub mod error;
 pub mod grpc;
+pub mod metrics;
 pub mod openapi;
 pub mod relay;
 pub mod rest;
@@ -53,6 +54,8 @@ pub struct Listeners {
     pub grpc: TcpListener,
     pub rest: TcpListener,
     pub internal: TcpListener,
+    /// The operator's Prometheus port (`GET /metrics`), if any.
+    pub metrics: Option<TcpListener>,
 }
 
 /// A running api. Dropping it does not stop it; call `shutdown`.
@@ -105,6 +108,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         schedule: cfg.schedule.clone(),
         outbox_wake: Default::default(),
         deliveries_wake: Default::default(),
+        metrics: Default::default(),
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
@@ -230,6 +234,19 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             let _ = tcp.set_nodelay(true);
         });
         tasks.spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await.context("REST server") });
+    }
+
+    if let Some(listener) = listeners.metrics {
+        let app = app.clone();
+        let router = axum::Router::new().route(
+            "/metrics",
+            axum::routing::get(move || {
+                let app = app.clone();
+                async move { ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app).await) }
+            }),
+        );
+        let stop = stopped(stop_rx.clone());
+        tasks.spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await.context("metrics server") });
     }
 
     Ok(RunningApi { shutdown: stop_tx, tasks })

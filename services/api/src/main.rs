@@ -12,7 +12,12 @@ async fn main() -> Result<()> {
     let cfg = ApiConfig::from_env().context("invalid configuration")?;
     let addrs = ApiConfig::listen_addrs_from_env()?;
     let bind = |a| async move { TcpListener::bind(a).await.with_context(|| format!("binding {a}")) };
-    let listeners = Listeners { grpc: bind(addrs.grpc).await?, rest: bind(addrs.rest).await?, internal: bind(addrs.internal).await? };
+    let metrics = match relay_api::config::metrics_addr_from_env()? {
+        Some(a) => Some(bind(a).await?),
+        None => None,
+    };
+    let listeners =
+        Listeners { grpc: bind(addrs.grpc).await?, rest: bind(addrs.rest).await?, internal: bind(addrs.internal).await?, metrics };
     tracing::info!(grpc = %addrs.grpc, rest = %addrs.rest, internal = %addrs.internal, "relay-api listening");
     let mut api = relay_api::run(cfg, listeners).await?;
     tokio::select! {

@@ -114,6 +114,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
         ("RELAY_GRPC_ADDR", grpc.to_string()),
         ("RELAY_REST_ADDR", rest.to_string()),
         ("RELAY_INTERNAL_ADDR", internal.to_string()),
+        ("RELAY_METRICS_ADDR", "off".into()),
         ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
         ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
     ];

@@ -60,7 +60,7 @@ pub enum Decision {
 }
 
 impl Decision {
-    fn as_str(&self) -> &'static str {
+    pub fn as_str(&self) -> &'static str {
         match self {
             Self::Delivered => "delivered",
             Self::Rescheduled { .. } => "rescheduled",
@@ -359,6 +359,8 @@ impl App {
         .execute(&mut *tx)
         .await?;
         tx.commit().await.context("committing an outcome")?;
+        self.metrics.attempts.with_label_values(&[decision.as_str()]).inc();
+        self.metrics.attempt_latency.with_label_values(&[decision.as_str()]).observe(report.latency_ms as f64 / 1000.0);
         // Every outcome frees the endpoint's slot (the relay caps what an
         // endpoint has outstanding), and a reschedule may be due sooner than
         // the relay's current sleep: wake it either way.

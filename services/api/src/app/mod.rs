@@ -44,6 +44,7 @@ pub struct App {
     pub schedule: RetrySchedule,
     pub outbox_wake: Wake,
     pub deliveries_wake: Wake,
+    pub metrics: crate::metrics::Metrics,
 }
 
 /// An environment, resolved from a verified credential.

@@ -1,0 +1,67 @@
+//! Prometheus metrics, served as text on the operator's metrics port.
+//! Labels carry decisions and never a secret, key, URL or payload.
+
+use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use crate::app::App;
+
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Attempts recorded, by decision (delivered, rescheduled, dead_lettered).
+    pub attempts: IntCounterVec,
+    /// Attempt latency as the dispatcher measured it, by decision.
+    pub attempt_latency: HistogramVec,
+    depths: IntGaugeVec,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let registry = Registry::new();
+        let attempts = IntCounterVec::new(Opts::new("relay_attempts_total", "Delivery attempts recorded, by decision"), &["decision"])
+            .expect("valid metric");
+        let attempt_latency = HistogramVec::new(
+            HistogramOpts::new("relay_attempt_latency_seconds", "Attempt latency (request to response or failure), by decision")
+                .buckets(vec![0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 30.0]),
+            &["decision"],
+        )
+        .expect("valid metric");
+        let depths = IntGaugeVec::new(Opts::new("relay_queue_depth", "Work waiting, by queue"), &["queue"]).expect("valid metric");
+        for m in [
+            Box::new(attempts.clone()) as Box<dyn prometheus::core::Collector>,
+            Box::new(attempt_latency.clone()),
+            Box::new(depths.clone()),
+        ] {
+            registry.register(m).expect("metrics register once");
+        }
+        Self { registry, attempts, attempt_latency, depths }
+    }
+}
+
+impl Metrics {
+    /// The text exposition, with the queue depths read now.
+    pub async fn render(&self, app: &App) -> String {
+        match app.queue_depths().await {
+            Ok(d) => {
+                for (queue, n) in [
+                    ("outbox_unpublished", d.outbox_unpublished),
+                    ("deliveries_pending", d.deliveries_pending),
+                    ("deliveries_due", d.deliveries_due),
+                    ("dead_letters", d.dead_letters),
+                ] {
+                    self.depths.with_label_values(&[queue]).set(n);
+                }
+            }
+            Err(e) => tracing::warn!(error = ?e, "reading queue depths for metrics"),
+        }
+        let mut out = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        String::from_utf8(out).unwrap_or_default()
+    }
+}
