@@ -61,12 +61,16 @@ async fn a_full_flow_at_trace_level_logs_no_secret_key_or_payload() -> anyhow::R
     // The capture is real: it saw the flow at trace level.
     assert!(logs.contains("attempt recorded") && logs.contains("TRACE"), "the capture saw nothing useful ({} bytes)", logs.len());
     assert!(logs.contains(&event_id), "ids are fine to log, and were");
-    let secret_part = |key: &str| key.rsplit('_').next().unwrap().to_owned();
+    // The random parts (base64url may itself contain '_', so split on the
+    // known prefixes, never on the last '_').
+    let api_key_secret = tenant.api_key.strip_prefix("rk_").and_then(|r| r.split_once('_')).map(|(_, s)| s.to_owned()).unwrap();
+    let secret_random = |s: &str| s.strip_prefix("whsec_").unwrap().to_owned();
     for (what, needle) in [
         ("the API key", tenant.api_key.clone()),
-        ("the API key's secret part", secret_part(&tenant.api_key)),
+        ("the API key's secret part", api_key_secret),
         ("the first signing secret", first_secret.clone()),
-        ("the first signing secret's random part", secret_part(&first_secret)),
+        ("the first signing secret's random part", secret_random(&first_secret)),
+        ("the rotated signing secret's random part", secret_random(&second_secret)),
         ("the rotated signing secret", second_secret.clone()),
         ("the secrets key material", key_material.clone()),
         ("the event payload", marker.clone()),

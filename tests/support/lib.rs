@@ -407,13 +407,14 @@ impl Stack {
             a.shutdown().await?;
         }
         let _ = std::fs::remove_dir_all(&self.certs);
-        delete_streams(&self.prefix).await?;
+        delete_streams(&self.opts.nats_url, &self.prefix).await?;
         self.db.cleanup().await
     }
 }
 
-async fn delete_streams(prefix: &str) -> Result<()> {
-    let Ok(client) = async_nats::connect(NATS_URL).await else { return Ok(()) };
+async fn delete_streams(nats_url: &str, prefix: &str) -> Result<()> {
+    // A private NATS may already be stopped; its streams go with its store.
+    let Ok(client) = async_nats::connect(nats_url).await else { return Ok(()) };
     let js = async_nats::jetstream::new(client);
     for s in ["EVENTS", "DELIVERIES"] {
         let _ = js.delete_stream(format!("{prefix}{s}")).await;

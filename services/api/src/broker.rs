@@ -4,7 +4,12 @@
 use std::time::Duration;
 
 use anyhow::{Context, Result};
-use async_nats::jetstream::{self, stream};
+use async_nats::{
+    HeaderMap,
+    jetstream::{self, stream},
+};
+use bytes::Bytes;
+use futures::future::join_all;
 use relay_contracts::StreamNames;
 
 /// How long a re-publish of the same message id is recognised and dropped.
@@ -42,4 +47,24 @@ pub async fn ensure_streams(js: &jetstream::Context, names: &StreamNames) -> Res
         .with_context(|| format!("creating stream {name}"))?;
     }
     Ok(())
+}
+
+/// Publishes a batch and waits for the broker's acks together (one round
+/// trip of latency per batch, not per message). Returns, per message, whether
+/// the broker stored it, and the first failure.
+pub async fn publish_all(js: &jetstream::Context, messages: Vec<(String, HeaderMap, Bytes)>) -> (Vec<bool>, Option<anyhow::Error>) {
+    let sends = messages.into_iter().map(|(subject, headers, payload)| js.publish_with_headers(subject, headers, payload));
+    let mut stored = Vec::new();
+    let mut first_error = None;
+    for sent in join_all(sends).await {
+        let acked = match sent {
+            Ok(ack) => ack.await.map(|_| ()).map_err(anyhow::Error::from),
+            Err(e) => Err(e.into()),
+        };
+        stored.push(acked.is_ok());
+        if let Err(e) = acked {
+            first_error.get_or_insert(e);
+        }
+    }
+    (stored, first_error)
 }

@@ -80,9 +80,11 @@ fn var(name: &str) -> Option<String> {
     std::env::var(name).ok().filter(|v| !v.trim().is_empty())
 }
 
-fn flag(name: &str) -> Result<bool> {
+/// A true/false setting, `default` when unset.
+fn flag(name: &str, default: bool) -> Result<bool> {
     match var(name).as_deref() {
-        None | Some("0" | "false" | "off" | "no") => Ok(false),
+        None => Ok(default),
+        Some("0" | "false" | "off" | "no") => Ok(false),
         Some("1" | "true" | "on" | "yes") => Ok(true),
         Some(other) => bail!("{name} must be true or false, got {other:?}"),
     }
@@ -99,17 +101,11 @@ impl ApiConfig {
             Some("production" | "prod") => Deployment::Production,
             Some(other) => bail!("RELAY_ENV must be development or production, got {other:?}"),
         };
-        let url_policy = Policy {
-            allow_http: flag("RELAY_DEV_ALLOW_HTTP_ENDPOINTS")?,
-            allowed_ranges: var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES")
-                .map(|v| {
-                    v.split(',')
-                        .map(|r| r.trim().parse().with_context(|| format!("RELAY_DEV_ALLOWED_ENDPOINT_RANGES: {r:?} is not a CIDR range")))
-                        .collect::<Result<Vec<_>>>()
-                })
-                .transpose()?
-                .unwrap_or_default(),
-        };
+        let url_policy = Policy::from_dev_settings(
+            var("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),
+            var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES").as_deref(),
+        )
+        .map_err(anyhow::Error::msg)?;
         let keyring = match var("RELAY_SECRET_KEYS") {
             Some(spec) => Keyring::parse(&spec).context("RELAY_SECRET_KEYS")?,
             None if deployment == Deployment::Production => {
@@ -143,8 +139,8 @@ impl ApiConfig {
                 .transpose()
                 .context("RELAY_ENDPOINT_IN_FLIGHT_CAP")?
                 .unwrap_or(20),
-            run_migrations: !flag("RELAY_SKIP_MIGRATIONS")?,
-            run_relays: std::env::var("RELAY_RUN_RELAYS").map(|v| v != "false" && v != "0" && v != "off").unwrap_or(true),
+            run_migrations: !flag("RELAY_SKIP_MIGRATIONS", false)?,
+            run_relays: flag("RELAY_RUN_RELAYS", true)?,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_secs(600),
         };
@@ -157,9 +153,7 @@ impl ApiConfig {
     pub fn validate(&self) -> Result<()> {
         if self.deployment == Deployment::Production {
             if !self.url_policy.is_strict() {
-                bail!(
-                    "RELAY_DEV_ALLOW_HTTP_ENDPOINTS / RELAY_DEV_ALLOWED_ENDPOINT_RANGES are development allowances; refusing to start with them in production"
-                );
+                bail!(relay_netguard::DEV_ALLOWANCES_IN_PRODUCTION);
             }
             if self.keyring.is_development() {
                 bail!("RELAY_SECRET_KEYS is required in production; the development key is public");

@@ -10,8 +10,6 @@ pub enum ErrorCode {
     NotFound,
     AlreadyExists,
     FailedPrecondition,
-    Unauthenticated,
-    PermissionDenied,
     Unavailable,
     Internal,
 }
@@ -55,10 +53,6 @@ impl AppError {
 
     pub fn precondition(reason: &'static str, message: impl Into<String>) -> Self {
         Self::new(ErrorCode::FailedPrecondition, reason, message)
-    }
-
-    pub fn unauthenticated(message: impl Into<String>) -> Self {
-        Self::new(ErrorCode::Unauthenticated, "unauthenticated", message)
     }
 
     pub fn internal(source: anyhow::Error) -> Self {

@@ -51,15 +51,6 @@ pub(crate) struct Binding {
     pub(crate) success: StatusCode,
 }
 
-/// One route as read from the contracts: used by the router and by the docs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct RouteSpec {
-    pub method: Method,
-    pub path: String,
-    pub rpc: String,
-    pub success: u16,
-}
-
 struct Extensions {
     http: ExtensionDescriptor,
     success: ExtensionDescriptor,
@@ -133,14 +124,6 @@ pub(crate) fn rest_methods() -> Result<Vec<(Method, String, Binding)>> {
         }
     }
     Ok(out)
-}
-
-/// The routes the facade serves, as the contracts declare them.
-pub fn routes() -> Result<Vec<RouteSpec>> {
-    Ok(rest_methods()?
-        .into_iter()
-        .map(|(method, path, b)| RouteSpec { method, path, rpc: b.grpc_path.clone(), success: b.success.as_u16() })
-        .collect())
 }
 
 /// The axum router for every annotated tenant method, calling `grpc` in-process.
@@ -347,14 +330,19 @@ mod tests {
 
     #[test]
     fn routes_come_from_the_annotations() {
-        let routes = routes().unwrap();
-        let find = |m: Method, p: &str| routes.iter().find(|r| r.method == m && r.path == p).unwrap_or_else(|| panic!("{m} {p} missing"));
+        let routes = rest_methods().unwrap();
+        let find = |m: Method, p: &str| {
+            routes.iter().find(|(verb, path, _)| *verb == m && path == p).map(|(_, _, b)| b).unwrap_or_else(|| panic!("{m} {p} missing"))
+        };
         assert_eq!(find(Method::POST, "/v1/webhooks").success, 201);
         assert_eq!(find(Method::DELETE, "/v1/webhooks/{id}").success, 204);
         assert_eq!(find(Method::POST, "/v1/webhooks/{id}/rotate-secret").success, 200);
         assert_eq!(find(Method::POST, "/v1/events").success, 202);
-        assert_eq!(find(Method::GET, "/v1/events/{event_id}/deliveries").rpc, "/relay.tenant.v1.EventService/ListEventDeliveries");
-        assert!(routes.iter().all(|r| !r.rpc.contains("Admin") && !r.rpc.contains("Dispatch")), "only tenant services are exposed");
+        assert_eq!(find(Method::GET, "/v1/events/{event_id}/deliveries").grpc_path, "/relay.tenant.v1.EventService/ListEventDeliveries");
+        assert!(
+            routes.iter().all(|(_, _, b)| !b.grpc_path.contains("Admin") && !b.grpc_path.contains("Dispatch")),
+            "only tenant services are exposed"
+        );
     }
 
     #[test]

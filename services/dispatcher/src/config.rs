@@ -43,7 +43,6 @@ fn path(name: &str) -> Result<PathBuf> {
 
 impl DispatcherConfig {
     pub fn from_env() -> Result<Self> {
-        let flag = |n: &str| matches!(var(n).as_deref(), Some("1" | "true" | "on" | "yes"));
         let cfg = Self {
             production: matches!(var("RELAY_ENV").as_deref(), Some("production" | "prod")),
             nats_url: var("RELAY_NATS_URL").unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
@@ -61,17 +60,11 @@ impl DispatcherConfig {
             seam_timeout: Duration::from_millis(
                 var("RELAY_SEAM_TIMEOUT_MS").map(|v| v.parse()).transpose().context("RELAY_SEAM_TIMEOUT_MS")?.unwrap_or(15_000),
             ),
-            url_policy: Policy {
-                allow_http: flag("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"),
-                allowed_ranges: var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES")
-                    .map(|v| {
-                        v.split(',')
-                            .map(|r| r.trim().parse().with_context(|| format!("{r:?} is not a CIDR range")))
-                            .collect::<Result<Vec<_>>>()
-                    })
-                    .transpose()?
-                    .unwrap_or_default(),
-            },
+            url_policy: Policy::from_dev_settings(
+                var("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),
+                var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES").as_deref(),
+            )
+            .map_err(anyhow::Error::msg)?,
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             egress_proxy: var("RELAY_EGRESS_PROXY"),
         };
@@ -93,9 +86,7 @@ impl DispatcherConfig {
             bail!("RELAY_MAX_IN_FLIGHT must be at least 1");
         }
         if self.production && !self.url_policy.is_strict() {
-            bail!(
-                "RELAY_DEV_ALLOW_HTTP_ENDPOINTS / RELAY_DEV_ALLOWED_ENDPOINT_RANGES are development allowances; refusing to start with them in production"
-            );
+            bail!(relay_netguard::DEV_ALLOWANCES_IN_PRODUCTION);
         }
         Ok(())
     }

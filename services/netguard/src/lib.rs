@@ -21,7 +21,32 @@ pub struct Policy {
     pub allowed_ranges: Vec<IpNet>,
 }
 
+/// Why a production service refuses to start with the dev allowances.
+pub const DEV_ALLOWANCES_IN_PRODUCTION: &str = "RELAY_DEV_ALLOW_HTTP_ENDPOINTS / RELAY_DEV_ALLOWED_ENDPOINT_RANGES are development allowances; refusing to start with them in production";
+
 impl Policy {
+    /// The policy both services read from `RELAY_DEV_ALLOW_HTTP_ENDPOINTS`
+    /// (`allow_http`) and `RELAY_DEV_ALLOWED_ENDPOINT_RANGES` (`ranges`,
+    /// comma-separated CIDRs); unset means strict.
+    pub fn from_dev_settings(allow_http: Option<&str>, ranges: Option<&str>) -> Result<Self, String> {
+        let allow_http = match allow_http.map(str::trim) {
+            None | Some("" | "0" | "false" | "off" | "no") => false,
+            Some("1" | "true" | "on" | "yes") => true,
+            Some(other) => return Err(format!("RELAY_DEV_ALLOW_HTTP_ENDPOINTS must be true or false, got {other:?}")),
+        };
+        let allowed_ranges = ranges
+            .map(str::trim)
+            .filter(|r| !r.is_empty())
+            .map(|v| {
+                v.split(',')
+                    .map(|r| r.trim().parse().map_err(|_| format!("RELAY_DEV_ALLOWED_ENDPOINT_RANGES: {r:?} is not a CIDR range")))
+                    .collect::<Result<Vec<_>, _>>()
+            })
+            .transpose()?
+            .unwrap_or_default();
+        Ok(Self { allow_http, allowed_ranges })
+    }
+
     /// The production policy: https only, no blocked address.
     pub fn strict() -> Self {
         Self::default()
@@ -231,6 +256,15 @@ mod tests {
         p.check_addresses("ok.example", &[public]).unwrap();
         assert!(matches!(p.check_addresses("evil.example", &[public, meta]), Err(Rejection::ResolvesToBlocked { .. })));
         assert!(matches!(p.check_addresses("none.example", &[]), Err(Rejection::Unresolvable(_))));
+    }
+
+    #[test]
+    fn dev_settings_parse_or_name_the_mistake() {
+        assert!(Policy::from_dev_settings(None, None).unwrap().is_strict());
+        let p = Policy::from_dev_settings(Some("true"), Some("127.0.0.0/8, ::1/128")).unwrap();
+        assert!(p.allow_http && p.allowed_ranges.len() == 2);
+        assert!(Policy::from_dev_settings(Some("maybe"), None).unwrap_err().contains("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"));
+        assert!(Policy::from_dev_settings(None, Some("10.0.0.0/99")).unwrap_err().contains("is not a CIDR range"));
     }
 
     #[test]

@@ -22,8 +22,6 @@ pub fn status(e: AppError) -> Status {
         ErrorCode::NotFound => Code::NotFound,
         ErrorCode::AlreadyExists => Code::AlreadyExists,
         ErrorCode::FailedPrecondition => Code::FailedPrecondition,
-        ErrorCode::Unauthenticated => Code::Unauthenticated,
-        ErrorCode::PermissionDenied => Code::PermissionDenied,
         ErrorCode::Unavailable => Code::Unavailable,
         ErrorCode::Internal => Code::Internal,
     };

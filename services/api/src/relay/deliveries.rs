@@ -11,7 +11,6 @@ use std::{collections::HashMap, time::Duration};
 
 use anyhow::{Context, Result};
 use async_nats::{HeaderMap, jetstream};
-use futures::future::join_all;
 use prost::Message;
 use relay_contracts::{StreamNames, relay::queue::v1::DeliveryJob};
 use tokio::sync::watch;
@@ -159,35 +158,23 @@ impl DeliveryRelay {
                 *n <= self.endpoint_cap
             })
             .collect();
-        let mut pending = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let job = DeliveryJob {
-                delivery_id: row.id.to_string(),
-                endpoint_id: row.endpoint_id.to_string(),
-                environment_id: row.environment_id.to_string(),
-                attempt: row.attempt as u32,
-                generation: row.generation as u32,
-            };
-            let mut headers = HeaderMap::new();
-            let msg_id = StreamNames::delivery_message_id(&job.delivery_id, job.generation, job.attempt);
-            headers.insert("Nats-Msg-Id", msg_id.as_str());
-            let subject = self.names.deliveries_subject(&job.environment_id);
-            pending.push(self.js.publish_with_headers(subject, headers, job.encode_to_vec().into()));
-        }
-        let mut leased = Vec::with_capacity(rows.len());
-        let mut first_error = None;
-        for (row, sent) in rows.iter().zip(join_all(pending).await) {
-            let acked = match sent {
-                Ok(ack) => ack.await.map(|_| ()).map_err(anyhow::Error::from),
-                Err(e) => Err(e.into()),
-            };
-            match acked {
-                Ok(()) => leased.push(row.id),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
+        let messages = rows
+            .iter()
+            .map(|row| {
+                let job = DeliveryJob {
+                    delivery_id: row.id.to_string(),
+                    endpoint_id: row.endpoint_id.to_string(),
+                    environment_id: row.environment_id.to_string(),
+                    attempt: row.attempt as u32,
+                    generation: row.generation as u32,
+                };
+                let mut headers = HeaderMap::new();
+                headers.insert("Nats-Msg-Id", StreamNames::delivery_message_id(&job.delivery_id, job.generation, job.attempt).as_str());
+                (self.names.deliveries_subject(&job.environment_id), headers, job.encode_to_vec().into())
+            })
+            .collect();
+        let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
+        let leased: Vec<Uuid> = rows.iter().zip(stored).filter_map(|(row, ok)| ok.then_some(row.id)).collect();
         if !leased.is_empty() {
             sqlx::query(
                 "UPDATE webhook_deliveries SET dispatched_at = now(), next_attempt_at = now() + $2

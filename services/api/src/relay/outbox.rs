@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use async_nats::{HeaderMap, jetstream};
-use futures::future::join_all;
 use relay_contracts::{StreamNames, event_headers};
 use tokio::sync::watch;
 use uuid::Uuid;
@@ -62,31 +61,18 @@ impl OutboxRelay {
         if rows.is_empty() {
             return Ok(0);
         }
-        // Send the whole batch, then wait for the acks together: one round
-        // trip of latency per batch rather than per event.
-        let mut pending = Vec::with_capacity(rows.len());
-        for (_, id, env, event_type, envelope) in &rows {
+        let mut seqs = Vec::with_capacity(rows.len());
+        let mut messages = Vec::with_capacity(rows.len());
+        for (seq, id, env, event_type, envelope) in rows {
             let mut headers = HeaderMap::new();
             headers.insert("Nats-Msg-Id", StreamNames::event_message_id(&env.to_string(), &id.to_string()).as_str());
             headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
             headers.insert(event_headers::EVENT_TYPE, event_type.as_str());
-            let subject = self.names.events_subject(&env.to_string());
-            pending.push(self.js.publish_with_headers(subject, headers, envelope.clone().into()));
+            seqs.push(seq);
+            messages.push((self.names.events_subject(&env.to_string()), headers, envelope.into()));
         }
-        let mut published = Vec::with_capacity(rows.len());
-        let mut first_error = None;
-        for ((seq, ..), sent) in rows.iter().zip(join_all(pending).await) {
-            let acked = match sent {
-                Ok(ack) => ack.await.map(|_| ()).map_err(anyhow::Error::from),
-                Err(e) => Err(e.into()),
-            };
-            match acked {
-                Ok(()) => published.push(*seq),
-                Err(e) => {
-                    first_error.get_or_insert(e);
-                }
-            }
-        }
+        let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
+        let published: Vec<i64> = seqs.into_iter().zip(stored).filter_map(|(seq, ok)| ok.then_some(seq)).collect();
         if !published.is_empty() {
             sqlx::query("UPDATE events SET published_at = now() WHERE seq = ANY ($1)")
                 .bind(&published)
