@@ -2,6 +2,8 @@
 //! api and dispatcher started in-process on port 0, and HTTP receivers on
 //! loopback. Everything talks to the real Postgres and NATS on 127.0.0.1.
 
+pub mod otlp;
+
 use std::{
     net::SocketAddr,
     path::PathBuf,
