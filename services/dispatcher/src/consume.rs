@@ -7,9 +7,9 @@
 //! our failures only; the customer's attempt budget lives in the api.
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     sync::Arc,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use anyhow::{Context, Result};
@@ -19,14 +19,14 @@ use prost::Message as _;
 use relay_contracts::{
     StreamNames,
     relay::{
-        dispatch::v1::{ExpandRequest, MaterialRequest},
+        dispatch::v1::{ExpandRequest, MaterialRequest, MaterialResponse, OutcomeRequest},
         queue::v1::DeliveryJob,
     },
 };
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tonic::Code;
 
-use crate::{attempt, config::DispatcherConfig, http_client::Sender, seam::Seam};
+use crate::{attempt, batch, config::DispatcherConfig, http_client::Sender, seam::Seam};
 
 /// Redeliveries of a job we could not process, before the broker gives up on
 /// it. The api's leases re-publish anything dropped here.
@@ -131,7 +131,19 @@ fn decode_event(body: &[u8]) -> Option<ExpandRequest> {
     Some(ExpandRequest { event_id: h.id, environment_id: h.environment_id, r#type: h.event_type })
 }
 
-type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<(Message, DeliveryJob)>>>>;
+type Job = (Arc<Message>, DeliveryJob);
+type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
+/// Attempts POSTed and not yet settled with the broker, by
+/// `delivery:generation:attempt`. A second copy of such a job (a redelivery
+/// racing its original) is acked unsent: the original either records its
+/// outcome or comes back itself.
+type Unsettled = Arc<std::sync::Mutex<HashSet<String>>>;
+
+/// Jobs a lane fetches material for in one go.
+const PREFETCH: usize = 32;
+/// Material older than this is fetched again before sending: behind a slow
+/// attempt, a disabled endpoint or a changed URL must not be missed.
+const MATERIAL_FRESH: Duration = Duration::from_secs(2);
 
 /// Deliveries: one lane per endpoint, so one attempt per endpoint is in
 /// flight and a hanging endpoint holds up only its own lane; lanes run
@@ -164,14 +176,22 @@ pub async fn deliver_loop(
         cfg.egress_proxy.as_deref(),
         cfg.attempt_timeout,
     )?;
-    let permits = Arc::new(Semaphore::new(cfg.max_in_flight));
-    let lanes: Lanes = Default::default();
+    let shared = Arc::new(LaneShared {
+        lanes: Default::default(),
+        materials: batch::materials(seam.clone()),
+        outcomes: batch::outcomes(seam),
+        sender,
+        permits: Arc::new(Semaphore::new(cfg.max_in_flight)),
+        unsettled: Default::default(),
+        progress_every: cfg.deliveries_ack_wait() / 3,
+        stop: stop.clone(),
+    });
     loop {
         let msg = tokio::select! {
             m = messages.next() => m,
             _ = stop.changed() => {
                 // Closing the lanes' queues lets each finish its job in hand and exit.
-                lanes.lock().await.clear();
+                shared.lanes.lock().await.clear();
                 return Ok(());
             }
         };
@@ -188,126 +208,165 @@ pub async fn deliver_loop(
             settle(&msg, AckKind::Term).await;
             continue;
         };
-        let mut map = lanes.lock().await;
+        let mut map = shared.lanes.lock().await;
         let key = job.endpoint_id.clone();
+        let job = (Arc::new(msg), job);
         let pending = match map.get(&key) {
-            Some(tx) => tx.send((msg, job)).err().map(|e| e.0),
-            None => Some((msg, job)),
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
         };
         if let Some(first) = pending {
             let (tx, rx) = mpsc::unbounded_channel();
             tx.send(first).expect("receiver alive");
             map.insert(key.clone(), tx);
-            let lane = Lane {
-                key,
-                lanes: lanes.clone(),
-                seam: seam.clone(),
-                sender: sender.clone(),
-                permits: permits.clone(),
-                progress_every: cfg.deliveries_ack_wait() / 3,
-                stop: stop.clone(),
-            };
-            tokio::spawn(lane.run(rx));
+            tokio::spawn(Lane { key, shared: shared.clone() }.run(rx));
         }
     }
 }
 
-struct Lane {
-    key: String,
+/// What every lane of one consumer shares.
+struct LaneShared {
     lanes: Lanes,
-    seam: Seam,
+    materials: batch::Materials,
+    outcomes: batch::Outcomes,
     sender: Sender,
     permits: Arc<Semaphore>,
-    /// Shutdown: the lane finishes the job in hand and leaves the rest unacked,
-    /// for the broker to hand to another dispatcher.
-    stop: watch::Receiver<bool>,
-    /// How often jobs waiting in (or being worked by) this lane tell the
-    /// broker they are in progress, so a slow endpoint's queue never outlives
-    /// the ack wait and gets redelivered while still queued.
+    unsettled: Unsettled,
+    /// How often jobs waiting in (or being worked by) a lane tell the broker
+    /// they are in progress, so a slow endpoint's queue never outlives the
+    /// ack wait and gets redelivered while still queued.
     progress_every: Duration,
+    /// Shutdown: a lane finishes the attempt in hand and leaves the rest
+    /// unacked, for the broker to hand to another dispatcher.
+    stop: watch::Receiver<bool>,
+}
+
+struct Lane {
+    key: String,
+    shared: Arc<LaneShared>,
 }
 
 impl Lane {
-    async fn run(self, mut rx: mpsc::UnboundedReceiver<(Message, DeliveryJob)>) {
-        let mut queue: VecDeque<(Message, DeliveryJob)> = VecDeque::new();
-        let mut tick = tokio::time::interval(self.progress_every);
+    async fn run(self, mut rx: mpsc::UnboundedReceiver<Job>) {
+        let mut queue: VecDeque<Job> = VecDeque::new();
+        let mut tick = tokio::time::interval(self.shared.progress_every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        while !*self.stop.borrow() {
-            let (msg, job) = match queue.pop_front() {
-                Some(next) => next,
-                None => match tokio::time::timeout(LANE_IDLE, rx.recv()).await {
-                    Ok(Some(next)) => next,
+        while !*self.shared.stop.borrow() {
+            if queue.is_empty() {
+                match tokio::time::timeout(LANE_IDLE, rx.recv()).await {
+                    Ok(Some(next)) => queue.push_back(next),
                     Ok(None) => return,
                     Err(_) => {
                         // Idle: close the lane, unless a job slipped in meanwhile.
-                        let mut map = self.lanes.lock().await;
+                        let mut map = self.shared.lanes.lock().await;
                         match rx.try_recv() {
-                            Ok(next) => next,
+                            Ok(next) => queue.push_back(next),
                             Err(_) => {
                                 map.remove(&self.key);
                                 return;
                             }
                         }
                     }
-                },
-            };
-            let work = async {
-                let _permit = self.permits.clone().acquire_owned().await.expect("semaphore open");
-                self.handle(&msg, job).await
-            };
+                }
+            }
+            while let Ok(next) = rx.try_recv() {
+                queue.push_back(next);
+            }
+            let chunk: Vec<Job> = queue.drain(..queue.len().min(PREFETCH)).collect();
+            let in_hand: Vec<Arc<Message>> = chunk.iter().map(|(m, _)| m.clone()).collect();
+            let work = self.work(chunk);
             tokio::pin!(work);
-            loop {
+            let leftover = loop {
                 tokio::select! {
-                    () = &mut work => break,
+                    leftover = &mut work => break leftover,
                     Some(next) = rx.recv() => queue.push_back(next),
                     _ = tick.tick() => {
-                        for m in std::iter::once(&msg).chain(queue.iter().map(|(m, _)| m)) {
+                        for m in in_hand.iter().chain(queue.iter().map(|(m, _)| m)) {
                             let _ = m.ack_with(AckKind::Progress).await;
                         }
                     }
                 }
+            };
+            for job in leftover.into_iter().rev() {
+                queue.push_front(job);
             }
         }
     }
 
-    async fn handle(&self, msg: &Message, job: DeliveryJob) {
-        let mut seam = self.seam.clone();
-        let material = match seam
-            .material(MaterialRequest { delivery_id: job.delivery_id.clone(), attempt: job.attempt, generation: job.generation })
-            .await
-        {
-            Ok(m) => m.into_inner(),
+    /// Fetches material for the chunk in one go, then sends its attempts one
+    /// after another. Returns the jobs it did not get to (stale material, or
+    /// shutdown), in order.
+    async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
+        let fetched = futures::future::join_all(chunk.iter().map(|(_, job)| {
+            self.shared.materials.call(MaterialRequest {
+                delivery_id: job.delivery_id.clone(),
+                attempt: job.attempt,
+                generation: job.generation,
+            })
+        }))
+        .await;
+        let fetched_at = Instant::now();
+        let mut rest = chunk.into_iter().zip(fetched).enumerate();
+        while let Some((i, ((msg, job), material))) = rest.next() {
+            if i > 0 && (fetched_at.elapsed() > MATERIAL_FRESH || *self.shared.stop.borrow()) {
+                return std::iter::once((msg, job)).chain(rest.map(|(_, (j, _))| j)).collect();
+            }
+            self.send_one(msg, job, material).await;
+        }
+        Vec::new()
+    }
+
+    async fn send_one(&self, msg: Arc<Message>, job: DeliveryJob, material: Result<MaterialResponse, tonic::Status>) {
+        let material = match material {
+            Ok(m) => m,
             // Already reported, delivery finished, or endpoint gone: nothing to send.
             Err(st) if matches!(st.code(), Code::FailedPrecondition | Code::NotFound) => {
                 tracing::debug!(delivery_id = %job.delivery_id, message = st.message(), "nothing to send for this job");
-                return settle(msg, AckKind::Ack).await;
+                return settle(&msg, AckKind::Ack).await;
             }
             Err(st) => {
                 tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "material unavailable; the job will come back");
-                return settle(msg, retry_later(msg)).await;
+                return settle(&msg, retry_later(&msg)).await;
             }
         };
+        let key = format!("{}:{}:{}", job.delivery_id, job.generation, job.attempt);
+        if !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
+            tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
+            return settle(&msg, AckKind::Ack).await;
+        }
         let event_id = material.event_id.clone();
-        let outcome = attempt::send(&self.sender, material).await;
-        let (status, error) = (outcome.http_status, outcome.error.clone());
-        // The POST has happened; report it, retrying briefly. If the api stays
-        // away the job comes back and is sent again: the receiver may see the
-        // event id twice, and the schedule still advances once.
-        for backoff in [0u64, 200, 1000] {
-            tokio::time::sleep(Duration::from_millis(backoff)).await;
-            match seam.outcome(outcome.clone()).await {
-                Ok(decision) => {
-                    tracing::info!(
-                        delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
-                        decision = decision.get_ref().decision, "attempt recorded"
-                    );
-                    return settle(msg, AckKind::Ack).await;
-                }
-                Err(st) => {
-                    tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed")
-                }
+        let outcome = {
+            let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");
+            attempt::send(&self.shared.sender, material).await
+        };
+        // The lane moves on to its next attempt while this one is reported.
+        let (outcomes, unsettled) = (self.shared.outcomes.clone(), self.shared.unsettled.clone());
+        tokio::spawn(async move {
+            report(&outcomes, &msg, &job, &event_id, outcome).await;
+            unsettled.lock().expect("unpoisoned").remove(&key);
+        });
+    }
+}
+
+/// The POST has happened; report it, retrying briefly. If the api stays away
+/// the job comes back and is sent again: the receiver may see the event id
+/// twice, and the schedule still advances once.
+async fn report(outcomes: &batch::Outcomes, msg: &Message, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest) {
+    let (status, error) = (outcome.http_status, outcome.error.clone());
+    for backoff in [0u64, 200, 1000] {
+        tokio::time::sleep(Duration::from_millis(backoff)).await;
+        match outcomes.call(outcome.clone()).await {
+            Ok(decision) => {
+                tracing::info!(
+                    delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
+                    decision = decision.decision, "attempt recorded"
+                );
+                return settle(msg, AckKind::Ack).await;
+            }
+            Err(st) => {
+                tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed")
             }
         }
-        settle(msg, retry_later(msg)).await
     }
+    settle(msg, retry_later(msg)).await
 }

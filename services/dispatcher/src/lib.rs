@@ -3,6 +3,7 @@
 //! write goes through the api's internal seam.
 
 pub mod attempt;
+pub mod batch;
 pub mod config;
 pub mod consume;
 pub mod http_client;

@@ -1,7 +1,7 @@
 //! The delivery state machine: expand, material, outcome, replay, and the
 //! dead-letter store. Every transition is one transaction.
 
-use std::time::Duration;
+use std::{collections::HashMap, time::Duration};
 
 use anyhow::Context;
 use chrono::{SubsecRound, Utc};
@@ -82,8 +82,17 @@ pub struct DeadLetter {
     pub dead_lettered_at: Timestamp,
 }
 
+/// One attempt of one delivery, as the dispatcher names it.
+#[derive(Debug, Clone, Copy)]
+pub struct AttemptRef {
+    pub delivery_id: Uuid,
+    pub generation: u32,
+    pub attempt: u32,
+}
+
 #[derive(sqlx::FromRow)]
 struct MaterialRow {
+    id: Uuid,
     environment_id: Uuid,
     endpoint_id: Uuid,
     event_id: Uuid,
@@ -103,6 +112,7 @@ struct MaterialRow {
 
 #[derive(sqlx::FromRow)]
 struct OutcomeRow {
+    id: Uuid,
     environment_id: Uuid,
     endpoint_id: Uuid,
     event_id: Uuid,
@@ -110,9 +120,79 @@ struct OutcomeRow {
     generation: i32,
     state: String,
     next_attempt_at: Timestamp,
-    /// The decision already recorded for this very attempt, if any.
-    recorded_decision: Option<String>,
-    recorded_next_attempt_at: Option<Timestamp>,
+    last_status: Option<i32>,
+    last_error: Option<String>,
+}
+
+/// Dead letters of one outcome batch, column by column for one `UNNEST` insert.
+#[derive(Default)]
+struct DeadLetterRows {
+    id: Vec<Uuid>,
+    environment_id: Vec<Uuid>,
+    delivery_id: Vec<Uuid>,
+    endpoint_id: Vec<Uuid>,
+    event_id: Vec<Uuid>,
+    attempts: Vec<i32>,
+    last_status: Vec<Option<i32>>,
+    last_error: Vec<Option<String>>,
+}
+
+impl DeadLetterRows {
+    fn push(&mut self, row: &OutcomeRow, attempts: i32) {
+        self.id.push(Uuid::now_v7());
+        self.environment_id.push(row.environment_id);
+        self.delivery_id.push(row.id);
+        self.endpoint_id.push(row.endpoint_id);
+        self.event_id.push(row.event_id);
+        self.attempts.push(attempts);
+        self.last_status.push(row.last_status);
+        self.last_error.push(row.last_error.clone());
+    }
+}
+
+/// Attempt-log rows of one outcome batch, column by column.
+#[derive(Default)]
+struct AttemptRows {
+    delivery_id: Vec<Uuid>,
+    generation: Vec<i32>,
+    attempt: Vec<i32>,
+    environment_id: Vec<Uuid>,
+    http_status: Vec<Option<i32>>,
+    error: Vec<Option<String>>,
+    latency_ms: Vec<i64>,
+    response_body: Vec<Vec<u8>>,
+    decision: Vec<&'static str>,
+    next_attempt_at: Vec<Option<Timestamp>>,
+}
+
+impl AttemptRows {
+    #[allow(clippy::too_many_arguments)]
+    fn push(
+        &mut self,
+        delivery_id: &Uuid,
+        generation: u32,
+        attempt: u32,
+        environment_id: Uuid,
+        http_status: Option<i32>,
+        error: Option<String>,
+        latency_ms: u64,
+        body: Vec<u8>,
+        decision: Decision,
+    ) {
+        self.delivery_id.push(*delivery_id);
+        self.generation.push(generation as i32);
+        self.attempt.push(attempt as i32);
+        self.environment_id.push(environment_id);
+        self.http_status.push(http_status);
+        self.error.push(error);
+        self.latency_ms.push(i64::try_from(latency_ms).unwrap_or(i64::MAX));
+        self.response_body.push(body);
+        self.decision.push(decision.as_str());
+        self.next_attempt_at.push(match decision {
+            Decision::Rescheduled { next_attempt_at } => Some(next_attempt_at),
+            _ => None,
+        });
+    }
 }
 
 fn truncate(mut s: String, max: usize) -> String {
@@ -187,20 +267,52 @@ impl App {
 
     /// What one attempt needs, if that attempt is still the delivery's current one.
     pub async fn material(&self, delivery_id: Uuid, generation: u32, attempt: u32) -> AppResult<Material> {
-        let row = sqlx::query_as::<_, MaterialRow>(
-            "SELECT d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
+        self.material_batch(&[AttemptRef { delivery_id, generation, attempt }]).await?.pop().expect("one answer per request")
+    }
+
+    /// Material for many attempts with one query. The outer error is the
+    /// batch failing as a whole (the database); each item answers on its own.
+    pub async fn material_batch(&self, wanted: &[AttemptRef]) -> AppResult<Vec<AppResult<Material>>> {
+        let ids: Vec<Uuid> = wanted.iter().map(|w| w.delivery_id).collect();
+        let rows = sqlx::query_as::<_, MaterialRow>(
+            "SELECT d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
                     e.url, e.enabled, e.deleted_at IS NOT NULL AS deleted,
                     e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
                     e.secret_rotated_at, v.envelope
              FROM webhook_deliveries d
              JOIN webhook_endpoints e ON e.id = d.endpoint_id
              JOIN events v ON v.environment_id = d.environment_id AND v.id = d.event_id
-             WHERE d.id = $1",
+             WHERE d.id = ANY ($1)",
         )
-        .bind(delivery_id)
-        .fetch_optional(&self.db)
-        .await?
-        .ok_or_else(|| AppError::not_found("delivery"))?;
+        .bind(&ids)
+        .fetch_all(&self.db)
+        .await?;
+        let by_id: HashMap<Uuid, MaterialRow> = rows.into_iter().map(|r| (r.id, r)).collect();
+        // Secrets are decrypted once per endpoint per batch, not per attempt.
+        let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
+        let now = Utc::now();
+        let mut out = Vec::with_capacity(wanted.len());
+        for w in wanted {
+            let row = match by_id.get(&w.delivery_id) {
+                Some(r) => r,
+                None => {
+                    out.push(Err(AppError::not_found("delivery")));
+                    continue;
+                }
+            };
+            out.push(self.material_from(row, w, now, &mut secrets_of));
+        }
+        Ok(out)
+    }
+
+    fn material_from(
+        &self,
+        row: &MaterialRow,
+        w: &AttemptRef,
+        now: Timestamp,
+        secrets_of: &mut HashMap<Uuid, Vec<SigningSecret>>,
+    ) -> AppResult<Material> {
+        let AttemptRef { delivery_id, generation, attempt } = *w;
         if row.state != "pending" || row.attempt as u32 != attempt || row.generation as u32 != generation {
             return Err(AppError::precondition(
                 "stale_attempt",
@@ -213,23 +325,33 @@ impl App {
         if !row.enabled || row.deleted {
             return Err(AppError::precondition("endpoint_inactive", format!("endpoint {} is disabled or deleted", row.endpoint_id)));
         }
-        let mut secrets = vec![self.keyring.decrypt(&row.secret_key_id, &row.secret_ciphertext).context("decrypting a signing secret")?];
-        if let (Some(key_id), Some(ct), Some(at)) = (&row.previous_secret_key_id, &row.previous_secret_ciphertext, row.secret_rotated_at) {
-            let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
-            if Utc::now() < at + window {
-                secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
+        let secrets = match secrets_of.get(&row.endpoint_id) {
+            Some(s) => s.clone(),
+            None => {
+                let mut secrets =
+                    vec![self.keyring.decrypt(&row.secret_key_id, &row.secret_ciphertext).context("decrypting a signing secret")?];
+                if let (Some(key_id), Some(ct), Some(at)) =
+                    (&row.previous_secret_key_id, &row.previous_secret_ciphertext, row.secret_rotated_at)
+                {
+                    let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
+                    if now < at + window {
+                        secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
+                    }
+                }
+                secrets_of.insert(row.endpoint_id, secrets.clone());
+                secrets
             }
-        }
+        };
         Ok(Material {
             delivery_id,
             endpoint_id: row.endpoint_id,
             environment_id: row.environment_id,
             event_id: row.event_id,
-            url: row.url,
+            url: row.url.clone(),
             attempt,
             generation,
             secrets,
-            payload: row.envelope,
+            payload: row.envelope.clone(),
         })
     }
 
@@ -238,134 +360,194 @@ impl App {
     /// first decision and changes nothing, so the schedule never advances
     /// twice for one attempt.
     pub async fn record_outcome(&self, report: AttemptReport) -> AppResult<Decision> {
+        self.record_outcomes(vec![report]).await?.pop().expect("one answer per report")
+    }
+
+    /// Records many attempts in one transaction: the deliveries are locked
+    /// (in id order, so concurrent batches cannot deadlock), every decision
+    /// is made in memory, then each table gets one set-based write and the
+    /// batch one commit. The idempotency of `record_outcome` holds per item,
+    /// including for a report repeated inside the batch.
+    pub async fn record_outcomes(&self, reports: Vec<AttemptReport>) -> AppResult<Vec<AppResult<Decision>>> {
         let mut tx = self.db.begin().await?;
-        // The delivery, locked, and whatever was already recorded for this
-        // attempt: one round trip.
-        let row = sqlx::query_as::<_, OutcomeRow>(
-            "SELECT d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state, d.next_attempt_at,
-                    a.decision AS recorded_decision, a.next_attempt_at AS recorded_next_attempt_at
-             FROM webhook_deliveries d
-             LEFT JOIN delivery_attempts a ON a.delivery_id = d.id AND a.generation = $2 AND a.attempt = $3
-             WHERE d.id = $1 FOR UPDATE OF d",
+        let ids: Vec<Uuid> = reports.iter().map(|r| r.delivery_id).collect();
+        let rows = sqlx::query_as::<_, OutcomeRow>(
+            "SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state, next_attempt_at, last_status, last_error
+             FROM webhook_deliveries WHERE id = ANY ($1) ORDER BY id FOR UPDATE",
         )
-        .bind(report.delivery_id)
-        .bind(report.generation as i32)
-        .bind(report.attempt as i32)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| AppError::not_found("delivery"))?;
-        if let Some(decision) = &row.recorded_decision {
-            return Ok(match (decision.as_str(), row.recorded_next_attempt_at) {
-                ("delivered", _) => Decision::Delivered,
-                ("rescheduled", Some(next_attempt_at)) => Decision::Rescheduled { next_attempt_at },
-                _ => Decision::DeadLettered,
-            });
-        }
-        if row.state != "pending" || row.attempt as u32 != report.attempt || row.generation as u32 != report.generation {
-            // Not the current attempt and never recorded: a report from before
-            // a replay, say. Answer with where the delivery stands; change nothing.
-            return Ok(match row.state.as_str() {
-                "delivered" => Decision::Delivered,
-                "dead" => Decision::DeadLettered,
-                _ => Decision::Rescheduled { next_attempt_at: row.next_attempt_at },
-            });
+        .bind(&ids)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut current: HashMap<Uuid, OutcomeRow> = rows.into_iter().map(|r| (r.id, r)).collect();
+        let (gens, attempts): (Vec<i32>, Vec<i32>) = reports.iter().map(|r| (r.generation as i32, r.attempt as i32)).unzip();
+        let recorded_rows: Vec<(Uuid, i32, i32, String, Option<Timestamp>)> = sqlx::query_as(
+            "SELECT a.delivery_id, a.generation, a.attempt, a.decision, a.next_attempt_at
+             FROM delivery_attempts a JOIN UNNEST($1::uuid[], $2::int[], $3::int[]) AS k(delivery_id, generation, attempt)
+               ON a.delivery_id = k.delivery_id AND a.generation = k.generation AND a.attempt = k.attempt",
+        )
+        .bind(&ids)
+        .bind(&gens)
+        .bind(&attempts)
+        .fetch_all(&mut *tx)
+        .await?;
+        let mut recorded: HashMap<(Uuid, u32, u32), Decision> = recorded_rows
+            .into_iter()
+            .map(|(id, g, a, decision, next)| {
+                let d = match (decision.as_str(), next) {
+                    ("delivered", _) => Decision::Delivered,
+                    ("rescheduled", Some(next_attempt_at)) => Decision::Rescheduled { next_attempt_at },
+                    _ => Decision::DeadLettered,
+                };
+                ((id, g as u32, a as u32), d)
+            })
+            .collect();
+
+        let now = Utc::now();
+        let mut out = Vec::with_capacity(reports.len());
+        let mut touched: Vec<Uuid> = Vec::new();
+        let mut dead = DeadLetterRows::default();
+        let mut log = AttemptRows::default();
+        for report in reports {
+            let key = (report.delivery_id, report.generation, report.attempt);
+            if let Some(d) = recorded.get(&key) {
+                out.push(Ok(*d));
+                continue;
+            }
+            let Some(row) = current.get_mut(&report.delivery_id) else {
+                out.push(Err(AppError::not_found("delivery")));
+                continue;
+            };
+            if row.state != "pending" || row.attempt as u32 != report.attempt || row.generation as u32 != report.generation {
+                // Not the current attempt and never recorded: a report from before
+                // a replay, say. Answer with where the delivery stands; change nothing.
+                out.push(Ok(match row.state.as_str() {
+                    "delivered" => Decision::Delivered,
+                    "dead" => Decision::DeadLettered,
+                    _ => Decision::Rescheduled { next_attempt_at: row.next_attempt_at },
+                }));
+                continue;
+            }
+            let succeeded = matches!(report.http_status, Some(200..=299));
+            let decision = if succeeded {
+                Decision::Delivered
+            } else {
+                match self.schedule.delay_before(report.attempt + 1) {
+                    // Truncated to Postgres's microseconds, so a repeated report
+                    // answers with exactly the instant the first one did.
+                    Some(delay) => Decision::Rescheduled {
+                        next_attempt_at: (now + chrono::Duration::from_std(delay).context("tier fits a chrono duration")?).trunc_subsecs(6),
+                    },
+                    None => Decision::DeadLettered,
+                }
+            };
+            let status = report.http_status.map(|s| s as i32);
+            let error = truncate(report.error, MAX_ERROR_LEN);
+            let error = (!error.is_empty()).then_some(error);
+            row.last_status = status;
+            match decision {
+                Decision::Delivered => {
+                    row.state = "delivered".into();
+                    row.last_error = None;
+                }
+                Decision::Rescheduled { next_attempt_at } => {
+                    row.attempt += 1;
+                    row.next_attempt_at = next_attempt_at;
+                    row.last_error = error.clone();
+                }
+                Decision::DeadLettered => {
+                    // The dead letter and the state change commit together: a
+                    // dead delivery always has its record.
+                    row.state = "dead".into();
+                    row.last_error = error.clone();
+                    dead.push(row, report.attempt as i32);
+                }
+            }
+            if !touched.contains(&row.id) {
+                touched.push(row.id);
+            }
+            let mut body = report.response_body;
+            body.truncate(MAX_RESPONSE_BODY);
+            log.push(
+                &report.delivery_id,
+                report.generation,
+                report.attempt,
+                row.environment_id,
+                status,
+                error,
+                report.latency_ms,
+                body,
+                decision,
+            );
+            recorded.insert(key, decision);
+            out.push(Ok(decision));
         }
 
-        let succeeded = matches!(report.http_status, Some(200..=299));
-        let error = truncate(report.error.clone(), MAX_ERROR_LEN);
-        let decision = if succeeded {
-            Decision::Delivered
-        } else {
-            match self.schedule.delay_before(report.attempt + 1) {
-                // Truncated to Postgres's microseconds, so a repeated report
-                // answers with exactly the instant the first one did.
-                Some(delay) => Decision::Rescheduled {
-                    next_attempt_at: (Utc::now() + chrono::Duration::from_std(delay).context("tier fits a chrono duration")?)
-                        .trunc_subsecs(6),
-                },
-                None => Decision::DeadLettered,
-            }
-        };
-        let status = report.http_status.map(|s| s as i32);
-        let error_col = (!error.is_empty()).then_some(error.as_str());
-        match decision {
-            Decision::Delivered => {
-                sqlx::query(
-                    "UPDATE webhook_deliveries SET state = 'delivered', dispatched_at = NULL, last_status = $2, last_error = NULL, updated_at = now() WHERE id = $1",
-                )
-                .bind(report.delivery_id)
-                .bind(status)
-                .execute(&mut *tx)
-                .await?;
-            }
-            Decision::Rescheduled { next_attempt_at } => {
-                sqlx::query(
-                    "UPDATE webhook_deliveries SET attempt = attempt + 1, next_attempt_at = $2, dispatched_at = NULL,
-                       last_status = $3, last_error = $4, updated_at = now() WHERE id = $1",
-                )
-                .bind(report.delivery_id)
-                .bind(next_attempt_at)
-                .bind(status)
-                .bind(error_col)
-                .execute(&mut *tx)
-                .await?;
-            }
-            Decision::DeadLettered => {
-                // The dead letter and the state change commit together: a dead
-                // delivery always has its record.
-                sqlx::query(
-                    "INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
-                )
-                .bind(Uuid::now_v7())
-                .bind(row.environment_id)
-                .bind(report.delivery_id)
-                .bind(row.endpoint_id)
-                .bind(row.event_id)
-                .bind(report.attempt as i32)
-                .bind(status)
-                .bind(error_col)
-                .execute(&mut *tx)
-                .await?;
-                sqlx::query(
-                    "UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_status = $2, last_error = $3, updated_at = now() WHERE id = $1",
-                )
-                .bind(report.delivery_id)
-                .bind(status)
-                .bind(error_col)
-                .execute(&mut *tx)
-                .await?;
-            }
+        if !touched.is_empty() {
+            let rows: Vec<&OutcomeRow> = touched.iter().map(|id| &current[id]).collect();
+            sqlx::query(
+                "UPDATE webhook_deliveries d SET state = u.state, attempt = u.attempt, next_attempt_at = u.next_attempt_at,
+                   dispatched_at = NULL, last_status = u.last_status, last_error = u.last_error, updated_at = now()
+                 FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::int[], $6::text[])
+                   AS u(id, state, attempt, next_attempt_at, last_status, last_error)
+                 WHERE d.id = u.id",
+            )
+            .bind(rows.iter().map(|r| r.id).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.state.clone()).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.attempt).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.next_attempt_at).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.last_status).collect::<Vec<_>>())
+            .bind(rows.iter().map(|r| r.last_error.clone()).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await?;
         }
-        let mut body = report.response_body;
-        body.truncate(MAX_RESPONSE_BODY);
-        sqlx::query(
-            "INSERT INTO delivery_attempts (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
-             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-        )
-        .bind(report.delivery_id)
-        .bind(report.generation as i32)
-        .bind(report.attempt as i32)
-        .bind(row.environment_id)
-        .bind(status)
-        .bind(error_col)
-        .bind(i64::try_from(report.latency_ms).unwrap_or(i64::MAX))
-        .bind(body)
-        .bind(decision.as_str())
-        .bind(match decision {
-            Decision::Rescheduled { next_attempt_at } => Some(next_attempt_at),
-            _ => None,
-        })
-        .execute(&mut *tx)
-        .await?;
-        tx.commit().await.context("committing an outcome")?;
-        self.metrics.attempts.with_label_values(&[decision.as_str()]).inc();
-        self.metrics.attempt_latency.with_label_values(&[decision.as_str()]).observe(report.latency_ms as f64 / 1000.0);
+        if !dead.id.is_empty() {
+            sqlx::query(
+                "INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
+                 SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::int[], $7::int[], $8::text[])",
+            )
+            .bind(&dead.id)
+            .bind(&dead.environment_id)
+            .bind(&dead.delivery_id)
+            .bind(&dead.endpoint_id)
+            .bind(&dead.event_id)
+            .bind(&dead.attempts)
+            .bind(&dead.last_status)
+            .bind(&dead.last_error)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if !log.delivery_id.is_empty() {
+            sqlx::query(
+                "INSERT INTO delivery_attempts
+                   (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
+                 SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bytea[],
+                                      $9::text[], $10::timestamptz[])",
+            )
+            .bind(&log.delivery_id)
+            .bind(&log.generation)
+            .bind(&log.attempt)
+            .bind(&log.environment_id)
+            .bind(&log.http_status)
+            .bind(&log.error)
+            .bind(&log.latency_ms)
+            .bind(&log.response_body)
+            .bind(&log.decision)
+            .bind(&log.next_attempt_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await.context("committing outcomes")?;
+        for (decision, latency_ms) in log.decision.iter().zip(&log.latency_ms) {
+            self.metrics.attempts.with_label_values(&[decision]).inc();
+            self.metrics.attempt_latency.with_label_values(&[decision]).observe(*latency_ms as f64 / 1000.0);
+        }
         // Every outcome frees the endpoint's slot (the relay caps what an
         // endpoint has outstanding), and a reschedule may be due sooner than
         // the relay's current sleep: wake it either way.
-        self.deliveries_wake.wake();
-        Ok(decision)
+        if !log.delivery_id.is_empty() {
+            self.deliveries_wake.wake();
+        }
+        Ok(out)
     }
 
     /// Puts a dead delivery back at attempt 1, due now, in a new generation.

@@ -4,10 +4,64 @@ use relay_contracts::relay::dispatch::v1::{self as pb, dispatch_service_server::
 use tonic::{Request, Response, Status};
 
 use super::{id, status, ts};
-use crate::app::{
-    App,
-    deliveries::{AttemptReport, Decision},
+use crate::{
+    app::{
+        App,
+        deliveries::{AttemptRef, AttemptReport, Decision, Material},
+    },
+    error::AppError,
 };
+
+/// The most items one batch call may carry.
+pub const MAX_BATCH: usize = 1000;
+
+fn check_batch(len: usize) -> Result<(), Status> {
+    if len > MAX_BATCH {
+        return Err(Status::invalid_argument(format!("a batch may carry at most {MAX_BATCH} items; this one has {len}")));
+    }
+    Ok(())
+}
+
+fn item_error(e: AppError) -> pb::ItemError {
+    let reason = e.reason.to_owned();
+    let st = status(e);
+    pb::ItemError { code: st.code() as i32, reason, message: st.message().to_owned() }
+}
+
+fn material_message(m: Material) -> pb::MaterialResponse {
+    pb::MaterialResponse {
+        delivery_id: m.delivery_id.to_string(),
+        endpoint_id: m.endpoint_id.to_string(),
+        environment_id: m.environment_id.to_string(),
+        event_id: m.event_id.to_string(),
+        url: m.url,
+        attempt: m.attempt,
+        generation: m.generation,
+        secrets: m.secrets.iter().map(|s| s.expose().to_owned()).collect(),
+        payload: m.payload,
+    }
+}
+
+fn outcome_message(d: Decision) -> pb::OutcomeResponse {
+    let (decision, next) = match d {
+        Decision::Delivered => (pb::OutcomeDecision::Delivered, None),
+        Decision::Rescheduled { next_attempt_at } => (pb::OutcomeDecision::Rescheduled, Some(ts(next_attempt_at))),
+        Decision::DeadLettered => (pb::OutcomeDecision::DeadLettered, None),
+    };
+    pb::OutcomeResponse { decision: decision as i32, next_attempt_at: next }
+}
+
+fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, Status> {
+    Ok(AttemptReport {
+        delivery_id: id("delivery_id", &r.delivery_id)?,
+        generation: r.generation,
+        attempt: r.attempt,
+        http_status: r.http_status,
+        error: r.error,
+        latency_ms: r.latency_ms,
+        response_body: r.response_body,
+    })
+}
 
 #[derive(Debug, Clone)]
 pub struct DispatchApi {
@@ -25,40 +79,49 @@ impl DispatchService for DispatchApi {
     async fn material(&self, req: Request<pb::MaterialRequest>) -> Result<Response<pb::MaterialResponse>, Status> {
         let r = req.into_inner();
         let m = self.app.material(id("delivery_id", &r.delivery_id)?, r.generation, r.attempt).await.map_err(status)?;
-        Ok(Response::new(pb::MaterialResponse {
-            delivery_id: m.delivery_id.to_string(),
-            endpoint_id: m.endpoint_id.to_string(),
-            environment_id: m.environment_id.to_string(),
-            event_id: m.event_id.to_string(),
-            url: m.url,
-            attempt: m.attempt,
-            generation: m.generation,
-            secrets: m.secrets.iter().map(|s| s.expose().to_owned()).collect(),
-            payload: m.payload,
-        }))
+        Ok(Response::new(material_message(m)))
     }
 
     async fn outcome(&self, req: Request<pb::OutcomeRequest>) -> Result<Response<pb::OutcomeResponse>, Status> {
-        let r = req.into_inner();
-        let decision = self
-            .app
-            .record_outcome(AttemptReport {
-                delivery_id: id("delivery_id", &r.delivery_id)?,
-                generation: r.generation,
-                attempt: r.attempt,
-                http_status: r.http_status,
-                error: r.error,
-                latency_ms: r.latency_ms,
-                response_body: r.response_body,
+        let decision = self.app.record_outcome(report(req.into_inner())?).await.map_err(status)?;
+        Ok(Response::new(outcome_message(decision)))
+    }
+
+    async fn material_batch(&self, req: Request<pb::MaterialBatchRequest>) -> Result<Response<pb::MaterialBatchResponse>, Status> {
+        let items = req.into_inner().items;
+        check_batch(items.len())?;
+        let wanted = items
+            .iter()
+            .map(|r| Ok(AttemptRef { delivery_id: id("delivery_id", &r.delivery_id)?, generation: r.generation, attempt: r.attempt }))
+            .collect::<Result<Vec<_>, Status>>()?;
+        let answers = self.app.material_batch(&wanted).await.map_err(status)?;
+        let items = answers
+            .into_iter()
+            .map(|a| pb::MaterialResult {
+                result: Some(match a {
+                    Ok(m) => pb::material_result::Result::Material(material_message(m)),
+                    Err(e) => pb::material_result::Result::Error(item_error(e)),
+                }),
             })
-            .await
-            .map_err(status)?;
-        let (decision, next) = match decision {
-            Decision::Delivered => (pb::OutcomeDecision::Delivered, None),
-            Decision::Rescheduled { next_attempt_at } => (pb::OutcomeDecision::Rescheduled, Some(ts(next_attempt_at))),
-            Decision::DeadLettered => (pb::OutcomeDecision::DeadLettered, None),
-        };
-        Ok(Response::new(pb::OutcomeResponse { decision: decision as i32, next_attempt_at: next }))
+            .collect();
+        Ok(Response::new(pb::MaterialBatchResponse { items }))
+    }
+
+    async fn outcome_batch(&self, req: Request<pb::OutcomeBatchRequest>) -> Result<Response<pb::OutcomeBatchResponse>, Status> {
+        let items = req.into_inner().items;
+        check_batch(items.len())?;
+        let reports = items.into_iter().map(report).collect::<Result<Vec<_>, Status>>()?;
+        let answers = self.app.record_outcomes(reports).await.map_err(status)?;
+        let items = answers
+            .into_iter()
+            .map(|a| pb::OutcomeResult {
+                result: Some(match a {
+                    Ok(d) => pb::outcome_result::Result::Outcome(outcome_message(d)),
+                    Err(e) => pb::outcome_result::Result::Error(item_error(e)),
+                }),
+            })
+            .collect();
+        Ok(Response::new(pb::OutcomeBatchResponse { items }))
     }
 
     async fn replay(&self, req: Request<pb::ReplayRequest>) -> Result<Response<pb::ReplayResponse>, Status> {
