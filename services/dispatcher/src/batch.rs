@@ -92,7 +92,7 @@ fn item_status(e: pb::ItemError) -> Status {
 /// The most items per batch; the api refuses more than 1000.
 const MAX_BATCH: usize = 256;
 /// Batch calls of each kind in flight at once.
-const CALLS_IN_FLIGHT: usize = 4;
+const CALLS_IN_FLIGHT: usize = 2;
 
 pub type Materials = Batcher<MaterialRequest, MaterialResponse>;
 pub type Outcomes = Batcher<OutcomeRequest, OutcomeResponse>;

@@ -1,7 +1,10 @@
 //! The delivery state machine: expand, material, outcome, replay, and the
 //! dead-letter store. Every transition is one transaction.
 
-use std::{collections::HashMap, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    time::Duration,
+};
 
 use anyhow::Context;
 use chrono::{SubsecRound, Utc};
@@ -379,28 +382,36 @@ impl App {
         .fetch_all(&mut *tx)
         .await?;
         let mut current: HashMap<Uuid, OutcomeRow> = rows.into_iter().map(|r| (r.id, r)).collect();
-        let (gens, attempts): (Vec<i32>, Vec<i32>) = reports.iter().map(|r| (r.generation as i32, r.attempt as i32)).unzip();
-        let recorded_rows: Vec<(Uuid, i32, i32, String, Option<Timestamp>)> = sqlx::query_as(
-            "SELECT a.delivery_id, a.generation, a.attempt, a.decision, a.next_attempt_at
-             FROM delivery_attempts a JOIN UNNEST($1::uuid[], $2::int[], $3::int[]) AS k(delivery_id, generation, attempt)
-               ON a.delivery_id = k.delivery_id AND a.generation = k.generation AND a.attempt = k.attempt",
-        )
-        .bind(&ids)
-        .bind(&gens)
-        .bind(&attempts)
-        .fetch_all(&mut *tx)
-        .await?;
-        let mut recorded: HashMap<(Uuid, u32, u32), Decision> = recorded_rows
-            .into_iter()
-            .map(|(id, g, a, decision, next)| {
-                let d = match (decision.as_str(), next) {
-                    ("delivered", _) => Decision::Delivered,
-                    ("rescheduled", Some(next_attempt_at)) => Decision::Rescheduled { next_attempt_at },
-                    _ => Decision::DeadLettered,
-                };
-                ((id, g as u32, a as u32), d)
-            })
-            .collect();
+        // A report for the delivery's current attempt cannot have been
+        // recorded (recording moves the attempt on or ends the delivery), so
+        // the attempt log is read only for the rare repeats and stragglers.
+        let is_current = |r: &AttemptReport| {
+            current
+                .get(&r.delivery_id)
+                .is_some_and(|row| row.state == "pending" && row.attempt as u32 == r.attempt && row.generation as u32 == r.generation)
+        };
+        let stragglers: Vec<Uuid> = reports.iter().filter(|r| !is_current(r)).map(|r| r.delivery_id).collect();
+        let mut recorded: HashMap<(Uuid, u32, u32), Decision> = HashMap::new();
+        if !stragglers.is_empty() {
+            let wanted: HashSet<(Uuid, u32, u32)> = reports.iter().map(|r| (r.delivery_id, r.generation, r.attempt)).collect();
+            let rows: Vec<(Uuid, i32, i32, String, Option<Timestamp>)> = sqlx::query_as(
+                "SELECT delivery_id, generation, attempt, decision, next_attempt_at FROM delivery_attempts WHERE delivery_id = ANY ($1)",
+            )
+            .bind(&stragglers)
+            .fetch_all(&mut *tx)
+            .await?;
+            for (id, g, a, decision, next) in rows {
+                let key = (id, g as u32, a as u32);
+                if wanted.contains(&key) {
+                    let d = match (decision.as_str(), next) {
+                        ("delivered", _) => Decision::Delivered,
+                        ("rescheduled", Some(next_attempt_at)) => Decision::Rescheduled { next_attempt_at },
+                        _ => Decision::DeadLettered,
+                    };
+                    recorded.insert(key, d);
+                }
+            }
+        }
 
         let now = Utc::now();
         let mut out = Vec::with_capacity(reports.len());

@@ -34,6 +34,10 @@ pub struct DeliveryRelay {
     pub endpoint_cap: i64,
 }
 
+/// The shortest pause between relay passes started by wake-ups (a pass that
+/// fills its batch goes straight on).
+const MIN_PASS_GAP: Duration = Duration::from_millis(5);
+
 #[derive(sqlx::FromRow)]
 struct DueRow {
     id: Uuid,
@@ -92,6 +96,10 @@ impl DeliveryRelay {
             if super::idle(&self.app.deliveries_wake, sleep, &mut shutdown).await {
                 return;
             }
+            // Outcomes wake the relay one batch at a time; a short pause lets
+            // the slots freed by several batches be claimed in one pass
+            // instead of one scan each.
+            tokio::time::sleep(MIN_PASS_GAP).await;
         }
     }
 
@@ -121,7 +129,9 @@ impl DeliveryRelay {
     }
 
     pub async fn drain_once(&self) -> Result<usize> {
-        let mut tx = self.app.db.begin().await?;
+        // Choose without locking: the scan passes over due rows of endpoints
+        // at their cap, and locking every row it returns (a heap write each)
+        // would cost far more than the handful kept.
         let candidates: Vec<DueRow> = sqlx::query_as(
             // Outstanding attempts are counted once per endpoint (a small
             // partial index of leased rows), not once per scanned row.
@@ -133,13 +143,13 @@ impl DeliveryRelay {
              FROM webhook_deliveries d LEFT JOIN busy b ON b.endpoint_id = d.endpoint_id
              WHERE d.state = 'pending' AND d.next_attempt_at <= now()
                AND (d.dispatched_at IS NOT NULL OR coalesce(b.n, 0) < $2)
-             ORDER BY d.next_attempt_at LIMIT $1 FOR UPDATE OF d SKIP LOCKED",
+             ORDER BY d.next_attempt_at LIMIT $1",
         )
         .bind(self.batch)
         .bind(self.endpoint_cap)
-        .fetch_all(&mut *tx)
+        .fetch_all(&self.app.db)
         .await
-        .context("claiming due deliveries")?;
+        .context("finding due deliveries")?;
         if candidates.is_empty() {
             return Ok(0);
         }
@@ -147,7 +157,7 @@ impl DeliveryRelay {
         // as many fresh rows per endpoint as it has free slots. The rest stay
         // due and are taken once slots free up.
         let mut taken: HashMap<Uuid, i64> = HashMap::new();
-        let rows: Vec<DueRow> = candidates
+        let chosen: Vec<Uuid> = candidates
             .into_iter()
             .filter(|r| {
                 if r.released {
@@ -157,7 +167,25 @@ impl DeliveryRelay {
                 *n += 1;
                 *n <= self.endpoint_cap
             })
+            .map(|r| r.id)
             .collect();
+        // Lock what was chosen, re-checking that it is still due and
+        // unclaimed: another relay may have taken (or an outcome moved) it
+        // since the scan.
+        let mut tx = self.app.db.begin().await?;
+        let rows: Vec<DueRow> = sqlx::query_as(
+            "SELECT id, environment_id, endpoint_id, attempt, generation, dispatched_at IS NOT NULL AS released, 0::bigint AS outstanding
+             FROM webhook_deliveries
+             WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
+             ORDER BY next_attempt_at FOR UPDATE SKIP LOCKED",
+        )
+        .bind(&chosen)
+        .fetch_all(&mut *tx)
+        .await
+        .context("claiming due deliveries")?;
+        if rows.is_empty() {
+            return Ok(0);
+        }
         let messages = rows
             .iter()
             .map(|row| {
