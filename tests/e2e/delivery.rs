@@ -137,6 +137,97 @@ async fn outcomes_are_idempotent_and_a_late_dispatcher_drains_the_backlog() -> a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_material_and_outcomes_answer_item_by_item_with_the_same_idempotency() -> anyhow::Result<()> {
+    use relay_contracts::relay::dispatch::v1::{
+        MaterialBatchRequest, OutcomeBatchRequest, material_result::Result as M, outcome_result::Result as O,
+    };
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default().tiers("0,100,100") }).await?;
+    let tenant = stack.tenant("batches").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/b"), &["b"]).await?;
+    let mut seam = stack.seam().await?;
+    let mut ids = Vec::new();
+    for i in 0..3 {
+        let event_id = rest.publish("b", json!({"i": i})).await?;
+        seam.expand(ExpandRequest { event_id: event_id.clone(), environment_id: tenant.environment_id.clone(), r#type: "b".into() })
+            .await?;
+        ids.push(rest.deliveries(&event_id).await?[0]["id"].as_str().unwrap().to_owned());
+    }
+    let (d0, d1, d2) = (ids[0].clone(), ids[1].clone(), ids[2].clone());
+
+    // Material: a current attempt, a wrong attempt, an unknown delivery, in order.
+    let unknown = uuid::Uuid::now_v7().to_string();
+    let m = seam
+        .material_batch(MaterialBatchRequest {
+            items: vec![
+                MaterialRequest { delivery_id: d0.clone(), attempt: 1, generation: 0 },
+                MaterialRequest { delivery_id: d1.clone(), attempt: 2, generation: 0 },
+                MaterialRequest { delivery_id: unknown.clone(), attempt: 1, generation: 0 },
+            ],
+        })
+        .await?
+        .into_inner()
+        .items;
+    assert_eq!(m.len(), 3);
+    assert!(matches!(&m[0].result, Some(M::Material(x)) if x.delivery_id == d0 && x.secrets.len() == 1 && !x.payload.is_empty()));
+    assert!(
+        matches!(&m[1].result, Some(M::Error(e)) if e.code == tonic::Code::FailedPrecondition as i32 && e.reason == "stale_attempt"),
+        "{:?}",
+        m[1]
+    );
+    assert!(matches!(&m[2].result, Some(M::Error(e)) if e.code == tonic::Code::NotFound as i32), "{:?}", m[2]);
+
+    // Outcomes: a success, a failure reported twice in the same batch, a
+    // report for an attempt that is not current, and an unknown delivery.
+    let report = |id: &str, attempt: u32, status: u32| OutcomeRequest {
+        delivery_id: id.to_owned(),
+        attempt,
+        http_status: Some(status),
+        latency_ms: 3,
+        ..Default::default()
+    };
+    let batch = OutcomeBatchRequest {
+        items: vec![report(&d0, 1, 200), report(&d1, 1, 503), report(&d1, 1, 503), report(&d2, 3, 500), report(&unknown, 1, 200)],
+    };
+    let first = seam.outcome_batch(batch.clone()).await?.into_inner().items;
+    let decision = |r: &Option<O>| match r {
+        Some(O::Outcome(o)) => o.decision,
+        other => panic!("expected a decision, got {other:?}"),
+    };
+    assert_eq!(decision(&first[0].result), OutcomeDecision::Delivered as i32);
+    assert_eq!(decision(&first[1].result), OutcomeDecision::Rescheduled as i32);
+    assert_eq!(first[1], first[2], "a report repeated inside the batch gets the first decision");
+    assert_eq!(decision(&first[3].result), OutcomeDecision::Rescheduled as i32, "a stale report answers where the delivery stands");
+    assert!(matches!(&first[4].result, Some(O::Error(e)) if e.code == tonic::Code::NotFound as i32));
+
+    // The whole batch again changes nothing and answers the same.
+    let again = seam.outcome_batch(batch).await?.into_inner().items;
+    assert_eq!(&first[..3], &again[..3], "a repeated batch returns the first decisions");
+    assert_eq!(decision(&again[3].result), OutcomeDecision::Rescheduled as i32);
+    let pg = stack.pg().await?;
+    let rows: Vec<(String, i32, i64)> = sqlx::query_as(
+        "SELECT d.state, d.attempt, (SELECT count(*) FROM delivery_attempts a WHERE a.delivery_id = d.id)
+         FROM webhook_deliveries d WHERE d.id = ANY ($1) ORDER BY array_position($1, d.id)",
+    )
+    .bind(ids.iter().map(|i| uuid::Uuid::parse_str(i).unwrap()).collect::<Vec<_>>())
+    .fetch_all(&pg)
+    .await?;
+    assert_eq!(
+        rows,
+        vec![("delivered".into(), 1, 1), ("pending".into(), 2, 1), ("pending".into(), 1, 0)],
+        "each delivery advanced at most once; the stale report recorded nothing"
+    );
+
+    // Oversized batches are refused with the limit and the count.
+    let items = vec![MaterialRequest { delivery_id: d0.clone(), attempt: 1, generation: 0 }; 1001];
+    let refused = seam.material_batch(MaterialBatchRequest { items }).await.unwrap_err();
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument);
+    assert!(refused.message().contains("at most 1000") && refused.message().contains("1001"), "{}", refused.message());
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_are_kept_seven_days_and_pruned_after() -> anyhow::Result<()> {
     let stack = Stack::start(Options::default().tiers("0")).await?;
     let tenant = stack.tenant("retention").await?;
@@ -343,6 +434,15 @@ async fn a_hundred_hanging_endpoints_do_not_delay_a_healthy_one() -> anyhow::Res
     assert!(worst <= BOUND, "the healthy endpoint waited {worst:?} (bound {BOUND:?}): {latencies:?}");
     // The hanging endpoints were really being attempted all along.
     assert!(receiver.received().iter().filter(|r| r.path.starts_with("/hang/")).count() >= HANGING, "hanging endpoints were attempted");
+    // The operator sees each endpoint's attempts in flight, never above the cap.
+    let metrics = reqwest::get(&stack.metrics_url).await?.text().await?;
+    let in_flight: Vec<i64> = metrics
+        .lines()
+        .filter(|l| l.starts_with("relay_endpoint_in_flight{endpoint_id="))
+        .filter_map(|l| l.rsplit(' ').next()?.parse().ok())
+        .collect();
+    assert!(in_flight.len() >= HANGING / 2, "in-flight gauges for the hanging endpoints: {metrics}");
+    assert!(in_flight.iter().all(|n| (1..=4).contains(n)), "each within the cap of 4: {in_flight:?}");
     stack.stop().await
 }
 

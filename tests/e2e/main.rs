@@ -6,6 +6,7 @@ mod delivery;
 mod faults;
 mod security;
 mod ssrf;
+mod traces;
 
 use std::time::Duration;
 

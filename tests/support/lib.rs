@@ -158,6 +158,9 @@ async fn listeners(addrs: &relay_api::config::ListenAddrs) -> Result<Listeners> 
 
 impl Stack {
     pub async fn start(opts: Options) -> Result<Self> {
+        // The services install it when they start in-process; a stack whose
+        // services all run as processes still makes HTTPS-capable clients.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         init_logs();
         let db = TestDb::create().await?;
         let prefix = format!("t{}_", &Uuid::new_v4().simple().to_string()[..12]);

@@ -8,7 +8,7 @@ async fn main() -> Result<()> {
         print!("{}", relay_api::openapi::rendered()?);
         return Ok(());
     }
-    relay_telemetry::init();
+    let telemetry = relay_telemetry::init_with("relay-api").context("invalid telemetry configuration")?;
     let cfg = ApiConfig::from_env().context("invalid configuration")?;
     let addrs = ApiConfig::listen_addrs_from_env()?;
     let bind = |a| async move { TcpListener::bind(a).await.with_context(|| format!("binding {a}")) };
@@ -27,7 +27,8 @@ async fn main() -> Result<()> {
             api.shutdown().await?;
         }
     }
-    Ok(())
+    // Spans still queued for the collector go out before the process ends.
+    telemetry.shutdown()
 }
 
 async fn shutdown_signal() {

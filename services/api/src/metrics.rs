@@ -13,6 +13,8 @@ pub struct Metrics {
     /// Attempt latency as the dispatcher measured it, by decision.
     pub attempt_latency: HistogramVec,
     depths: IntGaugeVec,
+    /// Attempts handed to the broker and not yet reported, per endpoint.
+    endpoint_in_flight: IntGaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -33,14 +35,23 @@ impl Default for Metrics {
         )
         .expect("valid metric");
         let depths = IntGaugeVec::new(Opts::new("relay_queue_depth", "Work waiting, by queue"), &["queue"]).expect("valid metric");
+        let endpoint_in_flight = IntGaugeVec::new(
+            Opts::new(
+                "relay_endpoint_in_flight",
+                "Attempts handed to the broker and not yet reported, per endpoint (at most the in-flight cap)",
+            ),
+            &["endpoint_id"],
+        )
+        .expect("valid metric");
         for m in [
             Box::new(attempts.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempt_latency.clone()),
             Box::new(depths.clone()),
+            Box::new(endpoint_in_flight.clone()),
         ] {
             registry.register(m).expect("metrics register once");
         }
-        Self { registry, attempts, attempt_latency, depths }
+        Self { registry, attempts, attempt_latency, depths, endpoint_in_flight }
     }
 }
 
@@ -53,12 +64,23 @@ impl Metrics {
                     ("outbox_unpublished", d.outbox_unpublished),
                     ("deliveries_pending", d.deliveries_pending),
                     ("deliveries_due", d.deliveries_due),
+                    ("deliveries_in_flight", d.deliveries_in_flight),
                     ("dead_letters", d.dead_letters),
                 ] {
                     self.depths.with_label_values(&[queue]).set(n);
                 }
             }
             Err(e) => tracing::warn!(error = ?e, "reading queue depths for metrics"),
+        }
+        match app.in_flight_by_endpoint().await {
+            Ok(rows) => {
+                // Endpoints that drained since the last scrape disappear.
+                self.endpoint_in_flight.reset();
+                for (endpoint, n) in rows {
+                    self.endpoint_in_flight.with_label_values(&[&endpoint.to_string()]).set(n);
+                }
+            }
+            Err(e) => tracing::warn!(error = ?e, "reading in-flight attempts for metrics"),
         }
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);

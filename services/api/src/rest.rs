@@ -283,6 +283,12 @@ async fn transcode(
     if let Some(auth) = headers.get(header::AUTHORIZATION) {
         req = req.header(header::AUTHORIZATION, auth);
     }
+    // A caller's trace context continues into the call (W3C names only).
+    for name in ["traceparent", "tracestate"] {
+        if let Some(v) = headers.get(name) {
+            req = req.header(name, v);
+        }
+    }
     let req = req.body(Full::new(frame.freeze())).map_err(|e| internal(anyhow::Error::new(e)))?;
     let resp = grpc.oneshot(req).await.map_err(|e: std::convert::Infallible| match e {})?;
     let head_status = Status::from_header_map(resp.headers());

@@ -25,6 +25,7 @@ use relay_contracts::{
 };
 use tokio::sync::{Mutex, Semaphore, mpsc, watch};
 use tonic::Code;
+use tracing::Instrument as _;
 
 use crate::{attempt, batch, config::DispatcherConfig, http_client::Sender, seam::Seam};
 
@@ -98,12 +99,19 @@ pub async fn expand_loop(
         };
         let permit = permits.clone().acquire_owned().await.expect("semaphore open");
         let mut seam = seam.clone();
-        tokio::spawn(async move {
+        let span = tracing::info_span!("expand_event", event_id = tracing::field::Empty);
+        if let Some(headers) = &msg.headers {
+            relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
+        }
+        let task = async move {
             let _permit = permit;
             let Some(req) = decode_event(&msg.payload) else {
                 tracing::error!(subject = %msg.subject, "undecodable event; terminating it");
                 return settle(&msg, AckKind::Term).await;
             };
+            tracing::Span::current().record("event_id", req.event_id.as_str());
+            let mut req = tonic::Request::new(req);
+            relay_telemetry::inject_current(&mut relay_telemetry::GrpcMetadata(req.metadata_mut()));
             match seam.expand(req).await {
                 Ok(_) => settle(&msg, AckKind::Ack).await,
                 Err(st) if matches!(st.code(), Code::NotFound | Code::InvalidArgument) => {
@@ -115,7 +123,8 @@ pub async fn expand_loop(
                     settle(&msg, retry_later(&msg)).await
                 }
             }
-        });
+        };
+        tokio::spawn(task.instrument(span));
     }
 }
 
@@ -329,22 +338,41 @@ impl Lane {
                 return settle(&msg, retry_later(&msg)).await;
             }
         };
+        // The attempt's span continues the delivery's trace (the relay put
+        // its context in the message headers) and covers the POST and the report.
+        let span = tracing::info_span!(
+            "attempt",
+            delivery_id = %job.delivery_id, endpoint_id = %job.endpoint_id, attempt = job.attempt, generation = job.generation,
+            http_status = tracing::field::Empty, latency_ms = tracing::field::Empty, outcome = tracing::field::Empty,
+        );
+        if let Some(headers) = &msg.headers {
+            relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
+        }
         let key = format!("{}:{}:{}", job.delivery_id, job.generation, job.attempt);
         if !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
             tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
             return settle(&msg, AckKind::Ack).await;
         }
         let event_id = material.event_id.clone();
-        let outcome = {
+        let outcome = async {
             let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");
             attempt::send(&self.shared.sender, material).await
-        };
+        }
+        .instrument(span.clone())
+        .await;
+        if let Some(status) = outcome.http_status {
+            span.record("http_status", status);
+        }
+        span.record("latency_ms", outcome.latency_ms);
         // The lane moves on to its next attempt while this one is reported.
         let (outcomes, unsettled) = (self.shared.outcomes.clone(), self.shared.unsettled.clone());
-        tokio::spawn(async move {
-            report(&outcomes, &msg, &job, &event_id, outcome).await;
-            unsettled.lock().expect("unpoisoned").remove(&key);
-        });
+        tokio::spawn(
+            async move {
+                report(&outcomes, &msg, &job, &event_id, outcome).await;
+                unsettled.lock().expect("unpoisoned").remove(&key);
+            }
+            .instrument(span),
+        );
     }
 }
 
@@ -357,6 +385,7 @@ async fn report(outcomes: &batch::Outcomes, msg: &Message, job: &DeliveryJob, ev
         tokio::time::sleep(Duration::from_millis(backoff)).await;
         match outcomes.call(outcome.clone()).await {
             Ok(decision) => {
+                tracing::Span::current().record("outcome", decision.decision().as_str_name());
                 tracing::info!(
                     delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
                     decision = decision.decision, "attempt recorded"

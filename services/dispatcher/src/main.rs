@@ -3,7 +3,7 @@ use relay_dispatcher::DispatcherConfig;
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    relay_telemetry::init();
+    let telemetry = relay_telemetry::init_with("relay-dispatcher").context("invalid telemetry configuration")?;
     let cfg = DispatcherConfig::from_env().context("invalid configuration")?;
     tracing::info!(api = %cfg.api_url, "relay-dispatcher starting");
     let mut d = relay_dispatcher::run(cfg).await?;
@@ -13,5 +13,6 @@ async fn main() -> Result<()> {
         _ = tokio::signal::ctrl_c() => d.shutdown().await?,
         _ = term.recv() => d.shutdown().await?,
     }
-    Ok(())
+    // Spans still queued for the collector go out before the process ends.
+    telemetry.shutdown()
 }

@@ -33,6 +33,8 @@ pub struct QueueDepths {
     pub outbox_unpublished: i64,
     pub deliveries_pending: i64,
     pub deliveries_due: i64,
+    /// Handed to the broker, lease not expired, outcome not yet reported.
+    pub deliveries_in_flight: i64,
     pub dead_letters: i64,
 }
 
@@ -123,17 +125,36 @@ impl App {
     }
 
     pub async fn queue_depths(&self) -> AppResult<QueueDepths> {
-        let (outbox, pending, due, dead): (i64, i64, i64, i64) = sqlx::query_as(
+        let (outbox, pending, due, in_flight, dead): (i64, i64, i64, i64, i64) = sqlx::query_as(
             "SELECT
                (SELECT count(*) FROM events WHERE published_at IS NULL),
                (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'),
                (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND next_attempt_at <= now()),
+               (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at > now()),
                (SELECT count(*) FROM webhook_dead_letters)",
         )
         .fetch_one(&self.db)
         .await
         .context("reading queue depths")?;
-        Ok(QueueDepths { outbox_unpublished: outbox, deliveries_pending: pending, deliveries_due: due, dead_letters: dead })
+        Ok(QueueDepths {
+            outbox_unpublished: outbox,
+            deliveries_pending: pending,
+            deliveries_due: due,
+            deliveries_in_flight: in_flight,
+            dead_letters: dead,
+        })
+    }
+
+    /// Attempts handed out and not yet reported, per endpoint (the small
+    /// partial index of leased rows).
+    pub async fn in_flight_by_endpoint(&self) -> AppResult<Vec<(Uuid, i64)>> {
+        Ok(sqlx::query_as(
+            "SELECT endpoint_id, count(*) FROM webhook_deliveries
+             WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id",
+        )
+        .fetch_all(&self.db)
+        .await
+        .context("reading in-flight attempts")?)
     }
 }
 

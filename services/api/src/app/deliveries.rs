@@ -247,14 +247,16 @@ impl App {
         // Subscription filtering happens here, not at send time: a row that
         // exists is a row that will be sent.
         let created = sqlx::query(
-            "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id)
-             SELECT gen_random_uuid(), environment_id, id, $1 FROM webhook_endpoints
+            "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context)
+             SELECT gen_random_uuid(), environment_id, id, $1, $4 FROM webhook_endpoints
              WHERE environment_id = $2 AND enabled AND deleted_at IS NULL AND $3 = ANY (event_types)
              ON CONFLICT (event_id, endpoint_id) DO NOTHING",
         )
         .bind(event_id)
         .bind(environment_id)
         .bind(event_type)
+        // Every attempt of these deliveries continues the expansion's trace.
+        .bind(relay_telemetry::current_traceparent())
         .execute(&mut *tx)
         .await?
         .rows_affected();

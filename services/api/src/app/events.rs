@@ -91,14 +91,16 @@ impl App {
         // are unique per environment, so a conflict is this tenant's own
         // earlier publish of the same id.
         let inserted = sqlx::query(
-            "INSERT INTO events (id, environment_id, event_type, envelope, created_at)
-             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (environment_id, id) DO NOTHING",
+            "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context)
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (environment_id, id) DO NOTHING",
         )
         .bind(event_id)
         .bind(tenant.environment_id)
         .bind(event_type)
         .bind(&envelope)
         .bind(occurred_at)
+        // The relays continue this trace from the row.
+        .bind(relay_telemetry::current_traceparent())
         .execute(&self.db)
         .await?;
         let duplicate = inserted.rows_affected() == 0;

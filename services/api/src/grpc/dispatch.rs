@@ -2,6 +2,7 @@
 
 use relay_contracts::relay::dispatch::v1::{self as pb, dispatch_service_server::DispatchService};
 use tonic::{Request, Response, Status};
+use tracing::{Instrument as _, field::Empty};
 
 use super::{id, status, ts};
 use crate::{
@@ -71,9 +72,17 @@ pub struct DispatchApi {
 #[tonic::async_trait]
 impl DispatchService for DispatchApi {
     async fn expand(&self, req: Request<pb::ExpandRequest>) -> Result<Response<pb::ExpandResponse>, Status> {
-        let r = req.into_inner();
-        let x = self.app.expand(id("event_id", &r.event_id)?, id("environment_id", &r.environment_id)?, &r.r#type).await.map_err(status)?;
-        Ok(Response::new(pb::ExpandResponse { created: x.created, duplicate: x.duplicate }))
+        let span = tracing::info_span!("expand", event_id = %req.get_ref().event_id, created = Empty, duplicate = Empty);
+        relay_telemetry::set_parent(&span, &relay_telemetry::GrpcMetadataRef(req.metadata()));
+        async move {
+            let r = req.into_inner();
+            let x =
+                self.app.expand(id("event_id", &r.event_id)?, id("environment_id", &r.environment_id)?, &r.r#type).await.map_err(status)?;
+            tracing::Span::current().record("created", x.created).record("duplicate", x.duplicate);
+            Ok(Response::new(pb::ExpandResponse { created: x.created, duplicate: x.duplicate }))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn material(&self, req: Request<pb::MaterialRequest>) -> Result<Response<pb::MaterialResponse>, Status> {

@@ -6,6 +6,7 @@ use relay_contracts::relay::tenant::v1::{
     webhook_endpoint_service_server::WebhookEndpointService,
 };
 use tonic::{Request, Response, Status};
+use tracing::{Instrument as _, field::Empty};
 
 use super::{id, status, ts};
 use crate::{
@@ -168,12 +169,23 @@ impl WebhookEndpointService for TenantApi {
 #[tonic::async_trait]
 impl EventService for TenantApi {
     async fn publish_event(&self, req: Request<pb::PublishEventRequest>) -> Result<Response<pb::PublishEventResponse>, Status> {
-        let tenant = auth::tenant(&self.app, &req).await?;
-        let r = req.into_inner();
-        let event_id = if r.id.trim().is_empty() { None } else { Some(id("id", &r.id)?) };
-        let payload = r.payload.map(json).unwrap_or(serde_json::Value::Null);
-        let p = self.app.publish_event(tenant, event_id, &r.r#type, &payload).await.map_err(status)?;
-        Ok(Response::new(pb::PublishEventResponse { event_id: p.event_id.to_string(), duplicate: p.duplicate }))
+        // The root of the event's trace (or a child of the caller's).
+        let span = tracing::info_span!("publish_event", environment_id = Empty, event_id = Empty, duplicate = Empty);
+        relay_telemetry::set_parent(&span, &relay_telemetry::GrpcMetadataRef(req.metadata()));
+        async move {
+            let tenant = auth::tenant(&self.app, &req).await?;
+            let r = req.into_inner();
+            let event_id = if r.id.trim().is_empty() { None } else { Some(id("id", &r.id)?) };
+            let payload = r.payload.map(json).unwrap_or(serde_json::Value::Null);
+            let p = self.app.publish_event(tenant, event_id, &r.r#type, &payload).await.map_err(status)?;
+            let span = tracing::Span::current();
+            span.record("environment_id", tracing::field::display(tenant.environment_id));
+            span.record("event_id", tracing::field::display(p.event_id));
+            span.record("duplicate", p.duplicate);
+            Ok(Response::new(pb::PublishEventResponse { event_id: p.event_id.to_string(), duplicate: p.duplicate }))
+        }
+        .instrument(span)
+        .await
     }
 
     async fn list_event_deliveries(

@@ -49,6 +49,7 @@ struct DueRow {
     released: bool,
     /// Attempts of this endpoint handed out and not yet reported.
     outstanding: i64,
+    trace_context: Option<String>,
 }
 
 async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
@@ -139,7 +140,7 @@ impl DeliveryRelay {
                SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
                WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id)
              SELECT d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation,
-                    d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding
+                    d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding, NULL::text AS trace_context
              FROM webhook_deliveries d LEFT JOIN busy b ON b.endpoint_id = d.endpoint_id
              WHERE d.state = 'pending' AND d.next_attempt_at <= now()
                AND (d.dispatched_at IS NOT NULL OR coalesce(b.n, 0) < $2)
@@ -174,7 +175,8 @@ impl DeliveryRelay {
         // since the scan.
         let mut tx = self.app.db.begin().await?;
         let rows: Vec<DueRow> = sqlx::query_as(
-            "SELECT id, environment_id, endpoint_id, attempt, generation, dispatched_at IS NOT NULL AS released, 0::bigint AS outstanding
+            "SELECT id, environment_id, endpoint_id, attempt, generation, dispatched_at IS NOT NULL AS released, 0::bigint AS outstanding,
+                    trace_context
              FROM webhook_deliveries
              WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
              ORDER BY next_attempt_at FOR UPDATE SKIP LOCKED",
@@ -197,6 +199,11 @@ impl DeliveryRelay {
                     generation: row.generation as u32,
                 };
                 let mut headers = HeaderMap::new();
+                let span = tracing::info_span!("delivery_relay", delivery_id = %row.id, attempt = row.attempt, generation = row.generation);
+                if let Some(tc) = &row.trace_context {
+                    relay_telemetry::set_parent_from_traceparent(&span, tc);
+                }
+                span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
                 headers.insert("Nats-Msg-Id", StreamNames::delivery_message_id(&job.delivery_id, job.generation, job.attempt).as_str());
                 (self.names.deliveries_subject(&job.environment_id), headers, job.encode_to_vec().into())
             })

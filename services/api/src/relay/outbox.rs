@@ -13,6 +13,9 @@ use uuid::Uuid;
 
 use crate::app::App;
 
+/// seq, event id, environment, type, envelope, stored trace context.
+type OutboxRow = (i64, Uuid, Uuid, String, Vec<u8>, Option<String>);
+
 pub struct OutboxRelay {
     pub app: App,
     pub js: jetstream::Context,
@@ -50,8 +53,8 @@ impl OutboxRelay {
     /// One pass: claim a batch, publish it, mark what the broker confirmed.
     pub async fn drain_once(&self) -> Result<usize> {
         let mut tx = self.app.db.begin().await?;
-        let rows: Vec<(i64, Uuid, Uuid, String, Vec<u8>)> = sqlx::query_as(
-            "SELECT seq, id, environment_id, event_type, envelope FROM events
+        let rows: Vec<OutboxRow> = sqlx::query_as(
+            "SELECT seq, id, environment_id, event_type, envelope, trace_context FROM events
              WHERE published_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(self.batch)
@@ -63,8 +66,15 @@ impl OutboxRelay {
         }
         let mut seqs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
-        for (seq, id, env, event_type, envelope) in rows {
+        for (seq, id, env, event_type, envelope, trace_context) in rows {
             let mut headers = HeaderMap::new();
+            // One short span per event, in the event's trace; its context
+            // rides in the message headers to the dispatcher.
+            let span = tracing::info_span!("outbox_relay", event_id = %id, environment_id = %env);
+            if let Some(tc) = &trace_context {
+                relay_telemetry::set_parent_from_traceparent(&span, tc);
+            }
+            span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
             headers.insert("Nats-Msg-Id", StreamNames::event_message_id(&env.to_string(), &id.to_string()).as_str());
             headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
             headers.insert(event_headers::EVENT_TYPE, event_type.as_str());

@@ -1,0 +1,112 @@
+//! One trace per event, end to end: the real api and dispatcher binaries
+//! export to an in-process OTLP collector, and the spans of one event's whole
+//! path (REST call → outbox → expand → relay → every attempt) arrive in the
+//! caller's trace, each parented on the step before it.
+
+use std::time::Duration;
+
+use relay_tests::{Options, Process, Receiver, Reply, Rest, Stack, otlp::CollectedSpan, otlp::Collector};
+use serde_json::json;
+
+const TRACE_ID: &str = "4bf92f3577b34da6a3ce929d0e0e4736";
+const CALLER_SPAN: &str = "00f067aa0ba902b7";
+
+fn one<'a>(spans: &'a [CollectedSpan], name: &str) -> &'a CollectedSpan {
+    let found: Vec<_> = spans.iter().filter(|s| s.name == name).collect();
+    assert_eq!(found.len(), 1, "exactly one {name} span in the trace; got {found:#?}");
+    found[0]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_events_path_arrives_at_the_collector_as_one_trace() -> anyhow::Result<()> {
+    let collector = Collector::start().await?;
+    let stack = Stack::start(Options { api: false, dispatcher: false, ..Options::default() }).await?;
+    let with_otlp = |mut env: Vec<(&'static str, String)>| {
+        env.push(("RELAY_OTLP_ENDPOINT", collector.endpoint()));
+        env
+    };
+    let api = Process::spawn("relay-api", &with_otlp(stack.api_env()))?;
+    stack.wait_for_api().await?;
+    let dispatcher = Process::spawn("relay-dispatcher", &with_otlp(stack.dispatcher_env()))?;
+    let tenant = stack.tenant("traced").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/fails", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (_, ok_secret) = rest.endpoint(&receiver.url("/ok"), &["t.traced"]).await?;
+    let (_, failing_secret) = rest.endpoint(&receiver.url("/fails"), &["t.traced"]).await?;
+
+    // The caller's own trace context: the event's spans must join it.
+    let marker = "payload-marker-7f3a";
+    let resp = reqwest::Client::new()
+        .post(format!("{}/v1/events", stack.rest_url))
+        .bearer_auth(&tenant.api_key)
+        .header("traceparent", format!("00-{TRACE_ID}-{CALLER_SPAN}-01"))
+        .json(&json!({"type": "t.traced", "payload": {"note": marker}}))
+        .send()
+        .await?;
+    assert_eq!(resp.status().as_u16(), 202, "{}", resp.text().await?);
+
+    // 1 delivery to /ok, 7 attempts then a dead letter at /fails.
+    let ours = |spans: &[CollectedSpan]| -> Vec<CollectedSpan> { spans.iter().filter(|s| s.trace_id == TRACE_ID).cloned().collect() };
+    let spans = ours(
+        &collector
+            .wait_for(Duration::from_secs(30), |all| {
+                let t = ours(all);
+                t.iter().filter(|s| s.name == "attempt").count() >= 8 && t.iter().filter(|s| s.name == "delivery_relay").count() >= 8
+            })
+            .await,
+    );
+    receiver.wait_at("/ok", 1, Duration::from_secs(5)).await;
+    api.kill9().await?;
+    dispatcher.kill9().await?;
+
+    let publish = one(&spans, "publish_event");
+    assert_eq!(
+        (publish.service.as_str(), publish.parent_span_id.as_str()),
+        ("relay-api", CALLER_SPAN),
+        "the REST call joins the caller's trace"
+    );
+    let outbox = one(&spans, "outbox_relay");
+    assert_eq!((outbox.service.as_str(), &outbox.parent_span_id), ("relay-api", &publish.span_id), "outbox after the publish");
+    let expand_event = one(&spans, "expand_event");
+    assert_eq!(
+        (expand_event.service.as_str(), &expand_event.parent_span_id),
+        ("relay-dispatcher", &outbox.span_id),
+        "through NATS headers"
+    );
+    let expand = one(&spans, "expand");
+    assert_eq!((expand.service.as_str(), &expand.parent_span_id), ("relay-api", &expand_event.span_id), "through gRPC metadata");
+    assert_eq!(expand.attribute("created"), Some("2"));
+
+    let relays: Vec<&CollectedSpan> = spans.iter().filter(|s| s.name == "delivery_relay").collect();
+    let attempts: Vec<&CollectedSpan> = spans.iter().filter(|s| s.name == "attempt").collect();
+    assert_eq!((relays.len(), attempts.len()), (8, 8), "one relay and one attempt span per attempt: {spans:#?}");
+    for r in &relays {
+        assert_eq!(r.parent_span_id, expand.span_id, "every attempt's relay continues the expansion (stored with the row)");
+    }
+    let mut statuses: Vec<&str> = attempts.iter().map(|a| a.attribute("http_status").unwrap_or("none")).collect();
+    statuses.sort();
+    assert_eq!(statuses, ["200", "500", "500", "500", "500", "500", "500", "500"]);
+    for a in &attempts {
+        assert_eq!(a.service, "relay-dispatcher");
+        assert!(relays.iter().any(|r| r.span_id == a.parent_span_id), "attempt {a:?} hangs off a relay span");
+        assert!(a.attribute("outcome").is_some(), "the recorded decision is on the attempt: {a:?}");
+    }
+    let mut numbers: Vec<&str> =
+        attempts.iter().filter(|a| a.attribute("http_status") == Some("500")).filter_map(|a| a.attribute("attempt")).collect();
+    numbers.sort();
+    assert_eq!(numbers, ["1", "2", "3", "4", "5", "6", "7"]);
+
+    // Nothing sensitive in any exported span, ours or not.
+    let secret_parts = [ok_secret.trim_start_matches("whsec_"), failing_secret.trim_start_matches("whsec_")];
+    for s in collector.spans() {
+        for (k, v) in &s.attributes {
+            assert!(!v.contains(marker), "payload in span {} attribute {k}", s.name);
+            assert!(!v.contains(&tenant.api_key), "API key in span {} attribute {k}", s.name);
+            for p in secret_parts {
+                assert!(!v.contains(p), "signing secret in span {} attribute {k}", s.name);
+            }
+        }
+    }
+    stack.stop().await
+}
