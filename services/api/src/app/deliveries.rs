@@ -248,7 +248,7 @@ impl App {
         // exists is a row that will be sent.
         let created = sqlx::query(
             "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context)
-             SELECT gen_random_uuid(), environment_id, id, $1, $4 FROM webhook_endpoints
+             SELECT relay_uuid_v7(), environment_id, id, $1, $4 FROM webhook_endpoints
              WHERE environment_id = $2 AND enabled AND deleted_at IS NULL AND $3 = ANY (event_types)
              ON CONFLICT (event_id, endpoint_id) DO NOTHING",
         )
