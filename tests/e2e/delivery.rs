@@ -102,7 +102,12 @@ async fn outcomes_are_idempotent_and_a_late_dispatcher_drains_the_backlog() -> a
 
     // Expand exactly once, however often it is asked.
     let mut seam = stack.seam().await?;
-    let expand = ExpandRequest { event_id: event_id.clone(), environment_id: tenant.environment_id.clone(), r#type: "a".into() };
+    let expand = ExpandRequest {
+        event_id: event_id.clone(),
+        environment_id: tenant.environment_id.clone(),
+        r#type: "a".into(),
+        ..Default::default()
+    };
     let first = seam.expand(expand.clone()).await?.into_inner();
     let second = seam.expand(expand).await?.into_inner();
     assert_eq!((first.created, first.duplicate), (1, false));
@@ -137,9 +142,10 @@ async fn outcomes_are_idempotent_and_a_late_dispatcher_drains_the_backlog() -> a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn batched_material_and_outcomes_answer_item_by_item_with_the_same_idempotency() -> anyhow::Result<()> {
+async fn batched_expand_material_and_outcomes_answer_item_by_item_with_the_same_idempotency() -> anyhow::Result<()> {
     use relay_contracts::relay::dispatch::v1::{
-        MaterialBatchRequest, OutcomeBatchRequest, material_result::Result as M, outcome_result::Result as O,
+        ExpandBatchRequest, MaterialBatchRequest, OutcomeBatchRequest, expand_result::Result as X, material_result::Result as M,
+        outcome_result::Result as O,
     };
     let stack = Stack::start(Options { dispatcher: false, ..Options::default().tiers("0,100,100") }).await?;
     let tenant = stack.tenant("batches").await?;
@@ -147,12 +153,43 @@ async fn batched_material_and_outcomes_answer_item_by_item_with_the_same_idempot
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     rest.endpoint(&receiver.url("/b"), &["b"]).await?;
     let mut seam = stack.seam().await?;
-    let mut ids = Vec::new();
+    let mut events = Vec::new();
     for i in 0..3 {
-        let event_id = rest.publish("b", json!({"i": i})).await?;
-        seam.expand(ExpandRequest { event_id: event_id.clone(), environment_id: tenant.environment_id.clone(), r#type: "b".into() })
-            .await?;
-        ids.push(rest.deliveries(&event_id).await?[0]["id"].as_str().unwrap().to_owned());
+        events.push(rest.publish("b", json!({"i": i})).await?);
+    }
+    // Expansion: three events, one of them twice, an unknown one and one
+    // named with the wrong type, in one batch; then the same batch again.
+    let item = |event_id: &str, t: &str| ExpandRequest {
+        event_id: event_id.to_owned(),
+        environment_id: tenant.environment_id.clone(),
+        r#type: t.into(),
+        ..Default::default()
+    };
+    let batch = ExpandBatchRequest {
+        items: vec![
+            item(&events[0], "b"),
+            item(&events[1], "b"),
+            item(&events[2], "b"),
+            item(&events[0], "b"),
+            item(&uuid::Uuid::now_v7().to_string(), "b"),
+            item(&events[1], "other"),
+        ],
+    };
+    let expanded = |r: &Option<X>| match r {
+        Some(X::Expanded(x)) => (x.created, x.duplicate),
+        other => panic!("expected an expansion, got {other:?}"),
+    };
+    let first = seam.expand_batch(batch.clone()).await?.into_inner().items;
+    assert_eq!(first[..4].iter().map(|r| expanded(&r.result)).collect::<Vec<_>>(), [(1, false), (1, false), (1, false), (0, true)]);
+    assert!(matches!(&first[4].result, Some(X::Error(e)) if e.code == tonic::Code::NotFound as i32), "{:?}", first[4]);
+    assert!(matches!(&first[5].result, Some(X::Error(e)) if e.code == tonic::Code::InvalidArgument as i32 && e.reason == "event_mismatch"));
+    let again = seam.expand_batch(batch).await?.into_inner().items;
+    assert_eq!(again[..4].iter().map(|r| expanded(&r.result)).collect::<Vec<_>>(), [(0, true); 4], "expanded exactly once");
+    let mut ids = Vec::new();
+    for event_id in &events {
+        let d = rest.deliveries(event_id).await?;
+        assert_eq!(d.len(), 1, "one delivery per event, however often it was expanded");
+        ids.push(d[0]["id"].as_str().unwrap().to_owned());
     }
     let (d0, d1, d2) = (ids[0].clone(), ids[1].clone(), ids[2].clone());
 

@@ -57,7 +57,12 @@ async fn a_job_the_dispatcher_cannot_process_is_not_acked_and_comes_back() -> an
     stack
         .seam()
         .await?
-        .expand(ExpandRequest { event_id: event_id.clone(), environment_id: tenant.environment_id.clone(), r#type: "x".into() })
+        .expand(ExpandRequest {
+            event_id: event_id.clone(),
+            environment_id: tenant.environment_id.clone(),
+            r#type: "x".into(),
+            ..Default::default()
+        })
         .await?;
     // Wait until the relay has handed the job to the broker, then take the api away.
     let pg = stack.pg().await?;

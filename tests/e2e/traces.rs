@@ -75,7 +75,11 @@ async fn one_events_path_arrives_at_the_collector_as_one_trace() -> anyhow::Resu
         "through NATS headers"
     );
     let expand = one(&spans, "expand");
-    assert_eq!((expand.service.as_str(), &expand.parent_span_id), ("relay-api", &expand_event.span_id), "through gRPC metadata");
+    assert_eq!(
+        (expand.service.as_str(), &expand.parent_span_id),
+        ("relay-api", &expand_event.span_id),
+        "its traceparent rides in the batched Expand item"
+    );
     assert_eq!(expand.attribute("created"), Some("2"));
 
     let relays: Vec<&CollectedSpan> = spans.iter().filter(|s| s.name == "delivery_relay").collect();

@@ -24,7 +24,7 @@ async fn main() -> Result<()> {
         }
     }
     if names.is_empty() {
-        names = ["w1", "w2", "w2b", "w3"].map(String::from).to_vec();
+        names = ["w1", "w1@500", "w2", "w2b", "w3"].map(String::from).to_vec();
     }
     let exe = std::env::current_exe()?;
     let env = Env {

@@ -17,6 +17,9 @@ use axum::{Router, body::Bytes, http::HeaderMap, http::StatusCode};
 pub struct Arrivals {
     pub by_key: HashMap<(String, String), Vec<Instant>>,
     pub total: usize,
+    /// Distinct (path, event) arrivals on healthy (`/ok/`) paths, kept as a
+    /// counter so the driver's progress check costs nothing per poll.
+    pub healthy_distinct: usize,
 }
 
 #[derive(Clone)]
@@ -40,7 +43,12 @@ impl Receiver {
                 {
                     let mut a = sink.lock().expect("not poisoned");
                     a.total += 1;
-                    a.by_key.entry((path.clone(), id)).or_default().push(now);
+                    let healthy = path.starts_with("/ok/");
+                    let times = a.by_key.entry((path.clone(), id)).or_default();
+                    times.push(now);
+                    if healthy && times.len() == 1 {
+                        a.healthy_distinct += 1;
+                    }
                 }
                 let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
                 match parts.as_slice() {

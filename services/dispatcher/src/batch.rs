@@ -8,7 +8,8 @@
 use std::{future::Future, sync::Arc};
 
 use relay_contracts::relay::dispatch::v1::{
-    self as pb, MaterialBatchRequest, MaterialRequest, MaterialResponse, OutcomeBatchRequest, OutcomeRequest, OutcomeResponse,
+    self as pb, ExpandBatchRequest, ExpandRequest, ExpandResponse, MaterialBatchRequest, MaterialRequest, MaterialResponse,
+    OutcomeBatchRequest, OutcomeRequest, OutcomeResponse,
 };
 use tokio::sync::{Semaphore, mpsc, oneshot};
 use tonic::{Code, Status};
@@ -96,6 +97,25 @@ const CALLS_IN_FLIGHT: usize = 2;
 
 pub type Materials = Batcher<MaterialRequest, MaterialResponse>;
 pub type Outcomes = Batcher<OutcomeRequest, OutcomeResponse>;
+pub type Expansions = Batcher<ExpandRequest, ExpandResponse>;
+
+pub fn expansions(seam: Seam) -> Expansions {
+    Batcher::spawn(MAX_BATCH, CALLS_IN_FLIGHT, move |items| {
+        let mut seam = seam.clone();
+        async move {
+            let answer = seam.expand_batch(ExpandBatchRequest { items }).await?.into_inner();
+            Ok(answer
+                .items
+                .into_iter()
+                .map(|r| match r.result {
+                    Some(pb::expand_result::Result::Expanded(x)) => Ok(x),
+                    Some(pb::expand_result::Result::Error(e)) => Err(item_status(e)),
+                    None => Err(Status::internal("an empty batch item")),
+                })
+                .collect())
+        }
+    })
+}
 
 pub fn materials(seam: Seam) -> Materials {
     Batcher::spawn(MAX_BATCH, CALLS_IN_FLIGHT, move |items| {

@@ -56,7 +56,7 @@ impl DispatcherConfig {
                 var("RELAY_ATTEMPT_TIMEOUT_MS").map(|v| v.parse()).transpose().context("RELAY_ATTEMPT_TIMEOUT_MS")?.unwrap_or(15_000),
             ),
             max_in_flight: var("RELAY_MAX_IN_FLIGHT").map(|v| v.parse()).transpose().context("RELAY_MAX_IN_FLIGHT")?.unwrap_or(512),
-            max_expanding: 32,
+            max_expanding: 256,
             seam_timeout: Duration::from_millis(
                 var("RELAY_SEAM_TIMEOUT_MS").map(|v| v.parse()).transpose().context("RELAY_SEAM_TIMEOUT_MS")?.unwrap_or(15_000),
             ),

@@ -84,6 +84,7 @@ pub async fn expand_loop(
     .await?;
     let mut messages = consumer.messages().await.context("subscribing to EVENTS")?;
     let permits = Arc::new(Semaphore::new(cfg.max_expanding));
+    let expansions = batch::expansions(seam);
     loop {
         let msg = tokio::select! {
             m = messages.next() => m,
@@ -98,21 +99,21 @@ pub async fn expand_loop(
             }
         };
         let permit = permits.clone().acquire_owned().await.expect("semaphore open");
-        let mut seam = seam.clone();
+        let expansions = expansions.clone();
         let span = tracing::info_span!("expand_event", event_id = tracing::field::Empty);
         if let Some(headers) = &msg.headers {
             relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
         }
         let task = async move {
             let _permit = permit;
-            let Some(req) = decode_event(&msg.payload) else {
+            let Some(mut req) = decode_event(&msg.payload) else {
                 tracing::error!(subject = %msg.subject, "undecodable event; terminating it");
                 return settle(&msg, AckKind::Term).await;
             };
             tracing::Span::current().record("event_id", req.event_id.as_str());
-            let mut req = tonic::Request::new(req);
-            relay_telemetry::inject_current(&mut relay_telemetry::GrpcMetadata(req.metadata_mut()));
-            match seam.expand(req).await {
+            // Batched with other events: the context rides in the item.
+            req.traceparent = relay_telemetry::current_traceparent().unwrap_or_default();
+            match expansions.call(req).await {
                 Ok(_) => settle(&msg, AckKind::Ack).await,
                 Err(st) if matches!(st.code(), Code::NotFound | Code::InvalidArgument) => {
                     tracing::error!(code = ?st.code(), message = st.message(), "event cannot be expanded; terminating it");
@@ -137,7 +138,7 @@ fn decode_event(body: &[u8]) -> Option<ExpandRequest> {
         environment_id: String,
     }
     let h: Head = serde_json::from_slice(body).ok()?;
-    Some(ExpandRequest { event_id: h.id, environment_id: h.environment_id, r#type: h.event_type })
+    Some(ExpandRequest { event_id: h.id, environment_id: h.environment_id, r#type: h.event_type, traceparent: String::new() })
 }
 
 type Job = (Arc<Message>, DeliveryJob);
@@ -173,7 +174,9 @@ pub async fn deliver_loop(
             ack_policy: jetstream::consumer::AckPolicy::Explicit,
             ack_wait: cfg.deliveries_ack_wait(),
             max_deliver: MAX_DELIVER,
-            max_ack_pending: 10_000,
+            // 512 endpoints hanging at once, each holding the api's default
+            // in-flight cap of 64 jobs, before healthy endpoints' jobs wait.
+            max_ack_pending: 32_768,
             ..Default::default()
         },
     )

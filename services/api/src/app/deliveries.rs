@@ -85,6 +85,16 @@ pub struct DeadLetter {
     pub dead_lettered_at: Timestamp,
 }
 
+/// One event to expand. `trace_context` is the traceparent its deliveries
+/// carry, so their attempts continue the event's trace.
+#[derive(Debug, Clone)]
+pub struct ExpandItem {
+    pub event_id: Uuid,
+    pub environment_id: Uuid,
+    pub event_type: String,
+    pub trace_context: Option<String>,
+}
+
 /// One attempt of one delivery, as the dispatcher names it.
 #[derive(Debug, Clone, Copy)]
 pub struct AttemptRef {
@@ -223,51 +233,114 @@ impl App {
     /// One delivery per matching endpoint, exactly once: the ledger claim and
     /// the rows commit together, so a redelivered event is a no-op.
     pub async fn expand(&self, event_id: Uuid, environment_id: Uuid, event_type: &str) -> AppResult<Expanded> {
+        let item = ExpandItem {
+            event_id,
+            environment_id,
+            event_type: event_type.to_owned(),
+            trace_context: relay_telemetry::current_traceparent(),
+        };
+        self.expand_batch(vec![item]).await?.pop().expect("one answer per item")
+    }
+
+    /// Expands many events in one transaction: the events are checked with
+    /// one read, claimed with one insert, and their deliveries written with
+    /// one insert. Each item answers as `expand` would, in order.
+    pub async fn expand_batch(&self, items: Vec<ExpandItem>) -> AppResult<Vec<AppResult<Expanded>>> {
         let mut tx = self.db.begin().await?;
-        let stored: Option<(Uuid, String)> =
-            sqlx::query_as("SELECT environment_id, event_type FROM events WHERE environment_id = $1 AND id = $2")
-                .bind(environment_id)
-                .bind(event_id)
-                .fetch_optional(&mut *tx)
-                .await?;
-        let Some((stored_env, stored_type)) = stored else { return Err(AppError::not_found("event")) };
-        if stored_env != environment_id || stored_type != event_type {
-            return Err(AppError::invalid("event_mismatch", format!("event {event_id} does not have that environment and type")));
-        }
-        let claimed =
-            sqlx::query("INSERT INTO consumed_events (consumer, environment_id, event_id) VALUES ($1, $2, $3) ON CONFLICT DO NOTHING")
-                .bind(EXPAND_CONSUMER)
-                .bind(environment_id)
-                .bind(event_id)
-                .execute(&mut *tx)
-                .await?;
-        if claimed.rows_affected() == 0 {
-            return Ok(Expanded { created: 0, duplicate: true });
-        }
-        // Subscription filtering happens here, not at send time: a row that
-        // exists is a row that will be sent.
-        let created = sqlx::query(
-            "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context)
-             SELECT relay_uuid_v7(), environment_id, id, $1, $4 FROM webhook_endpoints
-             WHERE environment_id = $2 AND enabled AND deleted_at IS NULL AND $3 = ANY (event_types)
-             ON CONFLICT (event_id, endpoint_id) DO NOTHING",
+        let (envs, ids): (Vec<Uuid>, Vec<Uuid>) = items.iter().map(|i| (i.environment_id, i.event_id)).unzip();
+        let stored: HashMap<(Uuid, Uuid), String> = sqlx::query_as::<_, (Uuid, Uuid, String)>(
+            "SELECT v.environment_id, v.id, v.event_type FROM events v
+             JOIN UNNEST($1::uuid[], $2::uuid[]) AS k(environment_id, id) ON v.environment_id = k.environment_id AND v.id = k.id",
         )
-        .bind(event_id)
-        .bind(environment_id)
-        .bind(event_type)
-        // Every attempt of these deliveries continues the expansion's trace.
-        .bind(relay_telemetry::current_traceparent())
-        .execute(&mut *tx)
+        .bind(&envs)
+        .bind(&ids)
+        .fetch_all(&mut *tx)
         .await?
-        .rows_affected();
-        if created > 0 {
+        .into_iter()
+        .map(|(env, id, t)| ((env, id), t))
+        .collect();
+
+        // Which items may claim: the event exists as described, and it is
+        // the first mention of that event in this batch. Claims are taken in
+        // key order, so two batches that share events cannot deadlock.
+        let mut out: Vec<Option<AppResult<Expanded>>> = Vec::with_capacity(items.len());
+        let mut claimants: Vec<usize> = Vec::new();
+        let mut seen: HashSet<(Uuid, Uuid)> = HashSet::new();
+        for (i, item) in items.iter().enumerate() {
+            let key = (item.environment_id, item.event_id);
+            match stored.get(&key) {
+                None => out.push(Some(Err(AppError::not_found("event")))),
+                Some(t) if *t != item.event_type => out.push(Some(Err(AppError::invalid(
+                    "event_mismatch",
+                    format!("event {} does not have that environment and type", item.event_id),
+                )))),
+                Some(_) if !seen.insert(key) => out.push(Some(Ok(Expanded { created: 0, duplicate: true }))),
+                Some(_) => {
+                    out.push(None);
+                    claimants.push(i);
+                }
+            }
+        }
+        claimants.sort_by_key(|&i| (items[i].environment_id, items[i].event_id));
+        let claimed: HashSet<(Uuid, Uuid)> = if claimants.is_empty() {
+            HashSet::new()
+        } else {
+            let (envs, ids): (Vec<Uuid>, Vec<Uuid>) = claimants.iter().map(|&i| (items[i].environment_id, items[i].event_id)).unzip();
+            sqlx::query_as::<_, (Uuid, Uuid)>(
+                "INSERT INTO consumed_events (consumer, environment_id, event_id)
+                 SELECT $1, * FROM UNNEST($2::uuid[], $3::uuid[])
+                 ON CONFLICT DO NOTHING RETURNING environment_id, event_id",
+            )
+            .bind(EXPAND_CONSUMER)
+            .bind(&envs)
+            .bind(&ids)
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect()
+        };
+        // Subscription filtering happens here, not at send time: a row that
+        // exists is a row that will be sent. Every attempt of a delivery
+        // continues its event's expansion trace.
+        let mut created: HashMap<(Uuid, Uuid), u32> = HashMap::new();
+        let fresh: Vec<usize> =
+            claimants.iter().copied().filter(|&i| claimed.contains(&(items[i].environment_id, items[i].event_id))).collect();
+        if !fresh.is_empty() {
+            let rows: Vec<(Uuid, Uuid)> = sqlx::query_as(
+                "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context)
+                 SELECT relay_uuid_v7(), e.environment_id, e.id, c.event_id, c.trace_context
+                 FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS c(environment_id, event_id, event_type, trace_context)
+                 JOIN webhook_endpoints e
+                   ON e.environment_id = c.environment_id AND e.enabled AND e.deleted_at IS NULL AND c.event_type = ANY (e.event_types)
+                 ON CONFLICT (event_id, endpoint_id) DO NOTHING
+                 RETURNING environment_id, event_id",
+            )
+            .bind(fresh.iter().map(|&i| items[i].environment_id).collect::<Vec<_>>())
+            .bind(fresh.iter().map(|&i| items[i].event_id).collect::<Vec<_>>())
+            .bind(fresh.iter().map(|&i| items[i].event_type.clone()).collect::<Vec<_>>())
+            .bind(fresh.iter().map(|&i| items[i].trace_context.clone()).collect::<Vec<_>>())
+            .fetch_all(&mut *tx)
+            .await?;
+            for key in rows {
+                *created.entry(key).or_default() += 1;
+            }
+        }
+        if !created.is_empty() {
             notify_due(&mut tx).await?;
         }
-        tx.commit().await.context("committing an expansion")?;
-        if created > 0 {
+        tx.commit().await.context("committing an expansion batch")?;
+        if !created.is_empty() {
             self.deliveries_wake.wake();
         }
-        Ok(Expanded { created: created as u32, duplicate: false })
+        for &i in &claimants {
+            let key = (items[i].environment_id, items[i].event_id);
+            out[i] = Some(Ok(if claimed.contains(&key) {
+                Expanded { created: created.get(&key).copied().unwrap_or(0), duplicate: false }
+            } else {
+                Expanded { created: 0, duplicate: true }
+            }));
+        }
+        Ok(out.into_iter().map(|o| o.expect("every item answered")).collect())
     }
 
     /// What one attempt needs, if that attempt is still the delivery's current one.

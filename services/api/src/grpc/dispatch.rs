@@ -2,13 +2,13 @@
 
 use relay_contracts::relay::dispatch::v1::{self as pb, dispatch_service_server::DispatchService};
 use tonic::{Request, Response, Status};
-use tracing::{Instrument as _, field::Empty};
+use tracing::field::Empty;
 
 use super::{id, status, ts};
 use crate::{
     app::{
         App,
-        deliveries::{AttemptRef, AttemptReport, Decision, Material},
+        deliveries::{AttemptRef, AttemptReport, Decision, ExpandItem, Material},
     },
     error::AppError,
 };
@@ -69,20 +69,70 @@ pub struct DispatchApi {
     pub app: App,
 }
 
+impl DispatchApi {
+    /// Expands items with one span each, in its own event's trace: the
+    /// item's traceparent, else (a single call) the request's metadata.
+    async fn expand_items(
+        &self,
+        items: Vec<pb::ExpandRequest>,
+        metadata: Option<&tonic::metadata::MetadataMap>,
+    ) -> Result<Vec<Result<pb::ExpandResponse, AppError>>, Status> {
+        let mut spans = Vec::with_capacity(items.len());
+        let mut parsed = Vec::with_capacity(items.len());
+        for r in items {
+            let span = tracing::info_span!("expand", event_id = %r.event_id, created = Empty, duplicate = Empty);
+            match (r.traceparent.is_empty(), metadata) {
+                (false, _) => relay_telemetry::set_parent_from_traceparent(&span, &r.traceparent),
+                (true, Some(m)) => relay_telemetry::set_parent(&span, &relay_telemetry::GrpcMetadataRef(m)),
+                (true, None) => {}
+            }
+            parsed.push(ExpandItem {
+                event_id: id("event_id", &r.event_id)?,
+                environment_id: id("environment_id", &r.environment_id)?,
+                event_type: r.r#type,
+                trace_context: span.in_scope(relay_telemetry::current_traceparent),
+            });
+            spans.push(span);
+        }
+        let answers = self.app.expand_batch(parsed).await.map_err(status)?;
+        Ok(answers
+            .into_iter()
+            .zip(&spans)
+            .map(|(a, span)| {
+                a.map(|x| {
+                    span.record("created", x.created).record("duplicate", x.duplicate);
+                    pb::ExpandResponse { created: x.created, duplicate: x.duplicate }
+                })
+            })
+            .collect())
+    }
+}
+
 #[tonic::async_trait]
 impl DispatchService for DispatchApi {
     async fn expand(&self, req: Request<pb::ExpandRequest>) -> Result<Response<pb::ExpandResponse>, Status> {
-        let span = tracing::info_span!("expand", event_id = %req.get_ref().event_id, created = Empty, duplicate = Empty);
-        relay_telemetry::set_parent(&span, &relay_telemetry::GrpcMetadataRef(req.metadata()));
-        async move {
-            let r = req.into_inner();
-            let x =
-                self.app.expand(id("event_id", &r.event_id)?, id("environment_id", &r.environment_id)?, &r.r#type).await.map_err(status)?;
-            tracing::Span::current().record("created", x.created).record("duplicate", x.duplicate);
-            Ok(Response::new(pb::ExpandResponse { created: x.created, duplicate: x.duplicate }))
+        let metadata = req.metadata().clone();
+        let mut answers = self.expand_items(vec![req.into_inner()], Some(&metadata)).await?;
+        match answers.pop().expect("one answer per item") {
+            Ok(x) => Ok(Response::new(x)),
+            Err(e) => Err(status(e)),
         }
-        .instrument(span)
-        .await
+    }
+
+    async fn expand_batch(&self, req: Request<pb::ExpandBatchRequest>) -> Result<Response<pb::ExpandBatchResponse>, Status> {
+        let items = req.into_inner().items;
+        check_batch(items.len())?;
+        let answers = self.expand_items(items, None).await?;
+        let items = answers
+            .into_iter()
+            .map(|a| pb::ExpandResult {
+                result: Some(match a {
+                    Ok(x) => pb::expand_result::Result::Expanded(x),
+                    Err(e) => pb::expand_result::Result::Error(item_error(e)),
+                }),
+            })
+            .collect();
+        Ok(Response::new(pb::ExpandBatchResponse { items }))
     }
 
     async fn material(&self, req: Request<pb::MaterialRequest>) -> Result<Response<pb::MaterialResponse>, Status> {
