@@ -311,7 +311,7 @@ impl App {
                  SELECT relay_uuid_v7(), e.environment_id, e.id, c.event_id, c.trace_context
                  FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS c(environment_id, event_id, event_type, trace_context)
                  JOIN webhook_endpoints e
-                   ON e.environment_id = c.environment_id AND e.enabled AND e.deleted_at IS NULL AND c.event_type = ANY (e.event_types)
+                   ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id AND e.enabled AND e.deleted_at IS NULL
                  ON CONFLICT (event_id, endpoint_id) DO NOTHING
                  RETURNING environment_id, event_id",
             )

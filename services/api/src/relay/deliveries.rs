@@ -134,9 +134,11 @@ impl DeliveryRelay {
         // at their cap, and locking every row it returns (a heap write each)
         // would cost far more than the handful kept.
         let candidates: Vec<DueRow> = sqlx::query_as(
-            // Outstanding attempts are counted once per endpoint (a small
-            // partial index of leased rows), not once per scanned row.
-            "WITH busy AS (
+            // Outstanding attempts are counted once per pass (a small partial
+            // index of leased rows), not once per scanned row: MATERIALIZED,
+            // or the planner may re-run the count for every row it scans
+            // (seen with a large backlog: 0.7 → 43 ms a pass).
+            "WITH busy AS MATERIALIZED (
                SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
                WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id)
              SELECT d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation,
