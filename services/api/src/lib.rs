@@ -109,6 +109,12 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         outbox_wake: Default::default(),
         deliveries_wake: Default::default(),
         metrics: Default::default(),
+        lease_guard: Default::default(),
+        direct: cfg.run_relays.then(|| app::DirectDispatch {
+            js: js.clone(),
+            names: names.clone(),
+            endpoint_cap: cfg.endpoint_in_flight_cap,
+        }),
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");

@@ -19,6 +19,15 @@ const EXPAND_CONSUMER: &str = "expand";
 /// How long a rotated-out secret keeps signing. A promise recipients code
 /// against, not a tuning knob.
 pub const ROTATION_WINDOW: Duration = Duration::from_secs(24 * 3600);
+/// The lease first attempts are written with when this api hands them to
+/// the broker itself, after the commit. Short, because it stands for "the
+/// publish may not have happened": if this process dies between the commit
+/// and the broker's ack, the relay re-publishes them this soon. It is well
+/// inside the broker's duplicate window, so re-publishing one that did land
+/// is dropped by the broker; the relay's re-publish then extends the lease
+/// to the full length for attempts still in progress.
+const DIRECT_PUBLISH_LEASE: Duration = Duration::from_secs(10);
+const _: () = assert!(DIRECT_PUBLISH_LEASE.as_secs() * 4 <= crate::broker::DUPLICATE_WINDOW.as_secs(), "re-publishes must be deduplicated");
 /// The attempt log keeps this much of a response body.
 pub const MAX_RESPONSE_BODY: usize = 4096;
 const MAX_ERROR_LEN: usize = 2000;
@@ -93,6 +102,18 @@ pub struct ExpandItem {
     pub environment_id: Uuid,
     pub event_type: String,
     pub trace_context: Option<String>,
+}
+
+/// A delivery row an expansion created.
+#[derive(sqlx::FromRow)]
+struct CreatedRow {
+    id: Uuid,
+    environment_id: Uuid,
+    endpoint_id: Uuid,
+    event_id: Uuid,
+    trace_context: Option<String>,
+    /// Written already leased: this api hands it to the broker itself.
+    leased: bool,
 }
 
 /// One attempt of one delivery, as the dispatcher names it.
@@ -246,6 +267,12 @@ impl App {
     /// one read, claimed with one insert, and their deliveries written with
     /// one insert. Each item answers as `expand` would, in order.
     pub async fn expand_batch(&self, items: Vec<ExpandItem>) -> AppResult<Vec<AppResult<Expanded>>> {
+        // Pre-leasing counts in-flight attempts like a relay pass does; the
+        // two take turns (released at the commit, before publishing).
+        let leasing = match &self.direct {
+            Some(_) => Some(self.lease_guard.lock().await),
+            None => None,
+        };
         let mut tx = self.db.begin().await?;
         let (envs, ids): (Vec<Uuid>, Vec<Uuid>) = items.iter().map(|i| (i.environment_id, i.event_id)).unzip();
         let stored: HashMap<(Uuid, Uuid), String> = sqlx::query_as::<_, (Uuid, Uuid, String)>(
@@ -301,35 +328,63 @@ impl App {
         };
         // Subscription filtering happens here, not at send time: a row that
         // exists is a row that will be sent. Every attempt of a delivery
-        // continues its event's expansion trace.
+        // continues its event's expansion trace. With direct dispatch, rows
+        // within their endpoint's in-flight cap are written already leased
+        // and handed to the broker after the commit; the rest wait, due, for
+        // the relay.
         let mut created: HashMap<(Uuid, Uuid), u32> = HashMap::new();
+        let mut leased: Vec<CreatedRow> = Vec::new();
+        let mut waiting = false;
         let fresh: Vec<usize> =
             claimants.iter().copied().filter(|&i| claimed.contains(&(items[i].environment_id, items[i].event_id))).collect();
         if !fresh.is_empty() {
-            let rows: Vec<(Uuid, Uuid)> = sqlx::query_as(
-                "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context)
-                 SELECT relay_uuid_v7(), e.environment_id, e.id, c.event_id, c.trace_context
-                 FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[]) AS c(environment_id, event_id, event_type, trace_context)
-                 JOIN webhook_endpoints e
-                   ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id AND e.enabled AND e.deleted_at IS NULL
+            let cap = self.direct.as_ref().map_or(0, |d| d.endpoint_cap);
+            let rows: Vec<CreatedRow> = sqlx::query_as(
+                "WITH busy AS MATERIALIZED (
+                   SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
+                   WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id),
+                 matched AS (
+                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context,
+                          row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
+                   FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[])
+                          WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, ord)
+                   JOIN webhook_endpoints e
+                     ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id AND e.enabled AND e.deleted_at IS NULL),
+                 marked AS (
+                   SELECT m.*, m.rn + coalesce(b.n, 0) <= $5 AS leased FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
+                 INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, dispatched_at, next_attempt_at)
+                 SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context,
+                        CASE WHEN leased THEN now() END, CASE WHEN leased THEN now() + $6 ELSE now() END
+                 FROM marked
                  ON CONFLICT (event_id, endpoint_id) DO NOTHING
-                 RETURNING environment_id, event_id",
+                 RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS leased",
             )
             .bind(fresh.iter().map(|&i| items[i].environment_id).collect::<Vec<_>>())
             .bind(fresh.iter().map(|&i| items[i].event_id).collect::<Vec<_>>())
             .bind(fresh.iter().map(|&i| items[i].event_type.clone()).collect::<Vec<_>>())
             .bind(fresh.iter().map(|&i| items[i].trace_context.clone()).collect::<Vec<_>>())
+            .bind(cap)
+            .bind(DIRECT_PUBLISH_LEASE)
             .fetch_all(&mut *tx)
             .await?;
-            for key in rows {
-                *created.entry(key).or_default() += 1;
+            for row in rows {
+                *created.entry((row.environment_id, row.event_id)).or_default() += 1;
+                if row.leased {
+                    leased.push(row);
+                } else {
+                    waiting = true;
+                }
             }
         }
-        if !created.is_empty() {
+        if waiting {
             notify_due(&mut tx).await?;
         }
         tx.commit().await.context("committing an expansion batch")?;
-        if !created.is_empty() {
+        drop(leasing);
+        if !leased.is_empty() {
+            self.dispatch_leased(&leased).await;
+        }
+        if waiting {
             self.deliveries_wake.wake();
         }
         for &i in &claimants {
@@ -341,6 +396,48 @@ impl App {
             }));
         }
         Ok(out.into_iter().map(|o| o.expect("every item answered")).collect())
+    }
+
+    /// Hands first attempts written already leased to the broker. Whatever
+    /// the broker did not take is released at once (due now, unleased) for
+    /// the relay; if this process dies first, the lease expires and the relay
+    /// takes it then. The message id is the one the relay would use, so a
+    /// publish that did land is never sent twice.
+    async fn dispatch_leased(&self, rows: &[CreatedRow]) {
+        let Some(direct) = &self.direct else { return };
+        let messages = rows
+            .iter()
+            .map(|r| {
+                crate::relay::deliveries::job_message(
+                    &direct.names,
+                    &crate::relay::deliveries::Job {
+                        delivery_id: r.id,
+                        endpoint_id: r.endpoint_id,
+                        environment_id: r.environment_id,
+                        attempt: 1,
+                        generation: 0,
+                        trace_context: r.trace_context.as_deref(),
+                    },
+                )
+            })
+            .collect();
+        let (stored, first_error) = crate::broker::publish_all(&direct.js, messages).await;
+        let unsent: Vec<Uuid> = rows.iter().zip(stored).filter_map(|(r, ok)| (!ok).then_some(r.id)).collect();
+        if unsent.is_empty() {
+            return;
+        }
+        tracing::warn!(count = unsent.len(), error = ?first_error, "the broker did not take some first attempts; the relay will");
+        let released = sqlx::query(
+            "UPDATE webhook_deliveries SET dispatched_at = NULL, next_attempt_at = now()
+             WHERE id = ANY ($1) AND state = 'pending' AND generation = 0 AND attempt = 1 AND dispatched_at IS NOT NULL",
+        )
+        .bind(&unsent)
+        .execute(&self.db)
+        .await;
+        if let Err(e) = released {
+            tracing::warn!(error = %e, "releasing unsent first attempts failed; their leases will expire");
+        }
+        self.deliveries_wake.wake();
     }
 
     /// What one attempt needs, if that attempt is still the delivery's current one.

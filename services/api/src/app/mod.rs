@@ -45,6 +45,30 @@ pub struct App {
     pub outbox_wake: Wake,
     pub deliveries_wake: Wake,
     pub metrics: crate::metrics::Metrics,
+    /// Set when this api runs the relays: first attempts created by an
+    /// expansion are handed to the broker right after it commits, instead of
+    /// waiting for a relay pass to find them.
+    pub direct: Option<DirectDispatch>,
+    /// Held by whatever hands out leases in this process (a relay pass, an
+    /// expansion that pre-leases): each counts an endpoint's in-flight
+    /// attempts from committed rows, so two at once could both fill the same
+    /// free slots and exceed the cap.
+    pub lease_guard: Arc<tokio::sync::Mutex<()>>,
+}
+
+/// What handing first attempts straight to the broker needs.
+#[derive(Clone)]
+pub struct DirectDispatch {
+    pub js: async_nats::jetstream::Context,
+    pub names: relay_contracts::StreamNames,
+    /// The relay's per-endpoint cap, applied the same way.
+    pub endpoint_cap: i64,
+}
+
+impl std::fmt::Debug for DirectDispatch {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DirectDispatch").field("endpoint_cap", &self.endpoint_cap).finish_non_exhaustive()
+    }
 }
 
 /// An environment, resolved from a verified credential.

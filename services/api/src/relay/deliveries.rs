@@ -34,6 +34,37 @@ pub struct DeliveryRelay {
     pub endpoint_cap: i64,
 }
 
+/// One attempt to hand to the broker.
+pub struct Job<'a> {
+    pub delivery_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub environment_id: Uuid,
+    pub attempt: i32,
+    pub generation: i32,
+    pub trace_context: Option<&'a str>,
+}
+
+/// The DELIVERIES message for an attempt: ids only, deduplicated by
+/// `<delivery>:<attempt>` (and generation), with a short span in the event's
+/// trace whose context rides in the headers to the attempt.
+pub fn job_message(names: &StreamNames, j: &Job<'_>) -> (String, HeaderMap, bytes::Bytes) {
+    let job = DeliveryJob {
+        delivery_id: j.delivery_id.to_string(),
+        endpoint_id: j.endpoint_id.to_string(),
+        environment_id: j.environment_id.to_string(),
+        attempt: j.attempt as u32,
+        generation: j.generation as u32,
+    };
+    let mut headers = HeaderMap::new();
+    let span = tracing::info_span!("delivery_relay", delivery_id = %j.delivery_id, attempt = j.attempt, generation = j.generation);
+    if let Some(tc) = j.trace_context {
+        relay_telemetry::set_parent_from_traceparent(&span, tc);
+    }
+    span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
+    headers.insert("Nats-Msg-Id", StreamNames::delivery_message_id(&job.delivery_id, job.generation, job.attempt).as_str());
+    (names.deliveries_subject(&job.environment_id), headers, job.encode_to_vec().into())
+}
+
 /// The shortest pause between relay passes started by wake-ups (a pass that
 /// fills its batch goes straight on).
 const MIN_PASS_GAP: Duration = Duration::from_millis(5);
@@ -130,6 +161,7 @@ impl DeliveryRelay {
     }
 
     pub async fn drain_once(&self) -> Result<usize> {
+        let _leasing = self.app.lease_guard.lock().await;
         // Choose without locking: the scan passes over due rows of endpoints
         // at their cap, and locking every row it returns (a heap write each)
         // would cost far more than the handful kept.
@@ -193,21 +225,15 @@ impl DeliveryRelay {
         let messages = rows
             .iter()
             .map(|row| {
-                let job = DeliveryJob {
-                    delivery_id: row.id.to_string(),
-                    endpoint_id: row.endpoint_id.to_string(),
-                    environment_id: row.environment_id.to_string(),
-                    attempt: row.attempt as u32,
-                    generation: row.generation as u32,
+                let job = Job {
+                    delivery_id: row.id,
+                    endpoint_id: row.endpoint_id,
+                    environment_id: row.environment_id,
+                    attempt: row.attempt,
+                    generation: row.generation,
+                    trace_context: row.trace_context.as_deref(),
                 };
-                let mut headers = HeaderMap::new();
-                let span = tracing::info_span!("delivery_relay", delivery_id = %row.id, attempt = row.attempt, generation = row.generation);
-                if let Some(tc) = &row.trace_context {
-                    relay_telemetry::set_parent_from_traceparent(&span, tc);
-                }
-                span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
-                headers.insert("Nats-Msg-Id", StreamNames::delivery_message_id(&job.delivery_id, job.generation, job.attempt).as_str());
-                (self.names.deliveries_subject(&job.environment_id), headers, job.encode_to_vec().into())
+                job_message(&self.names, &job)
             })
             .collect();
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
