@@ -287,3 +287,39 @@ async fn deliveries_written_by_one_api_wake_the_relay_of_another() -> anyhow::Re
     );
     stack.stop().await
 }
+
+/// The direct path's crash window: an expansion committed its first attempt
+/// already leased, and the process died before the broker had it. Made real
+/// by writing exactly that row (leased, never published) before the event is
+/// expanded, so the expansion creates nothing and publishes nothing: only the
+/// relay, once the short lease lapses, can send it — and it must, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_attempt_leased_but_never_published_is_sent_once_its_lease_lapses() -> anyhow::Result<()> {
+    let mut stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let tenant = stack.tenant("crash-window").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint_id, _) = rest.endpoint(&receiver.url("/lost"), &["w"]).await?;
+    let event_id = rest.publish("w", json!({"crash": "window"})).await?;
+    let pg = stack.pg().await?;
+    let started = std::time::Instant::now();
+    sqlx::query(
+        "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, dispatched_at, next_attempt_at)
+         VALUES (relay_uuid_v7(), $1::uuid, $2::uuid, $3::uuid, now(), now() + interval '2 seconds')",
+    )
+    .bind(&tenant.environment_id)
+    .bind(&endpoint_id)
+    .bind(&event_id)
+    .execute(&pg)
+    .await?;
+    stack.start_dispatcher().await?;
+    let arrived = receiver.wait_at("/lost", 1, Duration::from_secs(20)).await;
+    assert_eq!(arrived.len(), 1, "the orphaned first attempt is delivered");
+    assert!(started.elapsed() >= Duration::from_millis(1500), "not before its lease lapsed: {:?}", started.elapsed());
+    assert_eq!(arrived[0].header("relay-webhook-id"), event_id);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(receiver.at("/lost").len(), 1, "and only once");
+    let deliveries = rest.deliveries(&event_id).await?;
+    assert_eq!(deliveries.len(), 1, "the expansion added no second row");
+    stack.stop().await
+}
