@@ -137,6 +137,19 @@ async fn free_addr() -> Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0").await?.local_addr()?)
 }
 
+/// Three distinct free ports for an api. Each probe's listener is dropped
+/// before the next, so the kernel may hand the same port out twice (seen:
+/// gRPC and internal on one port); ask again until they differ.
+async fn api_addrs() -> Result<relay_api::config::ListenAddrs> {
+    for _ in 0..20 {
+        let (grpc, rest, internal) = (free_addr().await?, free_addr().await?, free_addr().await?);
+        if grpc != rest && rest != internal && grpc != internal {
+            return Ok(relay_api::config::ListenAddrs { grpc, rest, internal });
+        }
+    }
+    anyhow::bail!("could not find three distinct free ports on 127.0.0.1")
+}
+
 async fn listeners(addrs: &relay_api::config::ListenAddrs) -> Result<Listeners> {
     // The port may linger for a moment after an api on it stopped.
     for _ in 0..50 {
@@ -166,7 +179,7 @@ impl Stack {
         let prefix = format!("t{}_", &Uuid::new_v4().simple().to_string()[..12]);
         let certs = std::env::temp_dir().join(format!("relay-test-{prefix}"));
         relay_devkit::generate_pki()?.write(&certs)?;
-        let addrs = relay_api::config::ListenAddrs { grpc: free_addr().await?, rest: free_addr().await?, internal: free_addr().await? };
+        let addrs = api_addrs().await?;
         let api_cfg = ApiConfig {
             deployment: relay_api::config::Deployment::Development,
             database_url: db.url.clone(),
@@ -256,7 +269,7 @@ impl Stack {
     }
 
     pub async fn start_api_replica_with(&mut self, cfg: ApiConfig) -> Result<(String, String)> {
-        let addrs = relay_api::config::ListenAddrs { grpc: free_addr().await?, rest: free_addr().await?, internal: free_addr().await? };
+        let addrs = api_addrs().await?;
         let l = listeners(&addrs).await?;
         self.replicas.push(relay_api::run(cfg, l).await?);
         Ok((format!("http://{}", addrs.rest), format!("https://127.0.0.1:{}", addrs.internal.port())))

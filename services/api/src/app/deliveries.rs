@@ -72,6 +72,22 @@ pub enum Decision {
 }
 
 impl Decision {
+    /// The delivery's state once this decision is applied.
+    fn new_state(&self) -> &'static str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::Rescheduled { .. } => "pending",
+            Self::DeadLettered => "dead",
+        }
+    }
+
+    fn next_attempt_at(&self) -> Option<Timestamp> {
+        match self {
+            Self::Rescheduled { next_attempt_at } => Some(*next_attempt_at),
+            _ => None,
+        }
+    }
+
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Delivered => "delivered",
@@ -172,6 +188,27 @@ struct DeadLetterRows {
 }
 
 impl DeadLetterRows {
+    #[allow(clippy::too_many_arguments)]
+    fn push_parts(
+        &mut self,
+        delivery_id: Uuid,
+        environment_id: Uuid,
+        endpoint_id: Uuid,
+        event_id: Uuid,
+        attempts: i32,
+        last_status: Option<i32>,
+        last_error: Option<String>,
+    ) {
+        self.id.push(Uuid::now_v7());
+        self.environment_id.push(environment_id);
+        self.delivery_id.push(delivery_id);
+        self.endpoint_id.push(endpoint_id);
+        self.event_id.push(event_id);
+        self.attempts.push(attempts);
+        self.last_status.push(last_status);
+        self.last_error.push(last_error);
+    }
+
     fn push(&mut self, row: &OutcomeRow, attempts: i32) {
         self.id.push(Uuid::now_v7());
         self.environment_id.push(row.environment_id);
@@ -227,6 +264,13 @@ impl AttemptRows {
             _ => None,
         });
     }
+}
+
+/// A report's error text as the attempt log keeps it: bounded, and `None`
+/// when the attempt got a response.
+fn report_error(error: &str) -> Option<String> {
+    let error = truncate(error.to_owned(), MAX_ERROR_LEN);
+    (!error.is_empty()).then_some(error)
 }
 
 fn truncate(mut s: String, max: usize) -> String {
@@ -545,6 +589,150 @@ impl App {
     /// including for a report repeated inside the batch.
     pub async fn record_outcomes(&self, reports: Vec<AttemptReport>) -> AppResult<Vec<AppResult<Decision>>> {
         let mut tx = self.db.begin().await?;
+        let now = Utc::now();
+        // The common case in one statement: each delivery's first report in
+        // the batch is taken to be for its current attempt, decided from the
+        // report alone, and applied only where that holds (pending, same
+        // generation and attempt). RETURNING says which did.
+        let mut first_seen: HashSet<Uuid> = HashSet::new();
+        let mut candidates: Vec<(usize, Decision)> = Vec::new();
+        for (i, r) in reports.iter().enumerate() {
+            if first_seen.insert(r.delivery_id) {
+                candidates.push((i, self.decide(r, now)?));
+            }
+        }
+        // In id order, so two batches that share a delivery (a repeated
+        // report) lock in the same order.
+        candidates.sort_by_key(|&(i, _)| reports[i].delivery_id);
+        let mut answers: Vec<Option<AppResult<Decision>>> = (0..reports.len()).map(|_| None).collect();
+        let mut log = AttemptRows::default();
+        let mut dead = DeadLetterRows::default();
+        let errors: Vec<Option<String>> = reports.iter().map(|r| report_error(&r.error)).collect();
+        let applied: Vec<(Uuid, Uuid, Uuid, Uuid)> = sqlx::query_as(
+            "UPDATE webhook_deliveries d SET state = u.state, attempt = u.next_attempt, next_attempt_at = coalesce(u.next_attempt_at, d.next_attempt_at),
+               dispatched_at = NULL, last_status = u.status, last_error = u.error, updated_at = now()
+             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[])
+               AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error)
+             WHERE d.id = u.id AND d.state = 'pending' AND d.generation = u.generation AND d.attempt = u.attempt
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id",
+        )
+        .bind(candidates.iter().map(|&(i, _)| reports[i].delivery_id).collect::<Vec<_>>())
+        .bind(candidates.iter().map(|&(i, _)| reports[i].generation as i32).collect::<Vec<_>>())
+        .bind(candidates.iter().map(|&(i, _)| reports[i].attempt as i32).collect::<Vec<_>>())
+        .bind(candidates.iter().map(|(_, d)| d.new_state()).collect::<Vec<_>>())
+        .bind(candidates.iter().map(|&(i, d)| reports[i].attempt as i32 + i32::from(matches!(d, Decision::Rescheduled { .. }))).collect::<Vec<_>>())
+        .bind(candidates.iter().map(|(_, d)| d.next_attempt_at()).collect::<Vec<_>>())
+        .bind(candidates.iter().map(|&(i, _)| reports[i].http_status.map(|s| s as i32)).collect::<Vec<_>>())
+        .bind(candidates.iter().map(|&(i, d)| if d == Decision::Delivered { None } else { errors[i].clone() }).collect::<Vec<_>>())
+        .fetch_all(&mut *tx)
+        .await?;
+        let candidate_of: HashMap<Uuid, (usize, Decision)> = candidates.iter().map(|&(i, d)| (reports[i].delivery_id, (i, d))).collect();
+        for (id, environment_id, endpoint_id, event_id) in applied {
+            let Some(&(i, decision)) = candidate_of.get(&id) else { continue };
+            let r = &reports[i];
+            let status = r.http_status.map(|s| s as i32);
+            if decision == Decision::DeadLettered {
+                dead.push_parts(id, environment_id, endpoint_id, event_id, r.attempt as i32, status, errors[i].clone());
+            }
+            let mut body = r.response_body.clone();
+            body.truncate(MAX_RESPONSE_BODY);
+            log.push(&id, r.generation, r.attempt, environment_id, status, errors[i].clone(), r.latency_ms, body, decision);
+            answers[i] = Some(Ok(decision));
+        }
+        self.write_outcome_rows(&mut tx, &dead, &log).await?;
+        let mut decisions: Vec<(&'static str, i64)> = log.decision.iter().copied().zip(log.latency_ms.iter().copied()).collect();
+
+        // Everything else — repeats, stragglers from before a replay, unknown
+        // deliveries — the careful way, rows locked.
+        let rest: Vec<usize> = (0..reports.len()).filter(|&i| answers[i].is_none()).collect();
+        if !rest.is_empty() {
+            let (slow, slow_decisions) =
+                self.record_outcomes_locked(&mut tx, rest.iter().map(|&i| reports[i].clone()).collect(), now).await?;
+            for (i, a) in rest.into_iter().zip(slow) {
+                answers[i] = Some(a);
+            }
+            decisions.extend(slow_decisions);
+        }
+        tx.commit().await.context("committing outcomes")?;
+        for (decision, latency_ms) in &decisions {
+            self.metrics.attempts.with_label_values(&[decision]).inc();
+            self.metrics.attempt_latency.with_label_values(&[decision]).observe(*latency_ms as f64 / 1000.0);
+        }
+        // Every outcome frees the endpoint's slot (the relay caps what an
+        // endpoint has outstanding), and a reschedule may be due sooner than
+        // the relay's current sleep: wake it either way.
+        if !decisions.is_empty() {
+            self.deliveries_wake.wake();
+        }
+        Ok(answers.into_iter().map(|a| a.expect("every report answered")).collect())
+    }
+
+    /// What an attempt's result means, were it the delivery's current one.
+    fn decide(&self, report: &AttemptReport, now: Timestamp) -> AppResult<Decision> {
+        if matches!(report.http_status, Some(200..=299)) {
+            return Ok(Decision::Delivered);
+        }
+        Ok(match self.schedule.delay_before(report.attempt + 1) {
+            // Truncated to Postgres's microseconds, so a repeated report
+            // answers with exactly the instant the first one did.
+            Some(delay) => Decision::Rescheduled {
+                next_attempt_at: (now + chrono::Duration::from_std(delay).context("tier fits a chrono duration")?).trunc_subsecs(6),
+            },
+            None => Decision::DeadLettered,
+        })
+    }
+
+    /// The dead letters and attempt-log rows of an outcome batch, one insert each.
+    async fn write_outcome_rows(&self, tx: &mut sqlx::PgConnection, dead: &DeadLetterRows, log: &AttemptRows) -> AppResult<()> {
+        if !dead.id.is_empty() {
+            sqlx::query(
+                "INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
+                 SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::int[], $7::int[], $8::text[])",
+            )
+            .bind(&dead.id)
+            .bind(&dead.environment_id)
+            .bind(&dead.delivery_id)
+            .bind(&dead.endpoint_id)
+            .bind(&dead.event_id)
+            .bind(&dead.attempts)
+            .bind(&dead.last_status)
+            .bind(&dead.last_error)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if !log.delivery_id.is_empty() {
+            sqlx::query(
+                "INSERT INTO delivery_attempts
+                   (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
+                 SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bytea[],
+                                      $9::text[], $10::timestamptz[])",
+            )
+            .bind(&log.delivery_id)
+            .bind(&log.generation)
+            .bind(&log.attempt)
+            .bind(&log.environment_id)
+            .bind(&log.http_status)
+            .bind(&log.error)
+            .bind(&log.latency_ms)
+            .bind(&log.response_body)
+            .bind(&log.decision)
+            .bind(&log.next_attempt_at)
+            .execute(&mut *tx)
+            .await?;
+        }
+        Ok(())
+    }
+
+    /// The careful path for reports the one-statement path did not apply:
+    /// the deliveries locked in id order, repeats answered from the attempt
+    /// log, stale reports with where the delivery stands. Returns the
+    /// answers and, for metrics, the decisions it recorded.
+    async fn record_outcomes_locked(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        reports: Vec<AttemptReport>,
+        now: Timestamp,
+    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<(&'static str, i64)>)> {
         let ids: Vec<Uuid> = reports.iter().map(|r| r.delivery_id).collect();
         let rows = sqlx::query_as::<_, OutcomeRow>(
             "SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state, next_attempt_at, last_status, last_error
@@ -585,7 +773,6 @@ impl App {
             }
         }
 
-        let now = Utc::now();
         let mut out = Vec::with_capacity(reports.len());
         let mut touched: Vec<Uuid> = Vec::new();
         let mut dead = DeadLetterRows::default();
@@ -610,22 +797,9 @@ impl App {
                 }));
                 continue;
             }
-            let succeeded = matches!(report.http_status, Some(200..=299));
-            let decision = if succeeded {
-                Decision::Delivered
-            } else {
-                match self.schedule.delay_before(report.attempt + 1) {
-                    // Truncated to Postgres's microseconds, so a repeated report
-                    // answers with exactly the instant the first one did.
-                    Some(delay) => Decision::Rescheduled {
-                        next_attempt_at: (now + chrono::Duration::from_std(delay).context("tier fits a chrono duration")?).trunc_subsecs(6),
-                    },
-                    None => Decision::DeadLettered,
-                }
-            };
+            let decision = self.decide(&report, now)?;
             let status = report.http_status.map(|s| s as i32);
-            let error = truncate(report.error, MAX_ERROR_LEN);
-            let error = (!error.is_empty()).then_some(error);
+            let error = report_error(&report.error);
             row.last_status = status;
             match decision {
                 Decision::Delivered => {
@@ -683,54 +857,9 @@ impl App {
             .execute(&mut *tx)
             .await?;
         }
-        if !dead.id.is_empty() {
-            sqlx::query(
-                "INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
-                 SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::int[], $7::int[], $8::text[])",
-            )
-            .bind(&dead.id)
-            .bind(&dead.environment_id)
-            .bind(&dead.delivery_id)
-            .bind(&dead.endpoint_id)
-            .bind(&dead.event_id)
-            .bind(&dead.attempts)
-            .bind(&dead.last_status)
-            .bind(&dead.last_error)
-            .execute(&mut *tx)
-            .await?;
-        }
-        if !log.delivery_id.is_empty() {
-            sqlx::query(
-                "INSERT INTO delivery_attempts
-                   (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
-                 SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bytea[],
-                                      $9::text[], $10::timestamptz[])",
-            )
-            .bind(&log.delivery_id)
-            .bind(&log.generation)
-            .bind(&log.attempt)
-            .bind(&log.environment_id)
-            .bind(&log.http_status)
-            .bind(&log.error)
-            .bind(&log.latency_ms)
-            .bind(&log.response_body)
-            .bind(&log.decision)
-            .bind(&log.next_attempt_at)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await.context("committing outcomes")?;
-        for (decision, latency_ms) in log.decision.iter().zip(&log.latency_ms) {
-            self.metrics.attempts.with_label_values(&[decision]).inc();
-            self.metrics.attempt_latency.with_label_values(&[decision]).observe(*latency_ms as f64 / 1000.0);
-        }
-        // Every outcome frees the endpoint's slot (the relay caps what an
-        // endpoint has outstanding), and a reschedule may be due sooner than
-        // the relay's current sleep: wake it either way.
-        if !log.delivery_id.is_empty() {
-            self.deliveries_wake.wake();
-        }
-        Ok(out)
+        self.write_outcome_rows(&mut *tx, &dead, &log).await?;
+        let decisions = log.decision.iter().copied().zip(log.latency_ms.iter().copied()).collect();
+        Ok((out, decisions))
     }
 
     /// Puts a dead delivery back at attempt 1, due now, in a new generation.
