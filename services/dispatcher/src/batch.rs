@@ -99,21 +99,32 @@ pub type Materials = Batcher<MaterialRequest, MaterialResponse>;
 pub type Outcomes = Batcher<OutcomeRequest, OutcomeResponse>;
 pub type Expansions = Batcher<ExpandRequest, ExpandResponse>;
 
+/// One item of a batch answer: its value, or why that item failed.
+trait Answer<T> {
+    fn answer(self) -> Result<T, Status>;
+}
+
+macro_rules! answer {
+    ($result:ty, $module:ident :: $ok:ident => $value:ty) => {
+        impl Answer<$value> for $result {
+            fn answer(self) -> Result<$value, Status> {
+                match self.result {
+                    Some(pb::$module::Result::$ok(v)) => Ok(v),
+                    Some(pb::$module::Result::Error(e)) => Err(item_status(e)),
+                    None => Err(Status::internal("an empty batch item")),
+                }
+            }
+        }
+    };
+}
+answer!(pb::ExpandResult, expand_result::Expanded => ExpandResponse);
+answer!(pb::MaterialResult, material_result::Material => MaterialResponse);
+answer!(pb::OutcomeResult, outcome_result::Outcome => OutcomeResponse);
+
 pub fn expansions(seam: Seam) -> Expansions {
     Batcher::spawn(MAX_BATCH, CALLS_IN_FLIGHT, move |items| {
         let mut seam = seam.clone();
-        async move {
-            let answer = seam.expand_batch(ExpandBatchRequest { items }).await?.into_inner();
-            Ok(answer
-                .items
-                .into_iter()
-                .map(|r| match r.result {
-                    Some(pb::expand_result::Result::Expanded(x)) => Ok(x),
-                    Some(pb::expand_result::Result::Error(e)) => Err(item_status(e)),
-                    None => Err(Status::internal("an empty batch item")),
-                })
-                .collect())
-        }
+        async move { Ok(seam.expand_batch(ExpandBatchRequest { items }).await?.into_inner().items.into_iter().map(Answer::answer).collect()) }
     })
 }
 
@@ -121,16 +132,7 @@ pub fn materials(seam: Seam) -> Materials {
     Batcher::spawn(MAX_BATCH, CALLS_IN_FLIGHT, move |items| {
         let mut seam = seam.clone();
         async move {
-            let answer = seam.material_batch(MaterialBatchRequest { items }).await?.into_inner();
-            Ok(answer
-                .items
-                .into_iter()
-                .map(|r| match r.result {
-                    Some(pb::material_result::Result::Material(m)) => Ok(m),
-                    Some(pb::material_result::Result::Error(e)) => Err(item_status(e)),
-                    None => Err(Status::internal("an empty batch item")),
-                })
-                .collect())
+            Ok(seam.material_batch(MaterialBatchRequest { items }).await?.into_inner().items.into_iter().map(Answer::answer).collect())
         }
     })
 }
@@ -138,17 +140,6 @@ pub fn materials(seam: Seam) -> Materials {
 pub fn outcomes(seam: Seam) -> Outcomes {
     Batcher::spawn(MAX_BATCH, CALLS_IN_FLIGHT, move |items| {
         let mut seam = seam.clone();
-        async move {
-            let answer = seam.outcome_batch(OutcomeBatchRequest { items }).await?.into_inner();
-            Ok(answer
-                .items
-                .into_iter()
-                .map(|r| match r.result {
-                    Some(pb::outcome_result::Result::Outcome(o)) => Ok(o),
-                    Some(pb::outcome_result::Result::Error(e)) => Err(item_status(e)),
-                    None => Err(Status::internal("an empty batch item")),
-                })
-                .collect())
-        }
+        async move { Ok(seam.outcome_batch(OutcomeBatchRequest { items }).await?.into_inner().items.into_iter().map(Answer::answer).collect()) }
     })
 }

@@ -210,14 +210,7 @@ impl DeadLetterRows {
     }
 
     fn push(&mut self, row: &OutcomeRow, attempts: i32) {
-        self.id.push(Uuid::now_v7());
-        self.environment_id.push(row.environment_id);
-        self.delivery_id.push(row.id);
-        self.endpoint_id.push(row.endpoint_id);
-        self.event_id.push(row.event_id);
-        self.attempts.push(attempts);
-        self.last_status.push(row.last_status);
-        self.last_error.push(row.last_error.clone());
+        self.push_parts(row.id, row.environment_id, row.endpoint_id, row.event_id, attempts, row.last_status, row.last_error.clone());
     }
 }
 
@@ -297,16 +290,6 @@ async fn notify_due(tx: &mut sqlx::PgConnection) -> AppResult<()> {
 impl App {
     /// One delivery per matching endpoint, exactly once: the ledger claim and
     /// the rows commit together, so a redelivered event is a no-op.
-    pub async fn expand(&self, event_id: Uuid, environment_id: Uuid, event_type: &str) -> AppResult<Expanded> {
-        let item = ExpandItem {
-            event_id,
-            environment_id,
-            event_type: event_type.to_owned(),
-            trace_context: relay_telemetry::current_traceparent(),
-        };
-        self.expand_batch(vec![item]).await?.pop().expect("one answer per item")
-    }
-
     /// Expands many events in one transaction: the events are checked with
     /// one read, claimed with one insert, and their deliveries written with
     /// one insert. Each item answers as `expand` would, in order.
