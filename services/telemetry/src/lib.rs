@@ -83,19 +83,8 @@ pub fn filter(spec: &str) -> EnvFilter {
     f
 }
 
-/// Installs the process's subscriber: `RELAY_LOG` for the filter,
-/// `RELAY_LOG_FORMAT=json` for structured output. Logs only: no span export
-/// and no trace-context propagation (see [`init_with`]).
-pub fn init() {
-    let f = filter(&std::env::var("RELAY_LOG").unwrap_or_default());
-    if std::env::var("RELAY_LOG_FORMAT").as_deref() == Ok("json") {
-        fmt().json().with_env_filter(f).init();
-    } else {
-        fmt().with_env_filter(f).init();
-    }
-}
-
-/// Installs the process's subscriber: the log output of [`init`] and, when
+/// Installs the process's subscriber: logs (`RELAY_LOG` for the filter,
+/// `RELAY_LOG_FORMAT=json` for one JSON object a line) and, when
 /// `RELAY_OTLP_ENDPOINT` is set, OTLP/gRPC span export (batched, 500 ms)
 /// with `service.name = service_name`. Also sets the global OpenTelemetry
 /// propagator to W3C TraceContext.
