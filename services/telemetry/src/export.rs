@@ -83,11 +83,6 @@ impl OtlpExport {
         &self.endpoint
     }
 
-    /// The SDK provider, for code that wants a tracer of its own.
-    pub fn provider(&self) -> &SdkTracerProvider {
-        &self.provider
-    }
-
     /// The `tracing` layer that turns spans into exported OpenTelemetry
     /// spans: spans only (events never reach it), INFO and above, transport
     /// crates left out. Also what makes the propagation helpers work.
@@ -96,11 +91,6 @@ impl OtlpExport {
         S: Subscriber + for<'span> LookupSpan<'span> + Send + Sync + 'static,
     {
         otel_layer(self.provider.tracer("relay"))
-    }
-
-    /// Sends the spans ended so far and waits for the collector's answer.
-    pub fn flush(&self) -> Result<()> {
-        self.provider.force_flush().map_err(|e| anyhow!(e)).with_context(|| format!("flushing spans to {}", self.endpoint))
     }
 
     /// Flushes, then stops the exporter and its runtime.

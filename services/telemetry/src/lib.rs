@@ -35,7 +35,8 @@
 //! # Propagation
 //!
 //! Trace context travels as W3C `traceparent`/`tracestate`, through NATS
-//! headers, gRPC metadata, HTTP headers, or a database column (the api stores
+//! headers, gRPC metadata (a REST call's `traceparent` header is forwarded
+//! into it), or a database column (the api stores
 //! the traceparent with an event and its deliveries so the relays, which run
 //! later in other tasks, continue the same trace). See [`inject_current`],
 //! [`set_parent`], [`current_traceparent`] and [`set_parent_from_traceparent`].
@@ -55,8 +56,7 @@ use tracing_subscriber::{EnvFilter, Layer as _, fmt, layer::SubscriberExt as _, 
 
 pub use export::OtlpExport;
 pub use propagation::{
-    GrpcMetadata, GrpcMetadataRef, HttpHeaders, HttpHeadersRef, NatsHeaders, NatsHeadersRef, current_traceparent, inject_current,
-    set_parent, set_parent_from_traceparent,
+    GrpcMetadataRef, NatsHeaders, NatsHeadersRef, current_traceparent, inject_current, set_parent, set_parent_from_traceparent,
 };
 
 /// The variable that turns OTLP span export on.
@@ -134,11 +134,6 @@ impl Telemetry {
     /// Whether spans are exported (`RELAY_OTLP_ENDPOINT` was set).
     pub fn exporting(&self) -> bool {
         self.export.is_some()
-    }
-
-    /// Sends the spans ended so far without stopping the exporter.
-    pub fn flush(&self) -> Result<()> {
-        self.export.as_ref().map_or(Ok(()), OtlpExport::flush)
     }
 
     /// Flushes the queued spans and stops the exporter (at most a few

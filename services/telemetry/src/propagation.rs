@@ -1,5 +1,5 @@
 //! W3C trace-context propagation between `tracing` spans and carriers:
-//! NATS headers, gRPC metadata, HTTP headers, and a bare `traceparent`
+//! NATS headers, gRPC metadata, and a bare `traceparent`
 //! string for a database column.
 //!
 //! All of it works through the OpenTelemetry layer: where the current
@@ -99,21 +99,8 @@ impl Extractor for NatsHeadersRef<'_> {
     }
 }
 
-/// Injector for the metadata of an outgoing gRPC request.
-pub struct GrpcMetadata<'a>(pub &'a mut tonic::metadata::MetadataMap);
-
 /// Extractor for the metadata of an incoming gRPC request.
 pub struct GrpcMetadataRef<'a>(pub &'a tonic::metadata::MetadataMap);
-
-impl Injector for GrpcMetadata<'_> {
-    fn set(&mut self, key: &str, value: String) {
-        if let (Ok(key), Ok(value)) =
-            (tonic::metadata::AsciiMetadataKey::from_bytes(key.as_bytes()), value.parse::<tonic::metadata::AsciiMetadataValue>())
-        {
-            self.0.insert(key, value);
-        }
-    }
-}
 
 impl Extractor for GrpcMetadataRef<'_> {
     fn get(&self, key: &str) -> Option<&str> {
@@ -128,31 +115,6 @@ impl Extractor for GrpcMetadataRef<'_> {
                 tonic::metadata::KeyRef::Binary(k) => k.as_str(),
             })
             .collect()
-    }
-}
-
-/// Injector for the headers of an outgoing HTTP request.
-pub struct HttpHeaders<'a>(pub &'a mut http::HeaderMap);
-
-/// Extractor for the headers of an incoming HTTP request (a tenant's REST
-/// call may carry a `traceparent`).
-pub struct HttpHeadersRef<'a>(pub &'a http::HeaderMap);
-
-impl Injector for HttpHeaders<'_> {
-    fn set(&mut self, key: &str, value: String) {
-        if let (Ok(name), Ok(value)) = (http::HeaderName::from_bytes(key.as_bytes()), http::HeaderValue::from_str(&value)) {
-            self.0.insert(name, value);
-        }
-    }
-}
-
-impl Extractor for HttpHeadersRef<'_> {
-    fn get(&self, key: &str) -> Option<&str> {
-        self.0.get(key).and_then(|v| v.to_str().ok())
-    }
-
-    fn keys(&self) -> Vec<&str> {
-        self.0.keys().map(http::HeaderName::as_str).collect()
     }
 }
 
@@ -263,23 +225,11 @@ mod tests {
     #[test]
     fn grpc_metadata_round_trip() {
         round_trip(|| {
+            // As a client would send it.
             let mut md = tonic::metadata::MetadataMap::new();
-            inject_current(&mut GrpcMetadata(&mut md));
-            assert!(md.get("traceparent").is_some());
+            md.insert("traceparent", current_traceparent().expect("inside a span").parse().unwrap());
             assert!(GrpcMetadataRef(&md).keys().contains(&"traceparent"));
             Box::new(move |s| set_parent(s, &GrpcMetadataRef(&md)))
-        });
-    }
-
-    #[test]
-    fn http_headers_round_trip() {
-        round_trip(|| {
-            let mut headers = http::HeaderMap::new();
-            inject_current(&mut HttpHeaders(&mut headers));
-            // As a tenant might send it.
-            let mut incoming = http::HeaderMap::new();
-            incoming.insert("TraceParent", headers["traceparent"].clone());
-            Box::new(move |s| set_parent(s, &HttpHeadersRef(&incoming)))
         });
     }
 
@@ -330,9 +280,6 @@ mod tests {
                 let mut headers = async_nats::HeaderMap::new();
                 inject_current(&mut NatsHeaders(&mut headers));
                 assert!(headers.is_empty());
-                let mut md = tonic::metadata::MetadataMap::new();
-                inject_current(&mut GrpcMetadata(&mut md));
-                assert!(md.is_empty());
                 assert_eq!(current_traceparent(), None);
             });
             let other = info_span!("other");

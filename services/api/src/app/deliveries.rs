@@ -252,10 +252,7 @@ impl AttemptRows {
         self.latency_ms.push(i64::try_from(latency_ms).unwrap_or(i64::MAX));
         self.response_body.push(body);
         self.decision.push(decision.as_str());
-        self.next_attempt_at.push(match decision {
-            Decision::Rescheduled { next_attempt_at } => Some(next_attempt_at),
-            _ => None,
-        });
+        self.next_attempt_at.push(decision.next_attempt_at());
     }
 }
 
@@ -288,9 +285,9 @@ async fn notify_due(tx: &mut sqlx::PgConnection) -> AppResult<()> {
 }
 
 impl App {
-    /// One delivery per matching endpoint, exactly once: the ledger claim and
-    /// the rows commit together, so a redelivered event is a no-op.
-    /// Expands many events in one transaction: the events are checked with
+    /// One delivery per matching endpoint, exactly once per event: the ledger
+    /// claims and the rows commit together, so a redelivered event is a no-op.
+    /// Many events go in one transaction: the events are checked with
     /// one read, claimed with one insert, and their deliveries written with
     /// one insert. Each item answers as `expand` would, in order.
     pub async fn expand_batch(&self, items: Vec<ExpandItem>) -> AppResult<Vec<AppResult<Expanded>>> {

@@ -111,8 +111,8 @@ impl DispatchApi {
 #[tonic::async_trait]
 impl DispatchService for DispatchApi {
     async fn expand(&self, req: Request<pb::ExpandRequest>) -> Result<Response<pb::ExpandResponse>, Status> {
-        let metadata = req.metadata().clone();
-        let mut answers = self.expand_items(vec![req.into_inner()], Some(&metadata)).await?;
+        let (metadata, _, item) = req.into_parts();
+        let mut answers = self.expand_items(vec![item], Some(&metadata)).await?;
         match answers.pop().expect("one answer per item") {
             Ok(x) => Ok(Response::new(x)),
             Err(e) => Err(status(e)),

@@ -69,17 +69,25 @@ pub fn job_message(names: &StreamNames, j: &Job<'_>) -> (String, HeaderMap, byte
 /// fills its batch goes straight on).
 const MIN_PASS_GAP: Duration = Duration::from_millis(5);
 
+/// A due row the unlocked scan found.
 #[derive(sqlx::FromRow)]
-struct DueRow {
+struct Candidate {
+    id: Uuid,
+    endpoint_id: Uuid,
+    /// An expired lease being handed out again: it already holds its slot.
+    released: bool,
+    /// Attempts of this endpoint handed out and not yet reported.
+    outstanding: i64,
+}
+
+/// A row this pass locked and hands to the broker.
+#[derive(sqlx::FromRow)]
+struct Claimed {
     id: Uuid,
     environment_id: Uuid,
     endpoint_id: Uuid,
     attempt: i32,
     generation: i32,
-    /// An expired lease being handed out again: it already holds its slot.
-    released: bool,
-    /// Attempts of this endpoint handed out and not yet reported.
-    outstanding: i64,
     trace_context: Option<String>,
 }
 
@@ -165,7 +173,7 @@ impl DeliveryRelay {
         // Choose without locking: the scan passes over due rows of endpoints
         // at their cap, and locking every row it returns (a heap write each)
         // would cost far more than the handful kept.
-        let candidates: Vec<DueRow> = sqlx::query_as(
+        let candidates: Vec<Candidate> = sqlx::query_as(
             // Outstanding attempts are counted once per pass (a small partial
             // index of leased rows), not once per scanned row: MATERIALIZED,
             // or the planner may re-run the count for every row it scans
@@ -173,8 +181,7 @@ impl DeliveryRelay {
             "WITH busy AS MATERIALIZED (
                SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
                WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id)
-             SELECT d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation,
-                    d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding, NULL::text AS trace_context
+             SELECT d.id, d.endpoint_id, d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding
              FROM webhook_deliveries d LEFT JOIN busy b ON b.endpoint_id = d.endpoint_id
              WHERE d.state = 'pending' AND d.next_attempt_at <= now()
                AND (d.dispatched_at IS NOT NULL OR coalesce(b.n, 0) < $2)
@@ -208,9 +215,8 @@ impl DeliveryRelay {
         // unclaimed: another relay may have taken (or an outcome moved) it
         // since the scan.
         let mut tx = self.app.db.begin().await?;
-        let rows: Vec<DueRow> = sqlx::query_as(
-            "SELECT id, environment_id, endpoint_id, attempt, generation, dispatched_at IS NOT NULL AS released, 0::bigint AS outstanding,
-                    trace_context
+        let rows: Vec<Claimed> = sqlx::query_as(
+            "SELECT id, environment_id, endpoint_id, attempt, generation, trace_context
              FROM webhook_deliveries
              WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
              ORDER BY next_attempt_at FOR UPDATE SKIP LOCKED",
