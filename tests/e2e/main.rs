@@ -3,6 +3,7 @@
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
 mod delivery;
+mod edges;
 mod faults;
 mod security;
 mod ssrf;

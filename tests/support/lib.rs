@@ -200,6 +200,7 @@ impl Stack {
             delivery_lease: Duration::from_secs(60),
             relay_idle: opts.relay_idle,
             relay_batch: 200,
+            pool_size: 20,
             endpoint_in_flight_cap: opts.endpoint_cap,
             run_migrations: true,
             run_relays: true,

@@ -45,6 +45,8 @@ pub struct ApiConfig {
     /// How long a relay sleeps when nothing wakes it.
     pub relay_idle: Duration,
     pub relay_batch: i64,
+    /// Postgres connections this api may hold (`RELAY_DB_POOL_SIZE`).
+    pub pool_size: u32,
     /// Attempts one endpoint may have handed out and unreported at once.
     pub endpoint_in_flight_cap: i64,
     pub run_migrations: bool,
@@ -134,6 +136,7 @@ impl ApiConfig {
             delivery_lease: Duration::from_secs(var("RELAY_DELIVERY_LEASE_SECS").map(|v| v.parse()).transpose()?.unwrap_or(300)),
             relay_idle: Duration::from_millis(500),
             relay_batch: 500,
+            pool_size: var("RELAY_DB_POOL_SIZE").map(|v| v.parse()).transpose().context("RELAY_DB_POOL_SIZE")?.unwrap_or(20),
             endpoint_in_flight_cap: var("RELAY_ENDPOINT_IN_FLIGHT_CAP")
                 .map(|v| v.parse())
                 .transpose()
@@ -167,6 +170,9 @@ impl ApiConfig {
         }
         if self.endpoint_in_flight_cap < 1 {
             bail!("RELAY_ENDPOINT_IN_FLIGHT_CAP must be at least 1, got {}", self.endpoint_in_flight_cap);
+        }
+        if !(2..=1000).contains(&self.pool_size) {
+            bail!("RELAY_DB_POOL_SIZE must be between 2 and 1000, got {}", self.pool_size);
         }
         if self.delivery_lease < Duration::from_secs(5) {
             bail!("RELAY_DELIVERY_LEASE_SECS must be at least 5, got {}", self.delivery_lease.as_secs());

@@ -9,6 +9,8 @@ pub mod app;
 pub mod auth;
 pub mod broker;
 pub mod config;
+pub mod db;
+pub mod detach;
 pub mod error;
 pub mod grpc;
 pub mod metrics;
@@ -32,7 +34,6 @@ use relay_contracts::{
         },
     },
 };
-use sqlx::postgres::PgPoolOptions;
 use tokio::{net::TcpListener, sync::watch, task::JoinSet};
 use tonic::{
     service::Routes,
@@ -43,6 +44,7 @@ use crate::{
     app::App,
     auth::Requires,
     config::ApiConfig,
+    detach::DetachLayer,
     grpc::{admin::AdminApi, dispatch::DispatchApi, tenant::TenantApi},
     relay::{deliveries::DeliveryRelay, outbox::OutboxRelay},
 };
@@ -89,12 +91,7 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 
 pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let db = PgPoolOptions::new()
-        .max_connections(20)
-        .acquire_timeout(Duration::from_secs(5))
-        .connect(&cfg.database_url)
-        .await
-        .context("connecting to Postgres")?;
+    let db = db::connect(&cfg.database_url, cfg.pool_size, Duration::from_secs(5)).await?;
     if cfg.run_migrations {
         MIGRATOR.run(&db).await.context("running migrations")?;
     }
@@ -175,6 +172,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             ])
         };
         let router = Server::builder()
+            .layer(DetachLayer)
             .add_service(health_svc.clone())
             .add_service(reflection().build_v1().context("building reflection")?)
             .add_service(reflection().build_v1alpha().context("building reflection")?)
@@ -198,6 +196,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         let router = Server::builder()
             .tls_config(tls)
             .context("configuring the internal port's TLS")?
+            .layer(DetachLayer)
             .add_service(health_svc)
             .add_service(reflection().build_v1().context("building reflection")?)
             .add_service(reflection().build_v1alpha().context("building reflection")?)

@@ -137,7 +137,10 @@ pub fn router(grpc: Routes) -> Result<Router> {
             let grpc = grpc.clone();
             async move {
                 let params: Vec<(String, String)> = params.iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect();
-                transcode(&binding, grpc, params, query, headers, body).await.unwrap_or_else(|e| e)
+                // Detached from the client: a caller that hangs up does not
+                // cancel work that has begun (see `crate::detach`).
+                let work = tokio::spawn(async move { transcode(&binding, grpc, params, query, headers, body).await.unwrap_or_else(|e| e) });
+                work.await.unwrap_or_else(|e| internal(anyhow::anyhow!("a REST handler failed: {e}")))
             }
         };
         let filter = MethodFilter::try_from(verb.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;

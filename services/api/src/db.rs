@@ -1,0 +1,41 @@
+//! The Postgres pool, guarded against connections left inside a transaction.
+//!
+//! sqlx 0.9.0's `begin()` is not cancel-safe (transact-rs/sqlx#4393): when its
+//! future is dropped while `BEGIN` is on the wire, nothing queues a rollback
+//! and the connection returns to the pool inside an open transaction. Every
+//! later autocommit statement on it (a publish answered 202, say) then waits
+//! for a commit that may never come. Request handling runs detached from the
+//! client (see [`crate::detach`]) so that drop should not happen; this pool
+//! makes sure that if anything else ever drops a `begin()`, the connection
+//! is discarded instead of handed out again.
+
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use sqlx::{PgPool, postgres::PgPoolOptions};
+
+/// Statement that is true only outside a transaction block: the first
+/// statement of a transaction is stamped with the transaction's start time,
+/// so inside a block opened earlier the two stamps differ.
+const OUTSIDE_A_TRANSACTION: &str = "SELECT transaction_timestamp() = statement_timestamp()";
+
+pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration) -> Result<PgPool> {
+    PgPoolOptions::new()
+        .max_connections(max_connections)
+        .acquire_timeout(acquire_timeout)
+        // The check below is a round trip that also proves the connection
+        // alive, so it replaces sqlx's own ping rather than adding to it.
+        .test_before_acquire(false)
+        .before_acquire(|conn, _meta| {
+            Box::pin(async move {
+                let idle: bool = sqlx::query_scalar(OUTSIDE_A_TRANSACTION).fetch_one(&mut *conn).await?;
+                if !idle {
+                    tracing::warn!("discarding a pooled Postgres connection left inside a transaction");
+                }
+                Ok(idle)
+            })
+        })
+        .connect(url)
+        .await
+        .context("connecting to Postgres")
+}
