@@ -5,7 +5,9 @@
 //! reach. The api checks them at registration; the dispatcher checks them again
 //! at send time against the addresses it actually connects to.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+pub mod special;
+
+use std::net::{IpAddr, Ipv4Addr};
 
 use ipnet::IpNet;
 use url::{Host, Url};
@@ -86,6 +88,11 @@ impl Policy {
                 }
             }
         }
+        // No receiver listens on port 0, so say so now rather than fail at
+        // every send. `port()` is None for the scheme's default, never 0.
+        if let Some(0) = url.port() {
+            return Err(Rejection::Port(0));
+        }
         Ok(url)
     }
 
@@ -119,6 +126,8 @@ pub enum Rejection {
     Scheme(String),
     #[error("url must not carry a user name or password")]
     Credentials,
+    #[error("url port {0} is not a port a webhook can be sent to")]
+    Port(u16),
     #[error("url host {0} is a loopback name")]
     BlockedName(String),
     #[error("url host {ip} is {reason}, which webhooks may not target")]
@@ -129,66 +138,11 @@ pub enum Rejection {
     Unresolvable(String),
 }
 
-/// Why an address may not be a webhook target, or `None` if it may.
+/// Why an address may not be a webhook target, naming the block it falls in
+/// and the RFC defining it, or `None` if it may be a target. The rules are the
+/// table in [`special`].
 pub fn blocked_reason(ip: IpAddr) -> Option<&'static str> {
-    match ip {
-        IpAddr::V4(v4) => blocked_v4(v4),
-        IpAddr::V6(v6) => blocked_v6(v6),
-    }
-}
-
-fn blocked_v4(ip: Ipv4Addr) -> Option<&'static str> {
-    let o = ip.octets();
-    Some(match o {
-        [0, ..] => "an unspecified (0.0.0.0/8) address",
-        [127, ..] => "a loopback address",
-        [10, ..] => "a private address",
-        [172, b, ..] if (16..=31).contains(&b) => "a private address",
-        [192, 168, ..] => "a private address",
-        [169, 254, ..] => "a link-local (cloud metadata) address",
-        [100, b, ..] if (64..=127).contains(&b) => "a carrier-grade NAT address",
-        [192, 0, 0, _] => "an IETF protocol assignment address",
-        [192, 0, 2, _] | [198, 51, 100, _] | [203, 0, 113, _] => "a documentation address",
-        [198, b, ..] if b == 18 || b == 19 => "a benchmarking address",
-        [255, 255, 255, 255] => "the broadcast address",
-        [a, ..] if (224..=239).contains(&a) => "a multicast address",
-        [a, ..] if a >= 240 => "a reserved address",
-        _ => return None,
-    })
-}
-
-fn blocked_v6(ip: Ipv6Addr) -> Option<&'static str> {
-    let seg = ip.segments();
-    if ip.is_unspecified() {
-        return Some("the unspecified address");
-    }
-    if ip.is_loopback() {
-        return Some("a loopback address");
-    }
-    // Addresses that embed an IPv4 address are judged by the address they embed:
-    // IPv4-mapped (::ffff:a.b.c.d), IPv4-compatible (::a.b.c.d), NAT64
-    // (64:ff9b::a.b.c.d) and 6to4 (2002:aabb:ccdd::).
-    let embedded = |hi: u16, lo: u16| Ipv4Addr::new((hi >> 8) as u8, hi as u8, (lo >> 8) as u8, lo as u8);
-    if let Some(v4) = ip.to_ipv4_mapped() {
-        return blocked_v4(v4).map(|_| "an IPv4-mapped form of a blocked address");
-    }
-    if seg[..6] == [0, 0, 0, 0, 0, 0] {
-        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "an IPv4-compatible form of a blocked address");
-    }
-    if seg[..6] == [0x64, 0xff9b, 0, 0, 0, 0] {
-        return blocked_v4(embedded(seg[6], seg[7])).map(|_| "a NAT64 form of a blocked address");
-    }
-    if seg[0] == 0x2002 {
-        return blocked_v4(embedded(seg[1], seg[2])).map(|_| "a 6to4 form of a blocked address");
-    }
-    match seg[0] {
-        s if s & 0xfe00 == 0xfc00 => Some("a unique-local address"),
-        s if s & 0xffc0 == 0xfe80 => Some("a link-local address"),
-        s if s & 0xffc0 == 0xfec0 => Some("a site-local address"),
-        s if s & 0xff00 == 0xff00 => Some("a multicast address"),
-        0x2001 if seg[1] == 0x0db8 => Some("a documentation address"),
-        _ => None,
-    }
+    special::refusal(ip)
 }
 
 #[cfg(test)]
@@ -239,6 +193,97 @@ mod tests {
         for url in ["https://localhost/", "https://LOCALHOST./", "https://api.localhost/"] {
             assert!(matches!(strict_err(url), Rejection::BlockedName(_)), "{url} should be blocked");
         }
+    }
+
+    #[test]
+    fn refuses_ipv4_embeddings_whatever_they_carry_and_non_global_blocks() {
+        for ip in [
+            "64:ff9b:1::a00:1",
+            "::ffff:0:7f00:1",
+            "2001:0:4136:e378:8000:63bf:3fff:fdd2",
+            "2002:5db8:d70e::",
+            "64:ff9b::5db8:d70e",
+            "::ffff:93.184.215.14",
+            "::93.184.215.14",
+            "100::1",
+            "100:0:0:1::1",
+            "3fff::1",
+            "5f00::1",
+            "2001:2::1",
+            "2001:10::1",
+            "2001:1::4",
+            "fec0::1",
+            "4000::1",
+            "192.88.99.1",
+            "192.0.0.8",
+            "192.0.0.170",
+            "198.19.255.255",
+            "240.0.0.1",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            assert!(blocked_reason(ip).is_some(), "{ip} should be refused");
+            let url = format!("https://{}/", UrlHost(ip));
+            assert!(matches!(strict_err(&url), Rejection::BlockedAddress { .. }), "{url} should be refused");
+        }
+    }
+
+    #[test]
+    fn accepts_globally_reachable_addresses_and_exceptions() {
+        for ip in [
+            "192.0.0.9",
+            "192.0.0.10",
+            "192.31.196.1",
+            "192.52.193.1",
+            "192.175.48.1",
+            "2001:1::1",
+            "2001:3::1",
+            "2001:4:112::1",
+            "2001:20::1",
+            "2620:4f:8000::1",
+            "2606:4700::1111",
+            "8.8.8.8",
+        ] {
+            let ip: IpAddr = ip.parse().unwrap();
+            assert_eq!(blocked_reason(ip), None, "{ip} should be allowed");
+            let url = format!("https://{}/", UrlHost(ip));
+            Policy::strict().check_url(&url).unwrap_or_else(|e| panic!("{url}: {e}"));
+        }
+    }
+
+    /// An address as a URL host: IPv6 in brackets.
+    struct UrlHost(IpAddr);
+
+    impl std::fmt::Display for UrlHost {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            match self.0 {
+                IpAddr::V4(v4) => write!(f, "{v4}"),
+                IpAddr::V6(v6) => write!(f, "[{v6}]"),
+            }
+        }
+    }
+
+    #[test]
+    fn reasons_name_the_block_and_its_rfc() {
+        let reason = |ip: &str| blocked_reason(ip.parse().unwrap());
+        assert_eq!(reason("10.1.2.3"), Some("a private-use address (10.0.0.0/8, RFC 1918)"));
+        assert_eq!(reason("192.0.0.11"), Some("an IETF protocol assignment address (192.0.0.0/24, RFC 6890)"));
+        assert_eq!(reason("::ffff:8.8.8.8"), Some("an IPv4-mapped address (::ffff:0:0/96, RFC 4291)"));
+        assert_eq!(reason("2002:808:808::1"), Some("a 6to4 address (2002::/16, RFC 3056)"));
+        assert_eq!(
+            strict_err("https://169.254.169.254/").to_string(),
+            "url host 169.254.169.254 is a link-local (cloud metadata) address (169.254.0.0/16, RFC 3927), which webhooks may not target"
+        );
+    }
+
+    #[test]
+    fn refuses_port_zero() {
+        assert_eq!(strict_err("https://example.com:0/"), Rejection::Port(0));
+        assert_eq!(strict_err("https://93.184.215.14:0/hook"), Rejection::Port(0));
+        assert_eq!(Rejection::Port(0).to_string(), "url port 0 is not a port a webhook can be sent to");
+        let dev = Policy { allow_http: true, allowed_ranges: vec!["127.0.0.0/8".parse().unwrap()] };
+        assert_eq!(dev.check_url("http://127.0.0.1:0/"), Err(Rejection::Port(0)));
+        Policy::strict().check_url("https://example.com:443/").unwrap();
+        Policy::strict().check_url("https://example.com:8443/").unwrap();
     }
 
     #[test]
