@@ -126,3 +126,284 @@ async fn a_connection_left_inside_a_dropped_begin_is_never_handed_out_again() ->
     pool.close().await;
     db.cleanup().await
 }
+
+/// One HTTP/1.1 exchange on a fresh connection, as raw bytes: for requests no
+/// well-behaved client would send. Returns the status, the head (lowercase)
+/// and the body.
+async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> anyhow::Result<(u16, String, String)> {
+    use tokio::io::AsyncReadExt;
+    let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+    // The server may answer (and close) before it has read everything.
+    let _ = tcp.write_all(request).await;
+    let mut out = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), async {
+        let mut buf = [0u8; 8192];
+        loop {
+            match tcp.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => out.extend_from_slice(&buf[..n]),
+            }
+            // A complete answer with a declared length is enough.
+            let text = String::from_utf8_lossy(&out);
+            if let Some((head, body)) = text.split_once("\r\n\r\n")
+                && let Some(len) =
+                    head.to_ascii_lowercase().lines().find_map(|l| l.strip_prefix("content-length:").map(|v| v.trim().to_owned()))
+                && body.len() >= len.parse::<usize>().unwrap_or(usize::MAX)
+            {
+                break;
+            }
+        }
+    })
+    .await;
+    anyhow::ensure!(read.is_ok(), "no answer within 10 s");
+    let text = String::from_utf8_lossy(&out).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
+    let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    Ok((status, head.to_ascii_lowercase(), body.to_owned()))
+}
+
+/// Every error the facade answers is `{code, message, reason}` JSON whose
+/// message is short, whatever the input.
+fn assert_error_json(what: &str, status: u16, head: &str, body: &str, want: u16) {
+    assert_eq!(status, want, "{what}: {head}\n{body}");
+    assert!(head.contains("content-type: application/json"), "{what}: not JSON: {head}");
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{what}: body is not JSON ({e}): {body}"));
+    assert!(v["code"].is_i64() && v["reason"].as_str().is_some_and(|r| !r.is_empty()), "{what}: {v}");
+    let message = v["message"].as_str().unwrap_or_else(|| panic!("{what}: no message: {v}"));
+    assert!(message.len() <= 400, "{what}: the message echoes input ({} bytes)", message.len());
+}
+
+/// The `"payload"` member of an envelope exactly as it was sent.
+fn payload_text(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Envelope<'a> {
+        #[serde(borrow)]
+        payload: &'a serde_json::value::RawValue,
+    }
+    serde_json::from_slice::<Envelope>(body).expect("an envelope").payload.get().to_owned()
+}
+
+/// Issue 9.3: the payload arrives as published — numbers digit for digit,
+/// keys in their order, duplicates kept — from REST and from gRPC, and any
+/// nesting up to the documented 64 levels is accepted, deeper refused with 400.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn payloads_arrive_exactly_as_published_and_nesting_is_bounded_with_a_400() -> anyhow::Result<()> {
+    use relay_contracts::relay::tenant::v1::{PublishEventRequest, event_service_client::EventServiceClient};
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("fidelity").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/f"), &["f"]).await?;
+
+    let payloads = [
+        r#"{"id": 9007199254740993, "u64": 18446744073709551615, "i64": -9223372036854775808, "big": 123456789012345678901234567890}"#,
+        r#"{"z": 1, "a": 2, "m": {"y": [1.50, -0, 0.1e-7, 1E+2]}, "z": "duplicate kept"}"#,
+        r#"["\u00e9\ud83d\ude00", "tab\there", null, true, {}]"#,
+        "42",
+        "\"just a string\"",
+    ];
+    let mut sent = Vec::new();
+    for p in payloads {
+        let body = format!(r#"{{"type": "f", "payload": {p}}}"#);
+        let (status, _, answer) = raw_exchange(
+            stack.addrs.rest,
+            format!(
+                "POST /v1/events HTTP/1.1\r\nhost: relay\r\nauthorization: Bearer {}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                tenant.api_key,
+                body.len()
+            )
+            .as_bytes(),
+        )
+        .await?;
+        assert_eq!(status, 202, "{answer}");
+        let id: serde_json::Value = serde_json::from_str(&answer)?;
+        sent.push((id["event_id"].as_str().unwrap().to_owned(), p.to_owned()));
+    }
+    // gRPC callers send the same JSON text.
+    let mut grpc = EventServiceClient::connect(stack.grpc_url.clone()).await?;
+    let text = r#"{"n": 100000000000000000001, "k": [3, 2, 1]}"#;
+    let mut req = tonic::Request::new(PublishEventRequest { r#type: "f".into(), payload: text.into(), ..Default::default() });
+    req.metadata_mut().insert("authorization", format!("Bearer {}", tenant.api_key).parse()?);
+    sent.push((grpc.publish_event(req).await?.into_inner().event_id, text.to_owned()));
+    // The lossy field of old clients is refused, not silently dropped.
+    #[allow(deprecated)]
+    let legacy = PublishEventRequest { r#type: "f".into(), legacy_payload: Some(prost_types::Value::default()), ..Default::default() };
+    let mut req = tonic::Request::new(legacy);
+    req.metadata_mut().insert("authorization", format!("Bearer {}", tenant.api_key).parse()?);
+    let refused = grpc.publish_event(req).await.expect_err("legacy_payload is refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+
+    let got = receiver.wait_at("/f", sent.len(), Duration::from_secs(20)).await;
+    assert_eq!(got.len(), sent.len());
+    for (event_id, payload) in &sent {
+        let arrived = got.iter().find(|r| r.header("relay-webhook-id") == *event_id).expect("arrived");
+        assert_eq!(payload_text(&arrived.body), *payload, "the payload arrives byte for byte as published");
+    }
+
+    for depth in [34usize, 50, 64] {
+        let nested = "{\"a\":".repeat(depth) + "1" + &"}".repeat(depth);
+        let (status, body) = rest.raw(reqwest::Method::POST, "/v1/events", format!(r#"{{"type": "f", "payload": {nested}}}"#)).await?;
+        assert_eq!(status, 202, "nesting {depth} deep is accepted: {body}");
+    }
+    for depth in [65usize, 200, 5000] {
+        let nested = "[".repeat(depth) + &"]".repeat(depth);
+        let (status, body) = rest.raw(reqwest::Method::POST, "/v1/events", format!(r#"{{"type": "f", "payload": {nested}}}"#)).await?;
+        assert_eq!((status, body["reason"].as_str()), (400, Some("payload_too_deep")), "nesting {depth} deep: {body}");
+    }
+    let (status, body) = rest.raw(reqwest::Method::POST, "/v1/events", r#"{"type": "f", "payload": {"a": 01}}"#.into()).await?;
+    assert_eq!(status, 400, "not JSON: {body}");
+    stack.stop().await
+}
+
+/// Issues 9.4 and 9.7: nothing is read or converted for a caller before its
+/// key is checked; bodies are refused by their declared size and while they
+/// stream; every refusal — 400, 401, 404, 405, 413, 414, 431, a malformed
+/// chunked body, invalid UTF-8 in a path — is the JSON error with a short
+/// message; and a query parameter can never override the path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_refusal_is_json_bounded_and_early_and_the_path_cannot_be_overridden() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let tenant = stack.tenant("edges").await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (real, _) = rest.endpoint("http://127.0.0.1:9/real", &["x"]).await?;
+    let addr = stack.addrs.rest;
+    let key = &tenant.api_key;
+    let head =
+        |method: &str, path: &str, extra: &str| format!("{method} {path} HTTP/1.1\r\nhost: relay\r\nconnection: close\r\n{extra}\r\n");
+
+    // A query parameter naming a path-bound field is refused; the endpoint stays.
+    let (status, h, body) = raw_exchange(
+        addr,
+        head("DELETE", &format!("/v1/webhooks/{}?id={real}", Uuid::new_v4()), &format!("authorization: Bearer {key}\r\n")).as_bytes(),
+    )
+    .await?;
+    assert_error_json("path id overridden by the query", status, &h, &body, 400);
+    assert_eq!(rest.get(&format!("/v1/webhooks/{real}")).await?["id"], real.as_str(), "the real endpoint was not touched");
+    // ...and a body may not contradict the path either.
+    let other = Uuid::new_v4();
+    let (status, h, body) = raw_exchange(
+        addr,
+        (head("POST", &format!("/v1/webhooks/{real}/rotate-secret"), &format!("authorization: Bearer {key}\r\ncontent-length: 47\r\n"))
+            + &format!(r#"{{"id": "{other}"}}"#))
+            .as_bytes(),
+    )
+    .await?;
+    assert_eq!(status, 200, "rotate-secret takes no body; the path decides: {body}");
+    let _ = (h, other);
+
+    let big = "x".repeat(1_900_000);
+    let cases: Vec<(&str, Vec<u8>, u16)> = vec![
+        ("no key", head("GET", "/v1/webhooks", "").into_bytes(), 401),
+        ("unknown route", head("GET", "/v2/nothing", &format!("authorization: Bearer {key}\r\n")).into_bytes(), 404),
+        ("wrong method", head("PUT", "/v1/webhooks", &format!("authorization: Bearer {key}\r\n")).into_bytes(), 405),
+        ("invalid UTF-8 in the path", head("GET", "/v1/webhooks/%FF%FE", &format!("authorization: Bearer {key}\r\n")).into_bytes(), 400),
+        ("declared 1.9 MB, no key", (head("POST", "/v1/events", &format!("content-length: {}\r\n", big.len())) + &big).into_bytes(), 413),
+        (
+            "declared 1.9 MB",
+            (head("POST", "/v1/events", &format!("authorization: Bearer {key}\r\ncontent-length: {}\r\n", big.len())) + &big).into_bytes(),
+            413,
+        ),
+        (
+            "1.9 MB chunked, no key: refused before the body is read",
+            (head("POST", "/v1/events", "transfer-encoding: chunked\r\n") + &format!("{:x}\r\n{big}\r\n0\r\n\r\n", big.len())).into_bytes(),
+            401,
+        ),
+        (
+            "1.9 MB chunked: refused while it streams",
+            (head("POST", "/v1/events", &format!("authorization: Bearer {key}\r\ntransfer-encoding: chunked\r\n"))
+                + &format!("{:x}\r\n{big}\r\n0\r\n\r\n", big.len()))
+                .into_bytes(),
+            413,
+        ),
+        (
+            "malformed chunked body",
+            (head("POST", "/v1/events", &format!("authorization: Bearer {key}\r\ntransfer-encoding: chunked\r\n"))
+                + "zz\r\n{}\r\n0\r\n\r\n")
+                .into_bytes(),
+            400,
+        ),
+        (
+            "a 1 MB event type",
+            {
+                let body = format!(r#"{{"type": "{}", "payload": 1}}"#, "t".repeat(200_000));
+                (head("POST", "/v1/events", &format!("authorization: Bearer {key}\r\ncontent-length: {}\r\n", body.len())) + &body)
+                    .into_bytes()
+            },
+            400,
+        ),
+        (
+            "a 9 KB target",
+            head("GET", &format!("/v1/webhooks?x={}", "a".repeat(9_000)), &format!("authorization: Bearer {key}\r\n")).into_bytes(),
+            414,
+        ),
+        ("a 70 KB target", head("GET", &format!("/v1/webhooks?x={}", "a".repeat(70_000)), "").into_bytes(), 414),
+        (
+            "100 header fields",
+            head("GET", "/v1/webhooks", &(0..100).map(|i| format!("x-h{i}: v\r\n")).collect::<String>()).into_bytes(),
+            431,
+        ),
+        ("a 300 KB header", head("GET", "/v1/webhooks", &format!("x-big: {}\r\n", "b".repeat(300_000))).into_bytes(), 431),
+        ("not HTTP", b"\x16\x03\x01 hello\r\n\r\n".to_vec(), 400),
+    ];
+    for (what, request, want) in cases {
+        let (status, h, body) = raw_exchange(addr, &request).await?;
+        assert_error_json(what, status, &h, &body, want);
+    }
+    // A query parameter the method does not have, and a value of the wrong type.
+    let (status, body) = rest.call(reqwest::Method::GET, &format!("/v1/webhooks?{}=1", "q".repeat(5000)), None).await?;
+    assert_eq!(status, 400, "{body}");
+    assert!(body["message"].as_str().unwrap().len() < 400, "{body}");
+
+    let http = reqwest::Client::new();
+    assert_eq!(http.get(format!("{}/readyz", stack.rest_url)).send().await?.status(), 200, "still ready after all that");
+    rest.publish("x", json!({"still": "accepting"})).await?;
+    stack.stop().await
+}
+
+/// Issue 9.4: overload is a 503 with `Retry-After` and the JSON error, never
+/// a pool timeout surfacing as a generic failure.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_out_of_database_connections_answers_503_with_retry_after() -> anyhow::Result<()> {
+    let stack =
+        Stack::start(Options { dispatcher: false, db_pool_size: 2, db_acquire_timeout: Duration::from_secs(1), ..Options::default() })
+            .await?;
+    let tenant = stack.tenant("overload").await?;
+    let pg = stack.pg().await?;
+    // Every insert into events now waits, holding its connection.
+    let mut lock = pg.begin().await?;
+    sqlx::query("LOCK TABLE events IN EXCLUSIVE MODE").execute(&mut *lock).await?;
+    let calls: Vec<_> = (0..12)
+        .map(|i| {
+            let (url, key) = (stack.rest_url.clone(), tenant.api_key.clone());
+            tokio::spawn(async move {
+                let resp = reqwest::Client::new()
+                    .post(format!("{url}/v1/events"))
+                    .bearer_auth(key)
+                    .json(&json!({"type": "o", "payload": {"i": i}}))
+                    .send()
+                    .await?;
+                let retry_after = resp.headers().get("retry-after").map(|v| v.to_str().unwrap_or_default().to_owned());
+                anyhow::Ok((resp.status().as_u16(), retry_after, resp.text().await?))
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    lock.rollback().await?;
+    let mut refused = 0;
+    for c in calls {
+        let (status, retry_after, body) = c.await??;
+        match status {
+            202 => {}
+            503 => {
+                refused += 1;
+                assert_eq!(retry_after.as_deref(), Some("1"), "{body}");
+                let v: serde_json::Value = serde_json::from_str(&body)?;
+                assert_eq!(v["reason"], "unavailable", "{v}");
+            }
+            other => panic!("overload answered {other}: {body}"),
+        }
+    }
+    assert!(refused > 0, "with both connections held, some calls must have been refused");
+    pg.close().await;
+    stack.stop().await
+}

@@ -70,6 +70,9 @@ pub struct Options {
     pub secret_keys: Option<String>,
     /// How long an idle relay sleeps when nothing wakes it.
     pub relay_idle: Duration,
+    /// The api's Postgres pool: its size and how long a call waits for a connection.
+    pub db_pool_size: u32,
+    pub db_acquire_timeout: Duration,
 }
 
 impl Default for Options {
@@ -89,6 +92,8 @@ impl Default for Options {
             egress_proxy: None,
             secret_keys: None,
             relay_idle: Duration::from_millis(500),
+            db_pool_size: 20,
+            db_acquire_timeout: Duration::from_secs(5),
         }
     }
 }
@@ -200,7 +205,8 @@ impl Stack {
             delivery_lease: Duration::from_secs(60),
             relay_idle: opts.relay_idle,
             relay_batch: 200,
-            pool_size: 20,
+            pool_size: opts.db_pool_size,
+            db_acquire_timeout: opts.db_acquire_timeout,
             endpoint_in_flight_cap: opts.endpoint_cap,
             run_migrations: true,
             run_relays: true,
@@ -622,11 +628,22 @@ impl Rest {
 
     pub async fn call(&self, method: reqwest::Method, path: &str, body: Option<serde_json::Value>) -> Result<(u16, serde_json::Value)> {
         let mut req = self.http.request(method, format!("{}{path}", self.base));
-        if let Some(k) = &self.key {
-            req = req.bearer_auth(k);
-        }
         if let Some(b) = body {
             req = req.json(&b);
+        }
+        self.send(req).await
+    }
+
+    /// A call with a body sent exactly as given (serde_json would re-print
+    /// numbers and keys).
+    pub async fn raw(&self, method: reqwest::Method, path: &str, body: String) -> Result<(u16, serde_json::Value)> {
+        let req = self.http.request(method, format!("{}{path}", self.base)).header("content-type", "application/json").body(body);
+        self.send(req).await
+    }
+
+    async fn send(&self, mut req: reqwest::RequestBuilder) -> Result<(u16, serde_json::Value)> {
+        if let Some(k) = &self.key {
+            req = req.bearer_auth(k);
         }
         let resp = req.send().await?;
         let status = resp.status().as_u16();

@@ -13,14 +13,34 @@ use crate::{
 
 const BEARER: &str = "Bearer ";
 
-/// Resolves the tenant from `authorization: Bearer <api key>`. The messages
-/// say what was expected and never quote what was presented.
+/// A tenant the caller already authenticated, carried in the request's
+/// extensions: set by the REST facade (which checks the key before reading a
+/// body) and by [`TenantAuthLayer`] on the gRPC port. Extensions cannot
+/// arrive over the wire, so only the api itself can set one.
+#[derive(Debug, Clone, Copy)]
+pub struct Authenticated(pub Tenant);
+
+/// The tenant of a call: the one verified before the call was decoded, or
+/// (for a call that did not pass through such a check) from its API key.
 pub async fn tenant<T>(app: &App, req: &Request<T>) -> Result<Tenant, Status> {
-    let Some(value) = req.metadata().get("authorization") else {
+    if let Some(Authenticated(t)) = req.extensions().get::<Authenticated>() {
+        return Ok(*t);
+    }
+    let value = req.metadata().get("authorization").map(|v| v.as_bytes());
+    tenant_from_credential(app, value).await
+}
+
+/// Resolves the tenant from an `Authorization` header value. The messages
+/// say what was expected and never quote what was presented.
+pub async fn tenant_from_header(app: &App, value: Option<&http::HeaderValue>) -> Result<Tenant, Status> {
+    tenant_from_credential(app, value.map(|v| v.as_bytes())).await
+}
+
+async fn tenant_from_credential(app: &App, value: Option<&[u8]>) -> Result<Tenant, Status> {
+    let Some(value) = value else {
         return Err(Status::unauthenticated("an API key is required: send it as `Authorization: Bearer <key>`"));
     };
-    let presented = value
-        .to_str()
+    let presented = std::str::from_utf8(value)
         .ok()
         .and_then(|v| v.strip_prefix(BEARER))
         .map(str::trim)
@@ -30,6 +50,78 @@ pub async fn tenant<T>(app: &App, req: &Request<T>) -> Result<Tenant, Status> {
         None => Err(Status::unauthenticated(
             "the API key presented is not valid (unknown or revoked); send a live key as `Authorization: Bearer <key>`",
         )),
+    }
+}
+
+/// Authenticates tenant calls on the gRPC port before their message is
+/// decoded, and keeps the messages the api holds at once within a budget,
+/// so an anonymous or oversized call costs a header check, not a buffer.
+#[derive(Debug, Clone)]
+pub struct TenantAuthLayer {
+    pub app: App,
+    /// Calls being decoded or served at once; a call that finds none free
+    /// within a moment is answered UNAVAILABLE (`overloaded`).
+    pub admission: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl<S> tower::Layer<S> for TenantAuthLayer {
+    type Service = TenantAuth<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TenantAuth { inner, app: self.app.clone(), admission: self.admission.clone() }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct TenantAuth<S> {
+    inner: S,
+    app: App,
+    admission: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+/// How long a call waits for admission before it is refused.
+const ADMISSION_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+/// The prefix of every tenant method's path; health and reflection pass freely.
+const TENANT_PATHS: &str = "/relay.tenant.";
+
+impl<S, B> tower::Service<http::Request<B>> for TenantAuth<S>
+where
+    S: tower::Service<http::Request<B>, Response = http::Response<tonic::body::Body>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    B: Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = std::pin::Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut req: http::Request<B>) -> Self::Future {
+        // The clone that was made ready serves this call; a fresh clone
+        // waits for the next (tower's clone-and-swap).
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let (app, admission) = (self.app.clone(), self.admission.clone());
+        Box::pin(async move {
+            if !req.uri().path().starts_with(TENANT_PATHS) {
+                return inner.call(req).await;
+            }
+            let tenant = tenant_from_credential(&app, req.headers().get(http::header::AUTHORIZATION).map(|v| v.as_bytes())).await;
+            let tenant = match tenant {
+                Ok(t) => t,
+                Err(st) => return Ok(st.into_http()),
+            };
+            let Ok(Ok(_permit)) = tokio::time::timeout(ADMISSION_WAIT, admission.acquire_owned()).await else {
+                let mut st = Status::unavailable("the api is at capacity; retry after 1 s");
+                st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, "overloaded".parse().expect("ascii"));
+                st.metadata_mut().insert("retry-after", "1".parse().expect("ascii"));
+                return Ok(st.into_http());
+            };
+            req.extensions_mut().insert(Authenticated(tenant));
+            inner.call(req).await
+        })
     }
 }
 

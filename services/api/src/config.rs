@@ -47,6 +47,9 @@ pub struct ApiConfig {
     pub relay_batch: i64,
     /// Postgres connections this api may hold (`RELAY_DB_POOL_SIZE`).
     pub pool_size: u32,
+    /// How long a call waits for a free connection before it is answered
+    /// UNAVAILABLE (503 with `Retry-After`).
+    pub db_acquire_timeout: Duration,
     /// Attempts one endpoint may have handed out and unreported at once.
     pub endpoint_in_flight_cap: i64,
     pub run_migrations: bool,
@@ -136,6 +139,7 @@ impl ApiConfig {
             delivery_lease: Duration::from_secs(var("RELAY_DELIVERY_LEASE_SECS").map(|v| v.parse()).transpose()?.unwrap_or(300)),
             relay_idle: Duration::from_millis(500),
             relay_batch: 500,
+            db_acquire_timeout: Duration::from_secs(5),
             pool_size: var("RELAY_DB_POOL_SIZE").map(|v| v.parse()).transpose().context("RELAY_DB_POOL_SIZE")?.unwrap_or(20),
             endpoint_in_flight_cap: var("RELAY_ENDPOINT_IN_FLIGHT_CAP")
                 .map(|v| v.parse())

@@ -80,7 +80,31 @@ impl From<anyhow::Error> for AppError {
     }
 }
 
+/// How much of a caller's value an error message quotes back.
+const QUOTED_CHARS: usize = 64;
+
+/// A caller's value quoted for an error message: Rust-escaped, and cut
+/// after [`QUOTED_CHARS`] characters with the full length said, so a
+/// message never echoes unbounded input.
+pub fn quoted(raw: &str) -> String {
+    match raw.char_indices().nth(QUOTED_CHARS) {
+        Some((cut, _)) => format!("{:?}… ({} bytes)", &raw[..cut], raw.len()),
+        None => format!("{raw:?}"),
+    }
+}
+
 /// Parses an id a caller supplied, with an error naming the field.
 pub fn parse_id(field: &'static str, raw: &str) -> AppResult<uuid::Uuid> {
-    uuid::Uuid::parse_str(raw.trim()).map_err(|_| AppError::invalid("invalid_id", format!("{field} must be a UUID, got {raw:?}")))
+    uuid::Uuid::parse_str(raw.trim()).map_err(|_| AppError::invalid("invalid_id", format!("{field} must be a UUID, got {}", quoted(raw))))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn quoted_values_are_bounded() {
+        assert_eq!(super::quoted("abc"), "\"abc\"");
+        let long = "x".repeat(1_000_000);
+        let q = super::quoted(&long);
+        assert!(q.len() < 100 && q.ends_with("(1000000 bytes)"), "{q}");
+    }
 }

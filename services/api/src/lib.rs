@@ -20,8 +20,6 @@ pub mod rest;
 pub mod schedule;
 pub mod secrets;
 
-use std::time::Duration;
-
 use anyhow::{Context, Result};
 use relay_contracts::{
     FILE_DESCRIPTOR_SET, StreamNames,
@@ -91,7 +89,7 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 
 pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let db = db::connect(&cfg.database_url, cfg.pool_size, Duration::from_secs(5)).await?;
+    let db = db::connect(&cfg.database_url, cfg.pool_size, cfg.db_acquire_timeout).await?;
     if cfg.run_migrations {
         MIGRATOR.run(&db).await.context("running migrations")?;
     }
@@ -161,8 +159,16 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     health.set_serving::<DeadLetterServiceServer<TenantApi>>().await;
     health.set_serving::<DispatchServiceServer<DispatchApi>>().await;
     health.set_serving::<AdminServiceServer<AdminApi>>().await;
+    // Tenant messages are bounded before they are buffered: the largest that
+    // can succeed is a publish at the envelope's limit.
+    let limit = grpc::MAX_TENANT_MESSAGE_BYTES;
+    let endpoints = || WebhookEndpointServiceServer::new(tenant.clone()).max_decoding_message_size(limit);
+    let events = || EventServiceServer::new(tenant.clone()).max_decoding_message_size(limit);
+    let dead_letters = || DeadLetterServiceServer::new(tenant.clone()).max_decoding_message_size(limit);
 
-    // Public gRPC: the tenant services, reflection and health.
+    // Public gRPC: the tenant services, reflection and health. Callers are
+    // authenticated (and admitted within the message budget) before their
+    // message is read.
     {
         let reflection = || {
             reflection_builder(&[
@@ -171,14 +177,16 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 "relay.tenant.v1.DeadLetterService",
             ])
         };
+        let admission = std::sync::Arc::new(tokio::sync::Semaphore::new(grpc::TENANT_CALLS_IN_MEMORY));
         let router = Server::builder()
             .layer(DetachLayer)
+            .layer(auth::TenantAuthLayer { app: app.clone(), admission })
             .add_service(health_svc.clone())
             .add_service(reflection().build_v1().context("building reflection")?)
             .add_service(reflection().build_v1alpha().context("building reflection")?)
-            .add_service(WebhookEndpointServiceServer::new(tenant.clone()))
-            .add_service(EventServiceServer::new(tenant.clone()))
-            .add_service(DeadLetterServiceServer::new(tenant.clone()));
+            .add_service(endpoints())
+            .add_service(events())
+            .add_service(dead_letters());
         // Small gRPC frames must not wait for Nagle's algorithm.
         let incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
         let stop = stopped(stop_rx.clone());
@@ -193,6 +201,12 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             .identity(Identity::from_pem(read(&cfg.internal_tls.cert)?, read(&cfg.internal_tls.key)?))
             .client_ca_root(Certificate::from_pem(read(&cfg.internal_tls.client_ca)?));
         let reflection = || reflection_builder(&["relay.dispatch.v1.DispatchService", "relay.admin.v1.AdminService"]);
+        // Seam batches are bounded by count and, for material, by bytes
+        // (see `app::deliveries`); the message limits sit above both, and the
+        // dispatcher sets the same ones.
+        let seam = DispatchServiceServer::new(DispatchApi { app: app.clone() })
+            .max_decoding_message_size(relay_contracts::SEAM_MESSAGE_LIMIT_BYTES)
+            .max_encoding_message_size(relay_contracts::SEAM_MESSAGE_LIMIT_BYTES);
         let router = Server::builder()
             .tls_config(tls)
             .context("configuring the internal port's TLS")?
@@ -200,7 +214,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             .add_service(health_svc)
             .add_service(reflection().build_v1().context("building reflection")?)
             .add_service(reflection().build_v1alpha().context("building reflection")?)
-            .add_service(DispatchServiceServer::with_interceptor(DispatchApi { app: app.clone() }, Requires::Dispatcher.interceptor()))
+            .add_service(tonic::service::interceptor::InterceptedService::new(seam, Requires::Dispatcher.interceptor()))
             .add_service(AdminServiceServer::with_interceptor(AdminApi { app: app.clone() }, Requires::Operator.interceptor()))
             // Tenant routes answer here only to refuse platform identities
             // explicitly (403 wrong_credential_type) rather than as unknown.
@@ -214,9 +228,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
     // REST facade: the same tenant services, called in-process.
     {
-        let grpc = Routes::new(WebhookEndpointServiceServer::new(tenant.clone()))
-            .add_service(EventServiceServer::new(tenant.clone()))
-            .add_service(DeadLetterServiceServer::new(tenant));
+        let grpc = Routes::new(endpoints()).add_service(events()).add_service(dead_letters());
         let spec = openapi::rendered()?;
         let ready = {
             let (db, js) = (app.db.clone(), js.clone());
@@ -225,8 +237,10 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 async move { readiness(&db, &js).await }
             }
         };
-        let router =
-            rest::router(grpc)?.route("/healthz", axum::routing::get(|| async { "ok" })).route("/readyz", axum::routing::get(ready)).route(
+        let router = rest::router(app.clone(), grpc)?
+            .route("/healthz", axum::routing::get(|| async { "ok" }))
+            .route("/readyz", axum::routing::get(ready))
+            .route(
                 "/openapi.json",
                 axum::routing::get(move || {
                     let spec = spec.clone();
@@ -234,11 +248,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 }),
             );
         let stop = stopped(stop_rx.clone());
-        use axum::serve::ListenerExt;
-        let listener = listeners.rest.tap_io(|tcp| {
-            let _ = tcp.set_nodelay(true);
-        });
-        tasks.spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await.context("REST server") });
+        tasks.spawn(async move { rest::server::serve(listeners.rest, router, stop).await.context("REST server") });
     }
 
     if let Some(listener) = listeners.metrics {

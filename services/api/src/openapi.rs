@@ -25,6 +25,8 @@ fn schema_name(m: &MessageDescriptor) -> String {
 
 fn field_schema(f: &FieldDescriptor, refs: &mut Vec<MessageDescriptor>) -> Value {
     let single = match f.kind() {
+        // JSON text on the wire of gRPC, the JSON value itself in REST.
+        Kind::String if rest::is_raw_json(f) => json!({}),
         Kind::Message(m) => match m.full_name() {
             "google.protobuf.Timestamp" => json!({"type": "string", "format": "date-time"}),
             "google.protobuf.Value" => json!({"description": "any JSON value"}),
@@ -53,7 +55,9 @@ fn field_schema(f: &FieldDescriptor, refs: &mut Vec<MessageDescriptor>) -> Value
 
 fn message_schema(m: &MessageDescriptor, skip: &[String], refs: &mut Vec<MessageDescriptor>) -> Value {
     let mut props = Map::new();
-    for f in m.fields().filter(|f| !skip.iter().any(|s| s == f.name())) {
+    // Deprecated fields are refused when set; the document does not offer them.
+    let deprecated = |f: &FieldDescriptor| f.field_descriptor_proto().options.as_ref().is_some_and(|o| o.deprecated());
+    for f in m.fields().filter(|f| !skip.iter().any(|s| s == f.name()) && !deprecated(f)) {
         props.insert(f.name().to_owned(), field_schema(&f, refs));
     }
     let mut s = json!({"type": "object", "properties": props});

@@ -16,6 +16,15 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// facade copies it into the JSON error body.
 pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
 
+/// The largest message either end of the internal seam sends or accepts, set
+/// the same on both. Batches stay well below it by construction: the api
+/// answers a material batch only up to [`SEAM_MATERIAL_REPLY_BUDGET_BYTES`]
+/// of payload and defers the rest to the next call.
+pub const SEAM_MESSAGE_LIMIT_BYTES: usize = 16 * 1024 * 1024;
+/// Payload bytes one material batch reply carries at most (the first item
+/// always fits: an event is at most 256 KiB).
+pub const SEAM_MATERIAL_REPLY_BUDGET_BYTES: usize = 4 * 1024 * 1024;
+
 const REDACTED: &str = "[redacted]";
 
 impl fmt::Debug for relay::tenant::v1::CreateWebhookEndpointResponse {

@@ -2,6 +2,7 @@
 
 use anyhow::Context;
 use serde::Serialize;
+use serde_json::value::RawValue;
 use uuid::Uuid;
 
 use super::{App, Tenant, Timestamp, endpoints::check_event_type, require_nonempty};
@@ -17,11 +18,65 @@ struct Envelope<'a> {
     event_type: &'a str,
     environment_id: Uuid,
     occurred_at: String,
-    payload: &'a serde_json::Value,
+    /// The tenant's JSON text, exactly as published.
+    payload: &'a RawValue,
 }
 
 /// Payloads are bounded so one request cannot fill the outbox.
 pub const MAX_ENVELOPE_BYTES: usize = 256 * 1024;
+/// The deepest nesting of arrays and objects a payload may have. Receivers
+/// parse what we send: common parsers stop at 128 (serde_json) or a few
+/// hundred levels, so this leaves them room for the envelope and their own.
+pub const MAX_PAYLOAD_DEPTH: usize = 64;
+
+/// How deeply arrays and objects nest in JSON text. A single pass that never
+/// recurses, so it is safe on any input, valid JSON or not.
+pub fn json_depth(text: &[u8]) -> usize {
+    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
+    for &b in text {
+        if in_string {
+            match b {
+                _ if escaped => escaped = false,
+                b'\\' => escaped = true,
+                b'"' => in_string = false,
+                _ => {}
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b'[' | b'{' => {
+                depth += 1;
+                deepest = deepest.max(depth);
+            }
+            b']' | b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    deepest
+}
+
+/// A payload as JSON text, checked: bounded in size and nesting, and one
+/// valid JSON value. Empty text is JSON `null`. Nothing is re-serialised, so
+/// what is delivered is what was published, digit for digit and key by key.
+pub fn checked_payload(text: &str) -> AppResult<&RawValue> {
+    let text = text.trim_matches(|c| matches!(c, ' ' | '\t' | '\n' | '\r'));
+    let text = if text.is_empty() { "null" } else { text };
+    if text.len() > MAX_ENVELOPE_BYTES {
+        return Err(AppError::invalid(
+            "payload_too_large",
+            format!("a payload may be at most {MAX_ENVELOPE_BYTES} bytes as delivered; this one is {}", text.len()),
+        ));
+    }
+    let depth = json_depth(text.as_bytes());
+    if depth > MAX_PAYLOAD_DEPTH {
+        return Err(AppError::invalid(
+            "payload_too_deep",
+            format!("a payload may nest arrays and objects at most {MAX_PAYLOAD_DEPTH} deep; this one nests {depth}"),
+        ));
+    }
+    serde_json::from_str::<&RawValue>(text).map_err(|e| AppError::invalid("invalid_payload", format!("payload is not valid JSON: {e}")))
+}
 
 #[derive(Debug, Clone, sqlx::FromRow)]
 pub struct Delivery {
@@ -60,16 +115,11 @@ pub struct Published {
 }
 
 impl App {
-    pub async fn publish_event(
-        &self,
-        tenant: Tenant,
-        id: Option<Uuid>,
-        event_type: &str,
-        payload: &serde_json::Value,
-    ) -> AppResult<Published> {
+    pub async fn publish_event(&self, tenant: Tenant, id: Option<Uuid>, event_type: &str, payload: &str) -> AppResult<Published> {
         require_nonempty("type", event_type)?;
         let event_type = event_type.trim();
         check_event_type(event_type)?;
+        let payload = checked_payload(payload)?;
         let event_id = id.unwrap_or_else(Uuid::now_v7);
         let occurred_at = chrono::Utc::now();
         let envelope = serde_json::to_vec(&Envelope {
@@ -143,5 +193,81 @@ impl App {
             }
         }
         Ok(deliveries)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// Depth the slow, obvious way: through a parsed value.
+    fn parsed_depth(v: &serde_json::Value) -> usize {
+        match v {
+            serde_json::Value::Array(a) => 1 + a.iter().map(parsed_depth).max().unwrap_or(0),
+            serde_json::Value::Object(o) => 1 + o.values().map(parsed_depth).max().unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    fn json_value() -> impl Strategy<Value = serde_json::Value> {
+        let leaf = prop_oneof![
+            Just(serde_json::Value::Null),
+            any::<bool>().prop_map(Into::into),
+            any::<i64>().prop_map(Into::into),
+            any::<u64>().prop_map(Into::into),
+            "[\\PC\"\\\\{}\\[\\]]{0,12}".prop_map(serde_json::Value::String),
+        ];
+        leaf.prop_recursive(8, 64, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(serde_json::Value::Array),
+                prop::collection::btree_map("[a-z\"{}\\[\\]\\\\]{0,6}", inner, 0..6)
+                    .prop_map(|m| serde_json::Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn the_scanner_measures_depth_as_a_parser_does(v in json_value(), pretty in any::<bool>()) {
+            let text = if pretty { serde_json::to_string_pretty(&v).unwrap() } else { serde_json::to_string(&v).unwrap() };
+            prop_assert_eq!(json_depth(text.as_bytes()), parsed_depth(&v));
+        }
+
+        #[test]
+        fn a_checked_payload_is_the_text_as_given(v in json_value()) {
+            let text = serde_json::to_string_pretty(&v).unwrap();
+            if parsed_depth(&v) <= MAX_PAYLOAD_DEPTH {
+                prop_assert_eq!(checked_payload(&text).unwrap().get(), text.as_str());
+            }
+        }
+
+        #[test]
+        fn arbitrary_text_is_refused_or_kept_never_a_panic(text in "\\PC{0,64}") {
+            if let Ok(raw) = checked_payload(&text) {
+                prop_assert!(serde_json::from_str::<serde_json::Value>(raw.get()).is_ok());
+            }
+        }
+    }
+
+    #[test]
+    fn nesting_up_to_the_limit_is_accepted_and_deeper_refused() {
+        for depth in [1, 33, 34, 50, MAX_PAYLOAD_DEPTH] {
+            let text = format!("{}{}", "{\"a\":".repeat(depth), "1") + &"}".repeat(depth);
+            checked_payload(&text).unwrap_or_else(|e| panic!("depth {depth}: {e:?}"));
+        }
+        let deep = "[".repeat(MAX_PAYLOAD_DEPTH + 1) + &"]".repeat(MAX_PAYLOAD_DEPTH + 1);
+        assert_eq!(checked_payload(&deep).unwrap_err().reason, "payload_too_deep");
+        let very_deep = "[".repeat(1_000_000);
+        assert_eq!(checked_payload(&very_deep).unwrap_err().reason, "payload_too_large");
+    }
+
+    #[test]
+    fn numbers_keys_and_duplicates_stay_as_written() {
+        let text = r#"{"id": 9007199254740993, "max": 18446744073709551615, "min": -9223372036854775808, "b": 1, "a": 2.50, "b": 1e400}"#;
+        assert_eq!(checked_payload(text).unwrap().get(), text);
+        assert_eq!(checked_payload("").unwrap().get(), "null");
+        assert_eq!(checked_payload("{\"a\": 1} {}").unwrap_err().reason, "invalid_payload");
     }
 }

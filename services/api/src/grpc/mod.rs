@@ -14,6 +14,13 @@ use crate::{
     error::{AppError, ErrorCode, parse_id},
 };
 
+/// The largest tenant message the gRPC port (and the REST facade's
+/// in-process call) decodes: a publish at the envelope's limit, with room.
+pub const MAX_TENANT_MESSAGE_BYTES: usize = 512 * 1024;
+/// Tenant gRPC calls admitted at once; with the limit above, at most 32 MiB
+/// of tenant messages are buffered.
+pub const TENANT_CALLS_IN_MEMORY: usize = 64;
+
 /// The single mapping from the app's error to a gRPC status. Internal causes
 /// are logged with their chain and never sent.
 pub fn status(e: AppError) -> Status {

@@ -17,6 +17,7 @@ use crate::{
         events::{Attempt, Delivery},
     },
     auth,
+    error::AppError,
 };
 
 #[derive(Debug, Clone)]
@@ -81,21 +82,6 @@ pub(crate) fn dead_letter(d: DeadLetter) -> pb::DeadLetter {
         last_error: d.last_error.unwrap_or_default(),
         reason: d.reason,
         dead_lettered_at: Some(ts(d.dead_lettered_at)),
-    }
-}
-
-/// protobuf `Value` → JSON. Whole numbers print as integers, so `42` stays
-/// `42` rather than becoming `42.0`.
-fn json(v: prost_types::Value) -> serde_json::Value {
-    use prost_types::value::Kind;
-    match v.kind {
-        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
-        Some(Kind::BoolValue(b)) => b.into(),
-        Some(Kind::NumberValue(n)) if n.fract() == 0.0 && n.abs() < 9_007_199_254_740_992.0 => (n as i64).into(),
-        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(n).map_or(serde_json::Value::Null, Into::into),
-        Some(Kind::StringValue(s)) => s.into(),
-        Some(Kind::ListValue(l)) => l.values.into_iter().map(json).collect(),
-        Some(Kind::StructValue(s)) => s.fields.into_iter().map(|(k, v)| (k, json(v))).collect::<serde_json::Map<_, _>>().into(),
     }
 }
 
@@ -176,8 +162,17 @@ impl EventService for TenantApi {
             let tenant = auth::tenant(&self.app, &req).await?;
             let r = req.into_inner();
             let event_id = if r.id.trim().is_empty() { None } else { Some(id("id", &r.id)?) };
-            let payload = r.payload.map(json).unwrap_or(serde_json::Value::Null);
-            let p = self.app.publish_event(tenant, event_id, &r.r#type, &payload).await.map_err(status)?;
+            // Refusing it is the one use of the deprecated field.
+            #[allow(deprecated)]
+            let legacy = r.legacy_payload.is_some();
+            if legacy {
+                return Err(status(AppError::invalid(
+                    "legacy_payload_refused",
+                    "legacy_payload (field 3, a google.protobuf.Value) is refused: it cannot carry JSON without altering it \
+                     (numbers become doubles, key order is lost); send the payload as JSON text in payload (field 4)",
+                )));
+            }
+            let p = self.app.publish_event(tenant, event_id, &r.r#type, &r.payload).await.map_err(status)?;
             let span = tracing::Span::current();
             span.record("environment_id", tracing::field::display(tenant.environment_id));
             span.record("event_id", tracing::field::display(p.event_id));

@@ -1,0 +1,532 @@
+//! The tenant REST/JSON facade, grpc-gateway style, derived at start-up from
+//! the `google.api.http` annotations in the contracts' descriptor set: there
+//! is no second, hand-kept route table.
+//!
+//! A REST call is taken in this order, so that no work is done for a caller
+//! who could never succeed: the head's limits ([`server`]), the route, a
+//! credential in the URL (refused), the declared body size (413), the API key
+//! (401), room in the api's budget for request bodies (503 when full), then
+//! the body, read with its limit enforced while it streams (413). Only then
+//! is it bound into the method's request message (body, path, query; a path
+//! binding is never overridden), encoded, and sent in-process to the same
+//! tonic services the gRPC port serves, carrying the verified tenant. The
+//! reply is printed as proto3 JSON with the proto field names. Errors keep
+//! the gRPC status, mapped to HTTP as grpc-gateway maps it, with a JSON body
+//! `{code, message, reason}` ([`errors`]).
+
+// Handlers here fail with a ready-made HTTP response; boxing it buys nothing.
+#![allow(clippy::result_large_err)]
+
+pub mod errors;
+pub mod server;
+
+use std::{collections::BTreeMap, sync::Arc, time::Duration};
+
+use anyhow::{Context, Result, bail};
+use axum::{
+    Router,
+    body::Body,
+    extract::{RawPathParams, RawQuery, rejection::RawPathParamsRejection},
+    http::{HeaderMap, Method, StatusCode, header},
+    response::{IntoResponse, Response},
+    routing::{MethodFilter, MethodRouter},
+};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use prost::Message;
+use prost_reflect::{
+    DescriptorPool, DynamicMessage, ExtensionDescriptor, FieldDescriptor, Kind, MessageDescriptor, MethodDescriptor, ReflectMessage,
+    SerializeOptions, Value,
+};
+use relay_contracts::FILE_DESCRIPTOR_SET;
+use serde_json::value::RawValue;
+use tokio::sync::Semaphore;
+use tonic::{Code, Status, service::Routes};
+use tower::ServiceExt;
+
+pub use self::errors::http_status;
+use self::errors::{error_response, internal, invalid, overloaded, status_response};
+use crate::{
+    app::{App, events::MAX_ENVELOPE_BYTES},
+    auth,
+};
+
+/// The largest request body the facade reads. The largest request that can
+/// succeed is a publish of a payload at the envelope's limit; the rest of an
+/// event's fields need far less than the slack.
+pub const MAX_BODY_BYTES: usize = MAX_ENVELOPE_BYTES + 8 * 1024;
+/// Request bodies held in memory at once, across all REST calls. Each call
+/// reserves its declared size (the limit when undeclared) before reading.
+pub const BODY_BUDGET_BYTES: usize = 32 * 1024 * 1024;
+/// How long a call waits for room in that budget before answering 503.
+const BODY_BUDGET_WAIT: Duration = Duration::from_secs(2);
+
+/// Query parameters that would carry a credential in the URL.
+const CREDENTIAL_PARAMS: &[&str] = &["api_key", "apikey", "key", "token", "access_token", "authorization", "bearer"];
+
+/// Packages whose annotated methods become REST routes.
+const REST_PACKAGES: &[&str] = &["relay.tenant.v1"];
+
+#[derive(Debug)]
+pub(crate) struct Binding {
+    pub(crate) method: MethodDescriptor,
+    pub(crate) grpc_path: String,
+    pub(crate) input: MessageDescriptor,
+    pub(crate) output: MessageDescriptor,
+    /// `*`, or empty for no body.
+    pub(crate) body_all: bool,
+    pub(crate) response_field: Option<FieldDescriptor>,
+    pub(crate) success: StatusCode,
+    /// Fields bound by the path template, which nothing else may set.
+    pub(crate) path_fields: Vec<String>,
+    /// Input fields carrying JSON text (`relay.options.v1.raw_json`).
+    pub(crate) raw_json: Vec<FieldDescriptor>,
+}
+
+struct Extensions {
+    http: ExtensionDescriptor,
+    success: ExtensionDescriptor,
+    raw_json: ExtensionDescriptor,
+}
+
+/// The contracts' descriptors and the extensions the facade reads, decoded once.
+fn pool() -> Result<&'static (DescriptorPool, Extensions)> {
+    static POOL: std::sync::OnceLock<(DescriptorPool, Extensions)> = std::sync::OnceLock::new();
+    if let Some(p) = POOL.get() {
+        return Ok(p);
+    }
+    let pool = DescriptorPool::decode(FILE_DESCRIPTOR_SET).context("decoding the contracts' descriptor set")?;
+    let ext = |name: &str| pool.get_extension_by_name(name).with_context(|| format!("{name} is not in the descriptor set"));
+    let ext = Extensions {
+        http: ext("google.api.http")?,
+        success: ext("relay.options.v1.http_success_status")?,
+        raw_json: ext("relay.options.v1.raw_json")?,
+    };
+    Ok(POOL.get_or_init(|| (pool, ext)))
+}
+
+/// Whether a field carries JSON text that REST writes as a JSON value.
+pub(crate) fn is_raw_json(field: &FieldDescriptor) -> bool {
+    let Ok((_, ext)) = pool() else { return false };
+    field.kind() == Kind::String && field.options().get_extension(&ext.raw_json).as_bool() == Some(true)
+}
+
+fn path_params(path: &str) -> Vec<String> {
+    path.split('/').filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}'))).map(str::to_owned).collect()
+}
+
+fn rule_of(method: &MethodDescriptor, ext: &Extensions) -> Result<Option<(Method, String, Binding)>> {
+    let options = method.options();
+    if !options.has_extension(&ext.http) {
+        return Ok(None);
+    }
+    let rule = options.get_extension(&ext.http);
+    let Some(rule) = rule.as_message() else { bail!("{}: google.api.http is not a message", method.full_name()) };
+    let text = |name: &str| rule.get_field_by_name(name).and_then(|v| v.as_str().map(str::to_owned)).unwrap_or_default();
+    let (verb, path) =
+        [("get", Method::GET), ("post", Method::POST), ("put", Method::PUT), ("delete", Method::DELETE), ("patch", Method::PATCH)]
+            .into_iter()
+            .find_map(|(f, m)| {
+                let p = text(f);
+                (!p.is_empty()).then_some((m, p))
+            })
+            .with_context(|| format!("{}: google.api.http has no supported verb", method.full_name()))?;
+    if path.contains('=') || path.contains('*') || path.contains(':') {
+        bail!("{}: path template {path:?} uses a form this facade does not bind", method.full_name());
+    }
+    let body = text("body");
+    if !(body.is_empty() || body == "*") {
+        bail!("{}: body {body:?} is not supported (only \"*\" or none)", method.full_name());
+    }
+    let response_body = text("response_body");
+    let response_field = if response_body.is_empty() {
+        None
+    } else {
+        Some(
+            method
+                .output()
+                .get_field_by_name(&response_body)
+                .with_context(|| format!("{}: response_body {response_body:?} is not a field", method.full_name()))?,
+        )
+    };
+    let code = options.get_extension(&ext.success).as_u32().unwrap_or(0);
+    let success = if code == 0 { StatusCode::OK } else { StatusCode::from_u16(code as u16)? };
+    let path_fields = path_params(&path);
+    for p in &path_fields {
+        if method.input().get_field_by_name(p).is_none() {
+            bail!("{}: path parameter {p:?} is not a field of {}", method.full_name(), method.input().full_name());
+        }
+    }
+    let raw_json = method.input().fields().filter(is_raw_json).collect();
+    let binding = Binding {
+        method: method.clone(),
+        grpc_path: format!("/{}/{}", method.parent_service().full_name(), method.name()),
+        input: method.input(),
+        output: method.output(),
+        body_all: body == "*",
+        response_field,
+        success,
+        path_fields,
+        raw_json,
+    };
+    Ok(Some((verb, path, binding)))
+}
+
+pub(crate) fn rest_methods() -> Result<Vec<(Method, String, Binding)>> {
+    let (pool, ext) = pool()?;
+    let mut out = Vec::new();
+    for service in pool.services().filter(|s| REST_PACKAGES.contains(&s.package_name())) {
+        for method in service.methods() {
+            if let Some(r) = rule_of(&method, ext)? {
+                out.push(r);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// What every REST call shares.
+struct Facade {
+    app: App,
+    grpc: Routes,
+    /// Room for request bodies, in KiB.
+    body_budget: Arc<Semaphore>,
+}
+
+/// The axum router for every annotated tenant method, calling `grpc` in-process.
+pub fn router(app: App, grpc: Routes) -> Result<Router> {
+    let facade = Arc::new(Facade { app, grpc, body_budget: Arc::new(Semaphore::new(BODY_BUDGET_BYTES / 1024)) });
+    let mut by_path: BTreeMap<String, MethodRouter> = BTreeMap::new();
+    for (verb, path, binding) in rest_methods()? {
+        let binding = Arc::new(binding);
+        let facade = facade.clone();
+        let handler =
+            move |params: Result<RawPathParams, RawPathParamsRejection>, RawQuery(query): RawQuery, headers: HeaderMap, body: Body| {
+                let (binding, facade) = (binding.clone(), facade.clone());
+                async move { handle(&facade, binding, params, query, headers, body).await.unwrap_or_else(|e| e) }
+            };
+        let filter = MethodFilter::try_from(verb.clone()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let entry = by_path.remove(&path).unwrap_or_default();
+        by_path.insert(path, entry.on(filter, handler));
+    }
+    let mut router = Router::new();
+    for (path, mr) in by_path {
+        router = router.route(
+            &path,
+            mr.fallback(|| async {
+                error_response(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    Code::Unimplemented,
+                    "method_not_allowed",
+                    "this route does not accept that method",
+                )
+            }),
+        );
+    }
+    Ok(router.fallback(|| async { error_response(StatusCode::NOT_FOUND, Code::NotFound, "no_route", "no such route") }))
+}
+
+async fn handle(
+    facade: &Facade,
+    binding: Arc<Binding>,
+    params: Result<RawPathParams, RawPathParamsRejection>,
+    query: Option<String>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, Response> {
+    let params: Vec<(String, String)> = match params {
+        Ok(p) => p.iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
+        Err(_) => return Err(invalid("invalid_path", "a path segment is not valid UTF-8 once percent-decoded")),
+    };
+    // A credential in the URL ends up in logs and referrers: refuse it
+    // outright, whatever the route, rather than ignoring or binding it.
+    let pairs: Vec<(String, String)> = url::form_urlencoded::parse(query.as_deref().unwrap_or_default().as_bytes()).into_owned().collect();
+    if pairs.iter().any(|(k, _)| CREDENTIAL_PARAMS.contains(&k.to_ascii_lowercase().as_str())) {
+        return Err(error_response(
+            StatusCode::UNAUTHORIZED,
+            Code::Unauthenticated,
+            "credential_in_url",
+            "API keys are accepted only in the Authorization header (`Authorization: Bearer <key>`), never in the URL",
+        ));
+    }
+    let declared = match headers.get(header::CONTENT_LENGTH) {
+        None => None,
+        Some(v) => match v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) {
+            Some(n) => Some(n),
+            None => return Err(invalid("invalid_content_length", "Content-Length must be a whole number of bytes")),
+        },
+    };
+    if let Some(n) = declared.filter(|&n| n > MAX_BODY_BYTES as u64) {
+        return Err(too_large(Some(n)));
+    }
+    let tenant = auth::tenant_from_header(&facade.app, headers.get(header::AUTHORIZATION)).await.map_err(|st| status_response(&st))?;
+
+    let body = if binding.body_all {
+        let reserve = declared.map_or(MAX_BODY_BYTES, |n| n as usize).div_ceil(1024).max(1) as u32;
+        let permit = tokio::time::timeout(BODY_BUDGET_WAIT, facade.body_budget.clone().acquire_many_owned(reserve))
+            .await
+            .map_err(|_| overloaded())?
+            .map_err(|_| overloaded())?;
+        let read = Limited::new(body, MAX_BODY_BYTES).collect().await;
+        let bytes = match read {
+            Ok(collected) => collected.to_bytes(),
+            Err(e) if e.is::<LengthLimitError>() => return Err(too_large(None)),
+            Err(_) => {
+                return Err(invalid("unreadable_body", "the request body could not be read (malformed chunked encoding, or cut short)"));
+            }
+        };
+        Some((bytes, permit))
+    } else {
+        None
+    };
+    // Detached from the client: a caller that hangs up does not cancel work
+    // that has begun (see `crate::detach`).
+    let grpc = facade.grpc.clone();
+    let work = tokio::spawn(async move {
+        let (bytes, _permit) = body.unzip();
+        transcode(&binding, grpc, tenant, params, pairs, headers, bytes.unwrap_or_default()).await
+    });
+    work.await.unwrap_or_else(|e| Err(internal(anyhow::anyhow!("a REST handler failed: {e}"))))
+}
+
+fn too_large(declared: Option<u64>) -> Response {
+    let message = match declared {
+        Some(n) => format!("a request body may be at most {MAX_BODY_BYTES} bytes; this one declares {n}"),
+        None => format!("a request body may be at most {MAX_BODY_BYTES} bytes; this one is longer"),
+    };
+    error_response(StatusCode::PAYLOAD_TOO_LARGE, Code::InvalidArgument, "body_too_large", &message)
+}
+
+/// A path or query value, parsed as the field's scalar type.
+fn scalar(field: &FieldDescriptor, raw: &str) -> Result<Value, String> {
+    let bad = || format!("{} must be a {:?}, got {}", field.name(), field.kind(), crate::error::quoted(raw));
+    Ok(match field.kind() {
+        Kind::String => Value::String(raw.to_owned()),
+        Kind::Bool => Value::Bool(raw.parse().map_err(|_| bad())?),
+        Kind::Int32 | Kind::Sint32 | Kind::Sfixed32 => Value::I32(raw.parse().map_err(|_| bad())?),
+        Kind::Int64 | Kind::Sint64 | Kind::Sfixed64 => Value::I64(raw.parse().map_err(|_| bad())?),
+        Kind::Uint32 | Kind::Fixed32 => Value::U32(raw.parse().map_err(|_| bad())?),
+        Kind::Uint64 | Kind::Fixed64 => Value::U64(raw.parse().map_err(|_| bad())?),
+        _ => return Err(format!("{} cannot be set from a path or query parameter", field.name())),
+    })
+}
+
+fn set_scalar(msg: &mut DynamicMessage, name: &str, raw: &str) -> Result<(), Response> {
+    let field = msg
+        .descriptor()
+        .get_field_by_name(name)
+        .ok_or_else(|| invalid("unknown_parameter", format!("unknown parameter {}", crate::error::quoted(name))))?;
+    let value = scalar(&field, raw).map_err(|m| invalid("invalid_parameter", m))?;
+    if field.is_list() {
+        if let Value::List(list) = msg.get_field_mut(&field) {
+            list.push(value);
+        }
+    } else {
+        msg.set_field(&field, value);
+    }
+    Ok(())
+}
+
+/// The members of a JSON object body in the order written, each value as
+/// its exact text.
+struct Members<'a>(Vec<(String, &'a RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, &'de RawValue>()? {
+                    out.push((k, v));
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
+/// The body bound into the input message. Fields marked `raw_json` take the
+/// exact text of their value; everything else goes through proto3 JSON.
+fn bind_body(b: &Binding, body: &[u8]) -> Result<DynamicMessage, Response> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(DynamicMessage::new(b.input.clone()));
+    }
+    let not_valid = |e: &dyn std::fmt::Display| invalid("invalid_json", format!("the request body is not a valid {}: {e}", b.input.name()));
+    let Members(members) = serde_json::from_slice(body).map_err(|e| not_valid(&e))?;
+    let mut seen: Vec<String> = Vec::with_capacity(members.len());
+    let mut rest = String::with_capacity(body.len());
+    let mut raw: Vec<(&FieldDescriptor, &str)> = Vec::new();
+    for (key, value) in &members {
+        let field = b.input.get_field_by_name(key).or_else(|| b.input.get_field_by_json_name(key));
+        let name = field.as_ref().map_or(key.as_str(), |f| f.name());
+        if seen.iter().any(|s| s == name) {
+            return Err(invalid("duplicate_field", format!("the request body sets {} more than once", crate::error::quoted(name))));
+        }
+        seen.push(name.to_owned());
+        match b.raw_json.iter().find(|f| Some(f.name()) == field.as_ref().map(|f| f.name())) {
+            Some(f) => raw.push((f, value.get())),
+            None => {
+                rest.push(if rest.is_empty() { '{' } else { ',' });
+                rest.push_str(&serde_json::to_string(key).expect("a string serialises"));
+                rest.push(':');
+                rest.push_str(value.get());
+            }
+        }
+    }
+    if rest.is_empty() {
+        rest.push('{');
+    }
+    rest.push('}');
+    let mut de = serde_json::Deserializer::from_str(&rest);
+    let mut msg = DynamicMessage::deserialize(b.input.clone(), &mut de).and_then(|m| de.end().map(|()| m)).map_err(|e| not_valid(&e))?;
+    for (field, text) in raw {
+        msg.set_field(field, Value::String(text.to_owned()));
+    }
+    Ok(msg)
+}
+
+async fn transcode(
+    b: &Binding,
+    grpc: Routes,
+    tenant: crate::app::Tenant,
+    params: Vec<(String, String)>,
+    pairs: Vec<(String, String)>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Result<Response, Response> {
+    // Bind: body (when the rule takes one), then path, then query. A field
+    // the path binds is the path's: the body may only repeat it, and the
+    // query may not name it at all.
+    let mut msg = if b.body_all { bind_body(b, &body)? } else { DynamicMessage::new(b.input.clone()) };
+    for (name, value) in &params {
+        if let Some(field) = b.input.get_field_by_name(name)
+            && msg.has_field(&field)
+            && msg.get_field(&field).as_str() != Some(value.as_str())
+        {
+            return Err(invalid("path_field_conflict", format!("{name} is bound by the path; the body may not give it another value")));
+        }
+        set_scalar(&mut msg, name, value)?;
+    }
+    if !b.body_all {
+        for (name, value) in &pairs {
+            if b.path_fields.iter().any(|p| p == name) {
+                return Err(invalid(
+                    "path_field_in_query",
+                    format!("{name} is bound by the path; it cannot be given as a query parameter"),
+                ));
+            }
+            set_scalar(&mut msg, name, value)?;
+        }
+    }
+
+    // Frame it as a unary gRPC call and send it to the in-process server,
+    // with the tenant this facade already verified.
+    let encoded = msg.encode_to_vec();
+    let mut frame = BytesMut::with_capacity(5 + encoded.len());
+    frame.put_u8(0);
+    frame.put_u32(encoded.len() as u32);
+    frame.put_slice(&encoded);
+    let mut req = http::Request::builder()
+        .method(Method::POST)
+        .uri(&b.grpc_path)
+        .header(header::CONTENT_TYPE, "application/grpc")
+        .header(header::TE, "trailers")
+        .extension(auth::Authenticated(tenant));
+    // A caller's trace context continues into the call (W3C names only).
+    for name in ["traceparent", "tracestate"] {
+        if let Some(v) = headers.get(name) {
+            req = req.header(name, v);
+        }
+    }
+    let req = req.body(Full::new(frame.freeze())).map_err(|e| internal(anyhow::Error::new(e)))?;
+    let resp = grpc.oneshot(req).await.map_err(|e: std::convert::Infallible| match e {})?;
+    let head_status = Status::from_header_map(resp.headers());
+    let collected = resp.into_body().collect().await.map_err(|e| internal(anyhow::anyhow!("{e}")))?;
+    let status = head_status.or_else(|| collected.trailers().and_then(Status::from_header_map));
+    match status {
+        Some(st) if st.code() != Code::Ok => return Err(status_response(&st)),
+        None => return Err(internal(anyhow::anyhow!("in-process gRPC call ended without a status"))),
+        _ => {}
+    }
+    let mut data = collected.to_bytes();
+    if data.len() < 5 {
+        return Err(internal(anyhow::anyhow!("in-process gRPC reply has no message")));
+    }
+    data.advance(1);
+    let len = data.get_u32() as usize;
+    let reply = DynamicMessage::decode(b.output.clone(), data.slice(..len.min(data.len())))
+        .map_err(|e| internal(anyhow::Error::new(e).context("decoding an in-process reply")))?;
+
+    if b.success == StatusCode::NO_CONTENT {
+        return Ok(StatusCode::NO_CONTENT.into_response());
+    }
+    let options = SerializeOptions::new().use_proto_field_name(true).skip_default_fields(false);
+    let mut out = Vec::new();
+    let mut ser = serde_json::Serializer::new(&mut out);
+    let written = match &b.response_field {
+        Some(field) => match reply.get_field(field).as_message() {
+            Some(inner) => inner.serialize_with_options(&mut ser, &options),
+            None => reply.serialize_with_options(&mut ser, &options),
+        },
+        None => reply.serialize_with_options(&mut ser, &options),
+    };
+    written.map_err(|e| internal(anyhow::Error::new(e).context("printing a reply as JSON")))?;
+    Ok((b.success, [(header::CONTENT_TYPE, "application/json")], Body::from(out)).into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn binding(m: Method, p: &str) -> Binding {
+        rest_methods()
+            .unwrap()
+            .into_iter()
+            .find(|(verb, path, _)| *verb == m && path == p)
+            .map(|(_, _, b)| b)
+            .unwrap_or_else(|| panic!("{m} {p} missing"))
+    }
+
+    #[test]
+    fn routes_come_from_the_annotations() {
+        let routes = rest_methods().unwrap();
+        assert_eq!(binding(Method::POST, "/v1/webhooks").success, 201);
+        assert_eq!(binding(Method::DELETE, "/v1/webhooks/{id}").success, 204);
+        assert_eq!(binding(Method::DELETE, "/v1/webhooks/{id}").path_fields, ["id"]);
+        assert_eq!(binding(Method::POST, "/v1/webhooks/{id}/rotate-secret").success, 200);
+        assert_eq!(binding(Method::POST, "/v1/events").success, 202);
+        assert_eq!(binding(Method::POST, "/v1/events").raw_json.iter().map(|f| f.name()).collect::<Vec<_>>(), ["payload"]);
+        assert_eq!(binding(Method::GET, "/v1/events/{event_id}/deliveries").grpc_path, "/relay.tenant.v1.EventService/ListEventDeliveries");
+        assert!(
+            routes.iter().all(|(_, _, b)| !b.grpc_path.contains("Admin") && !b.grpc_path.contains("Dispatch")),
+            "only tenant services are exposed"
+        );
+    }
+
+    #[test]
+    fn a_raw_json_field_keeps_the_exact_text_and_the_rest_is_proto3_json() {
+        let b = binding(Method::POST, "/v1/events");
+        let body = br#"{"type": "t", "payload": {"z": 9007199254740993, "a": [1.50, -0, 1e400], "z": "dup"}}"#;
+        let msg = bind_body(&b, body).unwrap_or_else(|_| panic!("bound"));
+        let field = |n: &str| msg.get_field_by_name(n).unwrap().as_str().unwrap().to_owned();
+        assert_eq!(field("type"), "t");
+        assert_eq!(field("payload"), r#"{"z": 9007199254740993, "a": [1.50, -0, 1e400], "z": "dup"}"#);
+    }
+
+    #[test]
+    fn bodies_that_are_not_one_object_or_repeat_a_field_are_refused() {
+        let b = binding(Method::POST, "/v1/events");
+        for body in
+            [&b"[1]"[..], b"{\"type\": \"t\"} x", b"{\"type\": \"a\", \"type\": \"b\"}", b"{\"payload\": 1, \"payload\": 2}", b"\xff"]
+        {
+            let r = bind_body(&b, body).err().unwrap_or_else(|| panic!("{} accepted", String::from_utf8_lossy(body)));
+            assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        }
+    }
+}
