@@ -407,3 +407,86 @@ async fn an_api_out_of_database_connections_answers_503_with_retry_after() -> an
     pg.close().await;
     stack.stop().await
 }
+
+/// Issue 9.2: an endpoint disabled or deleted 0–30 ms after an event it
+/// subscribes to was published — on either side of the expansion — leaves no
+/// delivery pending: each one is delivered, or a dead letter with its reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_delivery_strands_when_its_endpoint_is_switched_off_during_expansion() -> anyhow::Result<()> {
+    use relay_contracts::relay::admin::v1::SetEndpointQuotaRequest;
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("switch-off").await?;
+    stack
+        .admin()
+        .await?
+        .set_endpoint_quota(SetEndpointQuotaRequest { environment_id: tenant.environment_id.clone(), endpoint_quota: 1000 })
+        .await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let mut events = Vec::new();
+    for round in 0..40u64 {
+        let (endpoint, _) = rest.endpoint(&receiver.url(&format!("/s{round}")), &["s"]).await?;
+        for i in 0..3 {
+            events.push(rest.publish("s", json!({"round": round, "i": i})).await?);
+        }
+        tokio::time::sleep(Duration::from_millis((round * 7) % 31)).await;
+        let (method, path) = if round % 2 == 0 {
+            (reqwest::Method::POST, format!("/v1/webhooks/{endpoint}/disable"))
+        } else {
+            (reqwest::Method::DELETE, format!("/v1/webhooks/{endpoint}"))
+        };
+        let (status, body) = rest.call(method, &path, None).await?;
+        assert!(status == 200 || status == 204, "{body}");
+    }
+    // Every delivery reaches a final state, well inside one lease.
+    let pg = stack.pg().await?;
+    let pending = relay_tests::eventually(Duration::from_secs(30), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE state = 'pending'").fetch_one(&pg).await.ok()?;
+        (n == 0).then_some(())
+    })
+    .await;
+    let stuck: Vec<(Uuid, i32, bool)> =
+        sqlx::query_as("SELECT d.id, d.attempt, d.dispatched_at IS NOT NULL FROM webhook_deliveries d WHERE d.state = 'pending' LIMIT 5")
+            .fetch_all(&pg)
+            .await?;
+    assert!(pending.is_some(), "deliveries stranded pending (id, attempt, leased): {stuck:?}");
+    let unexplained: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM webhook_deliveries d WHERE d.state = 'dead' AND NOT EXISTS (
+           SELECT 1 FROM webhook_dead_letters l WHERE l.delivery_id = d.id AND l.reason IN ('endpoint_disabled', 'endpoint_deleted'))",
+    )
+    .fetch_one(&pg)
+    .await?;
+    assert_eq!(unexplained, 0, "every dead delivery has a dead letter saying why");
+    let deliveries: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries").fetch_one(&pg).await?;
+    assert!(deliveries > 0, "some events reached their endpoint before it was switched off");
+    pg.close().await;
+    stack.stop().await
+}
+
+/// Issue 9.2: an attempt on the wire when its endpoint is disabled completes,
+/// and a 2xx is recorded as delivered — not as a dead letter that a replay
+/// would send again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_answered_2xx_counts_as_delivered_even_if_the_endpoint_was_disabled_meanwhile() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { attempt_timeout: Duration::from_secs(5), ..Options::default() }).await?;
+    let tenant = stack.tenant("in-flight").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/slow", relay_tests::Reply::Hang(Duration::from_millis(1500)));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/slow"), &["i"]).await?;
+    let event_id = rest.publish("i", json!({"on": "the wire"})).await?;
+    assert_eq!(receiver.wait_at("/slow", 1, Duration::from_secs(20)).await.len(), 1, "the attempt is in the receiver's hands");
+    let (status, body) = rest.post(&format!("/v1/webhooks/{endpoint}/disable"), json!({})).await?;
+    assert_eq!(status, 200, "{body}");
+    let done = relay_tests::eventually(Duration::from_secs(10), || async {
+        let d = rest.deliveries(&event_id).await.ok()?.into_iter().next()?;
+        (d["attempts"].as_array().is_some_and(|a| !a.is_empty())).then_some(d)
+    })
+    .await
+    .expect("the attempt's result is recorded");
+    assert_eq!(done["state"], "DELIVERY_STATE_DELIVERED", "{done}");
+    assert_eq!(done["attempts"][0]["http_status"], 200, "{done}");
+    let letters = rest.get("/v1/dead-letters").await?;
+    assert_eq!(letters["dead_letters"].as_array().map(Vec::len), Some(0), "no dead letter to replay: {letters}");
+    stack.stop().await
+}

@@ -421,6 +421,21 @@ impl Stack {
         Ok(TenantCreds { environment_id: env.id, api_key: key.key })
     }
 
+    /// What must hold in the database after anything at all, checked at the
+    /// end of every test (by `stop`). Returns each violation with examples.
+    pub async fn invariant_violations(&self) -> Result<Vec<String>> {
+        let pg = self.pg().await?;
+        let mut found = Vec::new();
+        for (what, sql) in INVARIANTS {
+            let ids: Vec<Uuid> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("{sql} LIMIT 5"))).fetch_all(&pg).await?;
+            if !ids.is_empty() {
+                found.push(format!("{what}: {ids:?}"));
+            }
+        }
+        pg.close().await;
+        Ok(found)
+    }
+
     pub async fn stop(mut self) -> Result<()> {
         for d in self.dispatchers.drain(..) {
             d.shutdown().await?;
@@ -431,11 +446,33 @@ impl Stack {
         if let Some(a) = self.api.take() {
             a.shutdown().await?;
         }
+        let violations = self.invariant_violations().await?;
+        anyhow::ensure!(violations.is_empty(), "invariants broken at the end of the test:\n{}", violations.join("\n"));
         let _ = std::fs::remove_dir_all(&self.certs);
         delete_streams(&self.opts.nats_url, &self.prefix).await?;
         self.db.cleanup().await
     }
 }
+
+/// Queries that find rows breaking an invariant of the delivery state
+/// machine; each must find none.
+pub const INVARIANTS: &[(&str, &str)] = &[
+    (
+        "a pending delivery of a disabled or deleted endpoint (it would wait forever)",
+        "SELECT d.id FROM webhook_deliveries d JOIN webhook_endpoints e ON e.id = d.endpoint_id
+         WHERE d.state = 'pending' AND (NOT e.enabled OR e.deleted_at IS NOT NULL)",
+    ),
+    (
+        "a pending delivery whose lease has no expiry after it began",
+        "SELECT id FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at <= dispatched_at",
+    ),
+    (
+        "a delivered delivery without a 2xx attempt on record",
+        "SELECT d.id FROM webhook_deliveries d WHERE d.state = 'delivered' AND NOT EXISTS (
+           SELECT 1 FROM delivery_attempts a WHERE a.delivery_id = d.id AND a.http_status BETWEEN 200 AND 299)",
+    ),
+    ("an attempt outside the schedule's seven", "SELECT id FROM webhook_deliveries WHERE attempt NOT BETWEEN 1 AND 7"),
+];
 
 async fn delete_streams(nats_url: &str, prefix: &str) -> Result<()> {
     // A private NATS may already be stopped; its streams go with its store.

@@ -274,6 +274,34 @@ fn truncate(mut s: String, max: usize) -> String {
     s
 }
 
+/// Ends deliveries still pending as dead letters with `reason` (why they
+/// will not be attempted again); the update and the dead letters are one
+/// statement. `attempts` counts the attempts that reported (the current one
+/// had not).
+macro_rules! end_as_dead_letters {
+    ($filter:literal) => {
+        concat!(
+            "WITH ended AS (
+               UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
+               WHERE state = 'pending' AND ",
+            $filter,
+            " RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
+             INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
+             SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended"
+        )
+    };
+}
+
+/// Every pending delivery of an endpoint being disabled or deleted, in the
+/// caller's transaction (the one that switches the endpoint off).
+pub(crate) async fn end_pending_deliveries(tx: &mut sqlx::PgConnection, endpoint_id: Uuid, reason: &str) -> AppResult<u64> {
+    Ok(sqlx::query(end_as_dead_letters!("endpoint_id = $1")).bind(endpoint_id).bind(reason).execute(&mut *tx).await?.rows_affected())
+}
+
+async fn end_deliveries_by_id(db: &sqlx::PgPool, ids: &[Uuid], reason: &str) -> AppResult<u64> {
+    Ok(sqlx::query(end_as_dead_letters!("id = ANY ($1)")).bind(ids).bind(reason).execute(db).await?.rows_affected())
+}
+
 /// The Postgres channel that says "deliveries are due now". Every api
 /// process's delivery relay listens, so a row written by one api wakes the
 /// relays of all of them; delivered at commit, so never before the rows exist.
@@ -367,13 +395,21 @@ impl App {
                 "WITH busy AS MATERIALIZED (
                    SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
                    WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id),
+                 -- The subscribers, share-locked: a disable or delete of one
+                 -- of them waits for this expansion to commit (and then ends
+                 -- the rows it wrote), or this expansion waits for it and
+                 -- re-reads the endpoint as disabled. Either way no pending
+                 -- delivery of an inactive endpoint is ever committed.
+                 live AS (
+                   SELECT e.id, e.environment_id, e.event_types FROM webhook_endpoints e
+                   WHERE e.environment_id = ANY ($1::uuid[]) AND e.event_types && $3::text[] AND e.enabled AND e.deleted_at IS NULL
+                   ORDER BY e.id FOR SHARE),
                  matched AS (
                    SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context,
                           row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
                    FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[])
                           WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, ord)
-                   JOIN webhook_endpoints e
-                     ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id AND e.enabled AND e.deleted_at IS NULL),
+                   JOIN live e ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id),
                  marked AS (
                    SELECT m.*, m.rn + coalesce(b.n, 0) <= $5 AS leased FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
                  INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, dispatched_at, next_attempt_at)
@@ -491,6 +527,7 @@ impl App {
         let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
         let now = Utc::now();
         let mut out = Vec::with_capacity(wanted.len());
+        let mut switched_off: Vec<(Uuid, &'static str)> = Vec::new();
         for w in wanted {
             let row = match by_id.get(&w.delivery_id) {
                 Some(r) => r,
@@ -499,7 +536,21 @@ impl App {
                     continue;
                 }
             };
+            if row.state == "pending" && (!row.enabled || row.deleted) {
+                switched_off.push((row.id, if row.deleted { "endpoint_deleted" } else { "endpoint_disabled" }));
+            }
             out.push(self.material_from(row, w, now, &mut secrets_of));
+        }
+        // Disabling or deleting an endpoint ends its pending deliveries in the
+        // same transaction, and expansion cannot write new ones behind it, so
+        // none should get here; if one ever does, it ends now rather than
+        // waiting on a lease for an attempt that will never be made.
+        for reason in ["endpoint_disabled", "endpoint_deleted"] {
+            let ids: Vec<Uuid> = switched_off.iter().filter(|(_, r)| *r == reason).map(|(id, _)| *id).collect();
+            if !ids.is_empty() {
+                let ended = end_deliveries_by_id(&self.db, &ids, reason).await?;
+                tracing::warn!(ended, reason, "pending deliveries of an inactive endpoint found at material time; dead-lettered");
+            }
         }
         Ok(out)
     }
@@ -752,6 +803,25 @@ impl App {
                 }
             }
         }
+        // Deliveries ended because their endpoint was disabled or deleted
+        // while an attempt was on the wire: that attempt's result still
+        // counts (a 2xx means the receiver has the event).
+        let switched_off: HashSet<Uuid> = if stragglers.is_empty() {
+            HashSet::new()
+        } else {
+            sqlx::query_scalar(
+                "SELECT l.delivery_id FROM webhook_dead_letters l JOIN webhook_deliveries d ON d.id = l.delivery_id
+                 WHERE l.delivery_id = ANY ($1) AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')
+                   AND d.state = 'dead' AND l.attempts = d.attempt - 1",
+            )
+            .bind(&stragglers)
+            .fetch_all(&mut *tx)
+            .await?
+            .into_iter()
+            .collect()
+        };
+        let mut revived: Vec<Uuid> = Vec::new();
+        let mut late_failures = DeadLetterRows::default();
 
         let mut out = Vec::with_capacity(reports.len());
         let mut touched: Vec<Uuid> = Vec::new();
@@ -767,7 +837,51 @@ impl App {
                 out.push(Err(AppError::not_found("delivery")));
                 continue;
             };
-            if row.state != "pending" || row.attempt as u32 != report.attempt || row.generation as u32 != report.generation {
+            let same_attempt = row.attempt as u32 == report.attempt && row.generation as u32 == report.generation;
+            if row.state == "dead" && same_attempt && switched_off.contains(&row.id) {
+                // The attempt in flight when the endpoint was switched off.
+                let status = report.http_status.map(|s| s as i32);
+                let error = report_error(&report.error);
+                let decision = if matches!(report.http_status, Some(200..=299)) {
+                    row.state = "delivered".into();
+                    row.last_error = None;
+                    revived.push(row.id);
+                    Decision::Delivered
+                } else {
+                    row.last_error = error.clone();
+                    late_failures.push_parts(
+                        row.id,
+                        row.environment_id,
+                        row.endpoint_id,
+                        row.event_id,
+                        report.attempt as i32,
+                        status,
+                        error.clone(),
+                    );
+                    Decision::DeadLettered
+                };
+                row.last_status = status;
+                if !touched.contains(&row.id) {
+                    touched.push(row.id);
+                }
+                let mut body = report.response_body;
+                body.truncate(MAX_RESPONSE_BODY);
+                log.push(
+                    &report.delivery_id,
+                    report.generation,
+                    report.attempt,
+                    row.environment_id,
+                    status,
+                    error,
+                    report.latency_ms,
+                    body,
+                    decision,
+                );
+                recorded.insert(key, decision);
+                out.push(Ok(decision));
+                continue;
+            }
+            if row.state != "pending" || !same_attempt {
                 // Not the current attempt and never recorded: a report from before
                 // a replay, say. Answer with where the delivery stands; change nothing.
                 out.push(Ok(match row.state.as_str() {
@@ -834,6 +948,29 @@ impl App {
             .bind(rows.iter().map(|r| r.next_attempt_at).collect::<Vec<_>>())
             .bind(rows.iter().map(|r| r.last_status).collect::<Vec<_>>())
             .bind(rows.iter().map(|r| r.last_error.clone()).collect::<Vec<_>>())
+            .execute(&mut *tx)
+            .await?;
+        }
+        if !revived.is_empty() {
+            // Delivered after all: the provisional dead letter goes, so a
+            // replay cannot send the receiver an event it already has.
+            sqlx::query(
+                "DELETE FROM webhook_dead_letters WHERE delivery_id = ANY ($1) AND reason IN ('endpoint_disabled', 'endpoint_deleted')",
+            )
+            .bind(&revived)
+            .execute(&mut *tx)
+            .await?;
+        }
+        if !late_failures.delivery_id.is_empty() {
+            sqlx::query(
+                "UPDATE webhook_dead_letters l SET attempts = u.attempts, last_status = u.last_status, last_error = u.last_error
+                 FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[]) AS u(delivery_id, attempts, last_status, last_error)
+                 WHERE l.delivery_id = u.delivery_id AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')",
+            )
+            .bind(&late_failures.delivery_id)
+            .bind(&late_failures.attempts)
+            .bind(&late_failures.last_status)
+            .bind(&late_failures.last_error)
             .execute(&mut *tx)
             .await?;
         }

@@ -8,7 +8,7 @@ use relay_signing::SigningSecret;
 use url::Host;
 use uuid::Uuid;
 
-use super::{App, Tenant, Timestamp, require_nonempty};
+use super::{App, Tenant, Timestamp, deliveries::end_pending_deliveries, require_nonempty};
 use crate::{
     error::{AppError, AppResult},
     secrets::mint_signing_secret,
@@ -219,24 +219,4 @@ impl App {
         tx.commit().await.context("committing an endpoint deletion")?;
         Ok(())
     }
-}
-
-/// Moves every pending delivery of an endpoint to the dead-letter store with
-/// `reason`, in the caller's transaction. `attempts` counts the attempts that
-/// were made (the current one had not been reported).
-async fn end_pending_deliveries(tx: &mut sqlx::PgConnection, endpoint_id: Uuid, reason: &str) -> AppResult<u64> {
-    let ended = sqlx::query(
-        "WITH ended AS (
-           UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
-           WHERE endpoint_id = $1 AND state = 'pending'
-           RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
-         INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
-         SELECT gen_random_uuid(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
-    )
-    .bind(endpoint_id)
-    .bind(reason)
-    .execute(&mut *tx)
-    .await?
-    .rows_affected();
-    Ok(ended)
 }
