@@ -490,3 +490,82 @@ async fn an_attempt_answered_2xx_counts_as_delivered_even_if_the_endpoint_was_di
     assert_eq!(letters["dead_letters"].as_array().map(Vec::len), Some(0), "no dead letter to replay: {letters}");
     stack.stop().await
 }
+
+/// Issue 9.5: one tenant's burst of large events (200 × 250 KiB, more than a
+/// seam message could carry at once) neither fails nor stalls, and another
+/// tenant's small events keep their latency beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenants_large_events_do_not_stall_anothers_small_ones() -> anyhow::Result<()> {
+    // The production in-flight cap: a lane then asks for 32 large payloads at once.
+    let mut stack = Stack::start(Options { endpoint_cap: 64, ..Options::default() }).await?;
+    let (big, small) = (stack.tenant("big").await?, stack.tenant("small").await?);
+    let receiver = Receiver::start().await?;
+    let big_rest = Rest::new(&stack.rest_url, Some(&big.api_key));
+    let small_rest = Rest::new(&stack.rest_url, Some(&small.api_key));
+    big_rest.endpoint(&receiver.url("/big"), &["b"]).await?;
+    small_rest.endpoint(&receiver.url("/small"), &["s"]).await?;
+
+    // Publish→arrival latency of small events, one every 100 ms.
+    async fn small_latencies(rest: &Rest, receiver: &Receiver, n: usize) -> anyhow::Result<Vec<Duration>> {
+        let mut sent = Vec::new();
+        for i in 0..n {
+            let at = std::time::Instant::now();
+            sent.push((rest.publish("s", json!({"i": i})).await?, at));
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let mut out = Vec::new();
+        for (id, at) in sent {
+            let arrived = relay_tests::eventually(Duration::from_secs(30), || async {
+                receiver.at("/small").into_iter().find(|r| r.header("relay-webhook-id") == id).map(|r| r.at)
+            })
+            .await
+            .unwrap_or_else(|| panic!("small event {id} never arrived"));
+            out.push(arrived.saturating_duration_since(at));
+        }
+        out.sort();
+        Ok(out)
+    }
+    let solo = small_latencies(&small_rest, &receiver, 10).await?;
+
+    // The large events arrive together: published while no dispatcher runs,
+    // they reach the next one as one backlog.
+    stack.stop_dispatchers().await?;
+    let payload = format!(r#"{{"blob": "{}"}}"#, "x".repeat(250 * 1024));
+    let publishers: Vec<_> = (0..8)
+        .map(|_| {
+            let (url, key, payload) = (stack.rest_url.clone(), big.api_key.clone(), payload.clone());
+            tokio::spawn(async move {
+                let rest = Rest::new(&url, Some(&key));
+                for _ in 0..25 {
+                    let (status, body) =
+                        rest.raw(reqwest::Method::POST, "/v1/events", format!(r#"{{"type": "b", "payload": {payload}}}"#)).await?;
+                    anyhow::ensure!(status == 202, "a large publish answered {status}: {body}");
+                }
+                anyhow::Ok(())
+            })
+        })
+        .collect();
+    for p in publishers {
+        p.await??;
+    }
+    stack.start_dispatcher().await?;
+    let beside = small_latencies(&small_rest, &receiver, 30).await?;
+    let big_arrived = receiver.wait_at("/big", 200, Duration::from_secs(120)).await;
+    assert_eq!(big_arrived.len(), 200, "every large event arrives");
+    assert!(big_arrived.iter().all(|r| r.body.len() > 250 * 1024), "whole bodies");
+    let p = |v: &[Duration], q: f64| v[((v.len() as f64 * q).ceil() as usize).clamp(1, v.len()) - 1];
+    println!(
+        "small events: solo p50 {:?} max {:?}; beside 200 × 250 KiB: p50 {:?} p99 {:?}",
+        p(&solo, 0.5),
+        p(&solo, 1.0),
+        p(&beside, 0.5),
+        p(&beside, 0.99)
+    );
+    assert!(
+        p(&beside, 0.99) <= Duration::from_secs(1).max(p(&solo, 1.0) * 5),
+        "the small tenant's p99 {:?} beside the burst (solo max {:?})",
+        p(&beside, 0.99),
+        p(&solo, 1.0)
+    );
+    stack.stop().await
+}

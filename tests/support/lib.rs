@@ -306,7 +306,7 @@ impl Stack {
             tls_key: self.certs.join("dispatcher-key.pem"),
             attempt_timeout: self.opts.attempt_timeout,
             max_in_flight: self.opts.max_in_flight,
-            max_expanding: 8,
+            max_expanding: 256,
             seam_timeout: self.opts.seam_timeout,
             url_policy: self.opts.url_policy(),
             resolver: self.opts.dispatcher_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
@@ -318,6 +318,14 @@ impl Stack {
     pub async fn start_dispatcher(&mut self) -> Result<()> {
         let cfg = self.dispatcher_config();
         self.start_dispatcher_with(cfg).await
+    }
+
+    /// Stops every in-process dispatcher of this stack.
+    pub async fn stop_dispatchers(&mut self) -> Result<()> {
+        for d in self.dispatchers.drain(..) {
+            d.shutdown().await?;
+        }
+        Ok(())
     }
 
     pub async fn start_dispatcher_with(&mut self, cfg: DispatcherConfig) -> Result<()> {

@@ -16,6 +16,13 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// facade copies it into the JSON error body.
 pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
 
+/// Machine-readable reasons both ends of the seam act on.
+pub mod reasons {
+    /// A batch item not served in this reply (its budget was spent on the
+    /// items before it); ask for it again. Not a failure of the item.
+    pub const DEFERRED: &str = "deferred";
+}
+
 /// The largest message either end of the internal seam sends or accepts, set
 /// the same on both. Batches stay well below it by construction: the api
 /// answers a material batch only up to [`SEAM_MATERIAL_REPLY_BUDGET_BYTES`]

@@ -5,7 +5,7 @@
 //! and the next call carries all of them, so batches grow with load and a
 //! lone request still goes out at once (no timer, no added latency when idle).
 
-use std::{future::Future, sync::Arc};
+use std::{future::Future, pin::Pin, sync::Arc};
 
 use relay_contracts::relay::dispatch::v1::{
     self as pb, ExpandBatchRequest, ExpandRequest, ExpandResponse, MaterialBatchRequest, MaterialRequest, MaterialResponse,
@@ -28,16 +28,23 @@ impl<Req, Resp> Clone for Batcher<Req, Resp> {
     }
 }
 
-impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
+type Call<Req, Resp> = dyn Fn(Vec<Req>) -> Pin<Box<dyn Future<Output = Result<Vec<Result<Resp, Status>>, Status>> + Send>> + Send + Sync;
+
+impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// `call` answers a batch item by item, in order, or fails as a whole.
+    /// An item answered `deferred` (see [`relay_contracts::reasons::DEFERRED`])
+    /// goes back in the queue, behind whatever waits, for the next call; a
+    /// batch that fails as a whole for what may be one item's sake is split
+    /// until the failure is that item's alone.
     pub fn spawn<F, Fut>(max_batch: usize, calls_in_flight: usize, call: F) -> Self
     where
         F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<Result<Resp, Status>>, Status>> + Send + 'static,
     {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Req, Reply<Resp>)>();
+        let requeue = tx.downgrade();
         let slots = Arc::new(Semaphore::new(calls_in_flight));
-        let call = Arc::new(call);
+        let call: Arc<Call<Req, Resp>> = Arc::new(move |reqs| Box::pin(call(reqs)));
         tokio::spawn(async move {
             while let Some(first) = rx.recv().await {
                 // Wait for a call slot before gathering: whatever arrives
@@ -50,29 +57,10 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
                         Err(_) => break,
                     }
                 }
-                let call = call.clone();
+                let (call, requeue) = (call.clone(), requeue.clone());
                 tokio::spawn(async move {
                     let _slot = slot;
-                    let (reqs, replies): (Vec<Req>, Vec<Reply<Resp>>) = items.into_iter().unzip();
-                    let n = reqs.len();
-                    match call(reqs).await {
-                        Ok(answers) if answers.len() == n => {
-                            for (reply, answer) in replies.into_iter().zip(answers) {
-                                let _ = reply.send(answer);
-                            }
-                        }
-                        Ok(answers) => {
-                            let st = Status::internal(format!("a batch of {n} came back with {} answers", answers.len()));
-                            for reply in replies {
-                                let _ = reply.send(Err(st.clone()));
-                            }
-                        }
-                        Err(st) => {
-                            for reply in replies {
-                                let _ = reply.send(Err(st.clone()));
-                            }
-                        }
-                    }
+                    run(&*call, items, &requeue).await;
                 });
             }
         });
@@ -86,8 +74,77 @@ impl<Req: Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     }
 }
 
+/// Whether a whole-batch failure might be one item's doing (a message too
+/// large, an item the api refuses to decode), so that smaller batches are
+/// worth trying; not when the api is away or refuses the caller.
+fn may_be_one_items(st: &Status) -> bool {
+    !matches!(st.code(), Code::Unavailable | Code::DeadlineExceeded | Code::Cancelled | Code::Unauthenticated | Code::PermissionDenied)
+}
+
+fn reason(st: &Status) -> Option<&str> {
+    st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok())
+}
+
+/// One batch call and its answers; on a failure that may be one item's,
+/// each half again, down to single items.
+fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
+    call: &'a Call<Req, Resp>,
+    items: Vec<(Req, Reply<Resp>)>,
+    requeue: &'a mpsc::WeakUnboundedSender<(Req, Reply<Resp>)>,
+) -> Pin<Box<dyn Future<Output = ()> + Send + 'a>> {
+    Box::pin(async move {
+        let n = items.len();
+        let reqs: Vec<Req> = items.iter().map(|(r, _)| r.clone()).collect();
+        match call(reqs).await {
+            Ok(answers) if answers.len() == n => {
+                for ((req, reply), answer) in items.into_iter().zip(answers) {
+                    match answer {
+                        Err(st) if reason(&st) == Some(relay_contracts::reasons::DEFERRED) => match requeue.upgrade() {
+                            Some(tx) => {
+                                if let Err(mpsc::error::SendError((_, reply))) = tx.send((req, reply)) {
+                                    let _ = reply.send(Err(st));
+                                }
+                            }
+                            None => {
+                                let _ = reply.send(Err(st));
+                            }
+                        },
+                        answer => {
+                            let _ = reply.send(answer);
+                        }
+                    }
+                }
+            }
+            Ok(answers) => {
+                let st = Status::internal(format!("a batch of {n} came back with {} answers", answers.len()));
+                for (_, reply) in items {
+                    let _ = reply.send(Err(st.clone()));
+                }
+            }
+            Err(st) if n > 1 && may_be_one_items(&st) => {
+                tracing::warn!(items = n, code = ?st.code(), message = st.message(), "a seam batch failed as a whole; retrying it in halves");
+                let mut items = items;
+                let second = items.split_off(n / 2);
+                run(call, items, requeue).await;
+                run(call, second, requeue).await;
+            }
+            Err(st) => {
+                for (_, reply) in items {
+                    let _ = reply.send(Err(st.clone()));
+                }
+            }
+        }
+    })
+}
+
+/// An item's error as the status the single call would have answered,
+/// with its reason where the rest of the dispatcher can read it.
 fn item_status(e: pb::ItemError) -> Status {
-    Status::new(Code::from_i32(e.code), e.message)
+    let mut st = Status::new(Code::from_i32(e.code), e.message);
+    if let Ok(v) = e.reason.parse() {
+        st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, v);
+    }
+    st
 }
 
 /// The most items per batch; the api refuses more than 1000.
@@ -142,4 +199,69 @@ pub fn outcomes(seam: Seam) -> Outcomes {
         let mut seam = seam.clone();
         async move { Ok(seam.outcome_batch(OutcomeBatchRequest { items }).await?.into_inner().items.into_iter().map(Answer::answer).collect()) }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    fn deferred() -> Status {
+        let mut st = Status::unavailable("budget spent");
+        st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, relay_contracts::reasons::DEFERRED.parse().unwrap());
+        st
+    }
+
+    /// A fake api: serves at most three items per reply (deferring the
+    /// rest), and fails any batch holding item 13 as a whole — as an
+    /// oversized message would — while 13 alone gets its own error.
+    #[tokio::test]
+    async fn deferred_items_come_back_and_one_bad_item_fails_alone() {
+        let calls: Arc<Mutex<Vec<Vec<u32>>>> = Default::default();
+        let seen = calls.clone();
+        let batcher: Batcher<u32, u32> = Batcher::spawn(64, 1, move |items: Vec<u32>| {
+            seen.lock().unwrap().push(items.clone());
+            async move {
+                if items.len() > 1 && items.contains(&13) {
+                    return Err(Status::resource_exhausted("message too large"));
+                }
+                Ok(items
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &x)| match x {
+                        13 => Err(Status::invalid_argument("thirteen")),
+                        _ if i >= 3 => Err(deferred()),
+                        _ => Ok(x * 10),
+                    })
+                    .collect())
+            }
+        });
+        let answers = futures::future::join_all((0..20u32).map(|x| {
+            let b = batcher.clone();
+            async move { (x, b.call(x).await) }
+        }))
+        .await;
+        for (x, answer) in answers {
+            match x {
+                13 => assert_eq!(answer.unwrap_err().code(), Code::InvalidArgument),
+                _ => assert_eq!(answer.unwrap(), x * 10, "item {x}"),
+            }
+        }
+        assert!(calls.lock().unwrap().iter().all(|c| c.len() <= 64));
+    }
+
+    #[tokio::test]
+    async fn an_api_that_is_away_fails_the_batch_without_splitting_it() {
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        let batcher: Batcher<u32, u32> = Batcher::spawn(64, 1, move |_items: Vec<u32>| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Err(Status::unavailable("connection refused")) }
+        });
+        let (a, b) = tokio::join!(batcher.call(1), batcher.call(2));
+        assert_eq!(a.unwrap_err().code(), Code::Unavailable);
+        assert_eq!(b.unwrap_err().code(), Code::Unavailable);
+        assert!(calls.load(std::sync::atomic::Ordering::SeqCst) <= 2, "not retried item by item");
+    }
 }

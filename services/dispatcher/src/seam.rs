@@ -24,5 +24,8 @@ pub fn connect(cfg: &DispatcherConfig) -> Result<Seam> {
         .connect_timeout(std::time::Duration::from_secs(3))
         .timeout(cfg.seam_timeout)
         .connect_lazy();
-    Ok(DispatchServiceClient::new(channel))
+    // The same message limits as the api's end (see the contracts).
+    Ok(DispatchServiceClient::new(channel)
+        .max_decoding_message_size(relay_contracts::SEAM_MESSAGE_LIMIT_BYTES)
+        .max_encoding_message_size(relay_contracts::SEAM_MESSAGE_LIMIT_BYTES))
 }

@@ -12,7 +12,7 @@ use relay_signing::SigningSecret;
 use uuid::Uuid;
 
 use super::{App, Tenant, Timestamp};
-use crate::error::{AppError, AppResult};
+use crate::error::{AppError, AppResult, ErrorCode};
 
 /// The ledger name expansion claims events under.
 const EXPAND_CONSUMER: &str = "expand";
@@ -142,6 +142,10 @@ pub struct AttemptRef {
 
 #[derive(sqlx::FromRow)]
 struct MaterialRow {
+    /// The position of the request this row answers (from 1).
+    ord: i64,
+    /// The attempt is current and its endpoint active: it will be sent.
+    servable: bool,
     id: Uuid,
     environment_id: Uuid,
     endpoint_id: Uuid,
@@ -157,7 +161,8 @@ struct MaterialRow {
     previous_secret_key_id: Option<String>,
     previous_secret_ciphertext: Option<Vec<u8>>,
     secret_rotated_at: Option<Timestamp>,
-    envelope: Vec<u8>,
+    /// Absent when the reply's payload budget was spent on earlier items.
+    envelope: Option<Vec<u8>>,
 }
 
 #[derive(sqlx::FromRow)]
@@ -508,34 +513,61 @@ impl App {
     /// Material for many attempts with one query. The outer error is the
     /// batch failing as a whole (the database); each item answers on its own.
     pub async fn material_batch(&self, wanted: &[AttemptRef]) -> AppResult<Vec<AppResult<Material>>> {
-        let ids: Vec<Uuid> = wanted.iter().map(|w| w.delivery_id).collect();
+        // One reply carries at most the budget's worth of payloads, counted
+        // in request order over the items that will be sent: the first such
+        // item always fits (an event is far smaller than the budget), the
+        // rest past the budget are answered `deferred`, for the next call.
+        // So a batch of large events never makes a reply the seam refuses,
+        // and never fails the other items it shares a call with.
         let rows = sqlx::query_as::<_, MaterialRow>(
-            "SELECT d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
-                    e.url, e.enabled, e.deleted_at IS NOT NULL AS deleted,
-                    e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
-                    e.secret_rotated_at, v.envelope
-             FROM webhook_deliveries d
-             JOIN webhook_endpoints e ON e.id = d.endpoint_id
-             JOIN events v ON v.environment_id = d.environment_id AND v.id = d.event_id
-             WHERE d.id = ANY ($1)",
+            "WITH asked AS (
+               SELECT w.ord, d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
+                      e.url, e.enabled, e.deleted_at IS NOT NULL AS deleted,
+                      e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
+                      e.secret_rotated_at, v.envelope,
+                      d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
+                        AND e.enabled AND e.deleted_at IS NULL AS servable
+               FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
+               JOIN webhook_deliveries d ON d.id = w.id
+               JOIN webhook_endpoints e ON e.id = d.endpoint_id
+               JOIN events v ON v.environment_id = d.environment_id AND v.id = d.event_id),
+             sized AS (
+               SELECT *, octet_length(envelope) AS size,
+                      sum(CASE WHEN servable THEN octet_length(envelope) ELSE 0 END) OVER (ORDER BY ord) AS upto
+               FROM asked)
+             SELECT ord, servable, id, environment_id, endpoint_id, event_id, attempt, generation, state, url, enabled, deleted,
+                    secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, secret_rotated_at,
+                    CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS envelope
+             FROM sized",
         )
-        .bind(&ids)
+        .bind(wanted.iter().map(|w| w.delivery_id).collect::<Vec<_>>())
+        .bind(wanted.iter().map(|w| i32::try_from(w.attempt).unwrap_or(i32::MAX)).collect::<Vec<_>>())
+        .bind(wanted.iter().map(|w| i32::try_from(w.generation).unwrap_or(i32::MAX)).collect::<Vec<_>>())
+        .bind(relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64)
         .fetch_all(&self.db)
         .await?;
-        let by_id: HashMap<Uuid, MaterialRow> = rows.into_iter().map(|r| (r.id, r)).collect();
+        let by_ord: HashMap<i64, MaterialRow> = rows.into_iter().map(|r| (r.ord, r)).collect();
         // Secrets are decrypted once per endpoint per batch, not per attempt.
         let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
         let now = Utc::now();
         let mut out = Vec::with_capacity(wanted.len());
         let mut switched_off: Vec<(Uuid, &'static str)> = Vec::new();
-        for w in wanted {
-            let row = match by_id.get(&w.delivery_id) {
+        for (ord, w) in (1..).zip(wanted) {
+            let row = match by_ord.get(&ord) {
                 Some(r) => r,
                 None => {
                     out.push(Err(AppError::not_found("delivery")));
                     continue;
                 }
             };
+            if row.servable && row.envelope.is_none() {
+                out.push(Err(AppError::new(
+                    ErrorCode::Unavailable,
+                    relay_contracts::reasons::DEFERRED,
+                    "this reply's payload budget is spent; ask for this attempt again",
+                )));
+                continue;
+            }
             if row.state == "pending" && (!row.enabled || row.deleted) {
                 switched_off.push((row.id, if row.deleted { "endpoint_deleted" } else { "endpoint_disabled" }));
             }
@@ -601,7 +633,7 @@ impl App {
             attempt,
             generation,
             secrets,
-            payload: row.envelope.clone(),
+            payload: row.envelope.clone().context("a servable row carries its envelope")?,
         })
     }
 

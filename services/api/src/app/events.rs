@@ -161,10 +161,14 @@ impl App {
     }
 
     pub async fn list_event_deliveries(&self, tenant: Tenant, event_id: Uuid) -> AppResult<Vec<Delivery>> {
+        // One snapshot for the deliveries and their attempt logs: read apart,
+        // an outcome committing in between would show a delivery still dead
+        // beside the attempt that made it delivered.
+        let mut tx = self.db.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY").await?;
         let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1 AND environment_id = $2)")
             .bind(event_id)
             .bind(tenant.environment_id)
-            .fetch_one(&self.db)
+            .fetch_one(&mut *tx)
             .await?;
         if !exists {
             return Err(AppError::not_found("event"));
@@ -175,7 +179,7 @@ impl App {
         )
         .bind(event_id)
         .bind(tenant.environment_id)
-        .fetch_all(&self.db)
+        .fetch_all(&mut *tx)
         .await?;
         let ids: Vec<Uuid> = deliveries.iter().map(|d| d.id).collect();
         let attempts = sqlx::query_as::<_, Attempt>(
@@ -185,13 +189,14 @@ impl App {
         )
         .bind(&ids)
         .bind(tenant.environment_id)
-        .fetch_all(&self.db)
+        .fetch_all(&mut *tx)
         .await?;
         for a in attempts {
             if let Some(d) = deliveries.iter_mut().find(|d| d.id == a.delivery_id) {
                 d.attempts.push(a);
             }
         }
+        tx.commit().await?;
         Ok(deliveries)
     }
 }

@@ -13,8 +13,20 @@ use uuid::Uuid;
 
 use crate::app::App;
 
-/// seq, event id, environment, type, envelope, stored trace context.
-type OutboxRow = (i64, Uuid, Uuid, String, Vec<u8>, Option<String>);
+/// seq, event id, environment, type, stored trace context.
+type OutboxRow = (i64, Uuid, Uuid, String, Option<String>);
+
+/// What an EVENTS message carries: the event's identity, never its payload.
+/// Expansion needs nothing more (the api holds the envelope), and a stream of
+/// ids cannot make one tenant's large events a queue of megabytes that every
+/// other tenant's events wait behind.
+#[derive(serde::Serialize)]
+struct EventHead<'a> {
+    id: Uuid,
+    #[serde(rename = "type")]
+    event_type: &'a str,
+    environment_id: Uuid,
+}
 
 pub struct OutboxRelay {
     pub app: App,
@@ -54,7 +66,7 @@ impl OutboxRelay {
     pub async fn drain_once(&self) -> Result<usize> {
         let mut tx = self.app.db.begin().await?;
         let rows: Vec<OutboxRow> = sqlx::query_as(
-            "SELECT seq, id, environment_id, event_type, envelope, trace_context FROM events
+            "SELECT seq, id, environment_id, event_type, trace_context FROM events
              WHERE published_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
         )
         .bind(self.batch)
@@ -66,7 +78,7 @@ impl OutboxRelay {
         }
         let mut seqs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
-        for (seq, id, env, event_type, envelope, trace_context) in rows {
+        for (seq, id, env, event_type, trace_context) in rows {
             let mut headers = HeaderMap::new();
             // One short span per event, in the event's trace; its context
             // rides in the message headers to the dispatcher.
@@ -79,7 +91,9 @@ impl OutboxRelay {
             headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
             headers.insert(event_headers::EVENT_TYPE, event_type.as_str());
             seqs.push(seq);
-            messages.push((self.names.events_subject(&env.to_string()), headers, envelope.into()));
+            let head =
+                serde_json::to_vec(&EventHead { id, event_type: &event_type, environment_id: env }).context("serialising an event head")?;
+            messages.push((self.names.events_subject(&env.to_string()), headers, head.into()));
         }
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
         let published: Vec<i64> = seqs.into_iter().zip(stored).filter_map(|(seq, ok)| ok.then_some(seq)).collect();
