@@ -569,3 +569,122 @@ async fn one_tenants_large_events_do_not_stall_anothers_small_ones() -> anyhow::
     );
     stack.stop().await
 }
+
+/// Issue 9.8: seam and admin fields out of range are INVALID_ARGUMENT naming
+/// the field — item by item inside a batch — never a panic, a wrapped value
+/// or an internal error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn platform_inputs_out_of_range_are_invalid_argument_never_a_panic() -> anyhow::Result<()> {
+    use relay_contracts::relay::{
+        admin::v1::{CreateApiKeyRequest, CreateEnvironmentRequest},
+        dispatch::v1::{
+            ExpandBatchRequest, ExpandRequest, MaterialRequest, OutcomeBatchRequest, OutcomeRequest, expand_result, outcome_result,
+        },
+    };
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let tenant = stack.tenant("inputs").await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint("http://127.0.0.1:9/x", &["x"]).await?;
+    let event_id = rest.publish("x", json!({})).await?;
+    let mut seam = stack.seam().await?;
+    let pg = stack.pg().await?;
+    let delivery_id = relay_tests::eventually(Duration::from_secs(10), || async {
+        // No dispatcher runs: expand it here.
+        let _ = stack
+            .seam()
+            .await
+            .ok()?
+            .expand(ExpandRequest {
+                event_id: event_id.clone(),
+                environment_id: tenant.environment_id.clone(),
+                r#type: "x".into(),
+                ..Default::default()
+            })
+            .await;
+        sqlx::query_scalar::<_, Uuid>("SELECT id FROM webhook_deliveries LIMIT 1").fetch_optional(&pg).await.ok()?
+    })
+    .await
+    .expect("expanded")
+    .to_string();
+
+    fn invalid<T>(r: Result<tonic::Response<T>, tonic::Status>, what: &str) {
+        match r {
+            Err(st) if st.code() == tonic::Code::InvalidArgument => assert!(st.message().len() < 300, "{what}: {}", st.message()),
+            Err(st) => panic!("{what}: {st:?}"),
+            Ok(_) => panic!("{what}: accepted"),
+        }
+    }
+    let outcome = |attempt: u32, generation: u32, status: Option<u32>| OutcomeRequest {
+        delivery_id: delivery_id.clone(),
+        attempt,
+        generation,
+        http_status: status,
+        latency_ms: 1,
+        ..Default::default()
+    };
+    invalid(seam.outcome(outcome(u32::MAX, 0, Some(500))).await, "attempt 4294967295");
+    invalid(seam.outcome(outcome(0, 0, Some(500))).await, "attempt 0");
+    invalid(seam.outcome(outcome(1, u32::MAX, Some(500))).await, "generation 4294967295");
+    invalid(seam.outcome(outcome(1, 0, Some(99_999))).await, "http_status 99999");
+    invalid(
+        seam.material(MaterialRequest { delivery_id: delivery_id.clone(), attempt: u32::MAX, generation: 0 }).await,
+        "material attempt",
+    );
+    invalid(seam.material(MaterialRequest { delivery_id: "not-a-uuid".into(), attempt: 1, generation: 0 }).await, "material id");
+
+    // In a batch, the bad item fails alone and the good one is recorded.
+    let items = seam
+        .outcome_batch(OutcomeBatchRequest { items: vec![outcome(u32::MAX, 0, Some(500)), outcome(1, 0, Some(200))] })
+        .await?
+        .into_inner()
+        .items;
+    assert!(
+        matches!(&items[0].result, Some(outcome_result::Result::Error(e)) if e.code == tonic::Code::InvalidArgument as i32 && e.reason == "attempt_out_of_range"),
+        "{items:?}"
+    );
+    assert!(matches!(&items[1].result, Some(outcome_result::Result::Outcome(_))), "{items:?}");
+    let items = seam
+        .expand_batch(ExpandBatchRequest {
+            items: vec![
+                ExpandRequest {
+                    event_id: "nope".into(),
+                    environment_id: tenant.environment_id.clone(),
+                    r#type: "x".into(),
+                    ..Default::default()
+                },
+                ExpandRequest {
+                    event_id: event_id.clone(),
+                    environment_id: tenant.environment_id.clone(),
+                    r#type: "x".into(),
+                    ..Default::default()
+                },
+            ],
+        })
+        .await?
+        .into_inner()
+        .items;
+    assert!(
+        matches!(&items[0].result, Some(expand_result::Result::Error(e)) if e.code == tonic::Code::InvalidArgument as i32),
+        "{items:?}"
+    );
+    assert!(matches!(&items[1].result, Some(expand_result::Result::Expanded(x)) if x.duplicate), "{items:?}");
+
+    let mut admin = stack.admin().await?;
+    invalid(admin.create_environment(CreateEnvironmentRequest { name: "nul\0name".into(), endpoint_quota: 0 }).await, "a NUL in a name");
+    invalid(
+        admin.create_environment(CreateEnvironmentRequest { name: "n".repeat(1_000_000), endpoint_quota: 0 }).await,
+        "a million characters",
+    );
+    invalid(
+        admin.create_environment(CreateEnvironmentRequest { name: "ok".into(), endpoint_quota: u32::MAX }).await,
+        "a quota of 4294967295",
+    );
+    invalid(
+        admin.create_api_key(CreateApiKeyRequest { environment_id: tenant.environment_id.clone(), name: "line\nbreak".into() }).await,
+        "a newline in a key name",
+    );
+    // Still serving.
+    rest.publish("x", json!({"after": "all that"})).await?;
+    pg.close().await;
+    stack.stop().await
+}

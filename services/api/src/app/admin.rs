@@ -39,6 +39,28 @@ pub struct QueueDepths {
 }
 
 const MAX_QUOTA: u32 = 10_000;
+/// The longest name an environment or API key may have.
+const MAX_NAME_CHARS: usize = 200;
+
+/// A name an operator gives: trimmed, 1 to 200 characters, no control
+/// characters (a NUL cannot be stored, a newline forges log lines).
+fn check_name(field: &'static str, name: &str) -> AppResult<String> {
+    let name = name.trim();
+    let chars = name.chars().count();
+    if chars == 0 {
+        return Err(AppError::invalid("missing_field", format!("{field} is required")));
+    }
+    if chars > MAX_NAME_CHARS {
+        return Err(AppError::invalid(
+            "name_too_long",
+            format!("{field} may be at most {MAX_NAME_CHARS} characters; this one has {chars}"),
+        ));
+    }
+    if let Some(c) = name.chars().find(|c| c.is_control()) {
+        return Err(AppError::invalid("invalid_name", format!("{field} may not contain control characters (found U+{:04X})", c as u32)));
+    }
+    Ok(name.to_owned())
+}
 
 fn check_quota(quota: u32) -> AppResult<i32> {
     if quota > MAX_QUOTA {
@@ -49,14 +71,14 @@ fn check_quota(quota: u32) -> AppResult<i32> {
 
 impl App {
     pub async fn create_environment(&self, name: &str, endpoint_quota: u32) -> AppResult<Environment> {
-        super::require_nonempty("name", name)?;
+        let name = check_name("name", name)?;
         let quota = if endpoint_quota == 0 { DEFAULT_ENDPOINT_QUOTA } else { check_quota(endpoint_quota)? };
         let env = sqlx::query_as::<_, Environment>(
             "INSERT INTO environments (id, name, endpoint_quota) VALUES ($1, $2, $3)
              RETURNING id, name, endpoint_quota, created_at",
         )
         .bind(Uuid::now_v7())
-        .bind(name.trim())
+        .bind(&name)
         .bind(quota)
         .fetch_one(&self.db)
         .await?;
@@ -77,6 +99,7 @@ impl App {
     }
 
     pub async fn create_api_key(&self, environment_id: Uuid, name: &str) -> AppResult<(ApiKey, ApiKeySecret)> {
+        let name = check_name("name", name)?;
         let minted = apikeys::mint();
         let key = sqlx::query_as::<_, ApiKey>(
             "INSERT INTO api_keys (id, environment_id, name, lookup_prefix, salt, key_hash)
@@ -85,7 +108,7 @@ impl App {
         )
         .bind(Uuid::now_v7())
         .bind(environment_id)
-        .bind(name.trim())
+        .bind(&name)
         .bind(&minted.lookup_prefix)
         .bind(&minted.salt)
         .bind(&minted.hash)

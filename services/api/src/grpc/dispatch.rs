@@ -5,6 +5,7 @@ use tonic::{Request, Response, Status};
 use tracing::field::Empty;
 
 use super::{id, status, ts};
+use crate::error::parse_id;
 use crate::{
     app::{
         App,
@@ -52,16 +53,81 @@ fn outcome_message(d: Decision) -> pb::OutcomeResponse {
     pb::OutcomeResponse { decision: decision as i32, next_attempt_at: next }
 }
 
-fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, Status> {
+/// The most bytes of an error text or response body a report may carry;
+/// the attempt log keeps far less, so more can only be a broken caller.
+const MAX_REPORT_TEXT: usize = 64 * 1024;
+/// The longest an attempt can have taken and still be reported (a day).
+const MAX_LATENCY_MS: u64 = 24 * 3600 * 1000;
+/// The longest W3C traceparent accepted (they are 55 characters).
+const MAX_TRACEPARENT: usize = 256;
+
+fn invalid(reason: &'static str, message: String) -> AppError {
+    AppError::invalid(reason, message)
+}
+
+/// An attempt number and generation as the database holds them; the
+/// schedule's own bound on attempts is the app's to check.
+fn attempt_and_generation(attempt: u32, generation: u32) -> Result<(u32, u32), AppError> {
+    if attempt == 0 || attempt > MAX_ATTEMPT {
+        return Err(invalid("attempt_out_of_range", format!("attempt must be from 1 to {MAX_ATTEMPT}, got {attempt}")));
+    }
+    if generation > i32::MAX as u32 {
+        return Err(invalid("generation_out_of_range", format!("generation may be at most {}, got {generation}", i32::MAX)));
+    }
+    Ok((attempt, generation))
+}
+
+/// The highest attempt number any schedule can reach.
+const MAX_ATTEMPT: u32 = 1000;
+
+/// A report as the app takes it, every field checked: a caller's mistake is
+/// INVALID_ARGUMENT naming the field and the number, never a panic or a
+/// silently wrapped value.
+pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
+    let delivery_id = parse_id("delivery_id", &r.delivery_id)?;
+    let (attempt, generation) = attempt_and_generation(r.attempt, r.generation)?;
+    if let Some(s) = r.http_status
+        && !(100..=599).contains(&s)
+    {
+        return Err(invalid("http_status_out_of_range", format!("http_status must be from 100 to 599, got {s}")));
+    }
+    if r.error.len() > MAX_REPORT_TEXT || r.response_body.len() > MAX_REPORT_TEXT {
+        return Err(invalid(
+            "report_too_large",
+            format!(
+                "error and response_body may be at most {MAX_REPORT_TEXT} bytes each; got {} and {}",
+                r.error.len(),
+                r.response_body.len()
+            ),
+        ));
+    }
+    if r.latency_ms > MAX_LATENCY_MS {
+        return Err(invalid("latency_out_of_range", format!("latency_ms may be at most {MAX_LATENCY_MS}, got {}", r.latency_ms)));
+    }
     Ok(AttemptReport {
-        delivery_id: id("delivery_id", &r.delivery_id)?,
-        generation: r.generation,
-        attempt: r.attempt,
+        delivery_id,
+        generation,
+        attempt,
         http_status: r.http_status,
         error: r.error,
         latency_ms: r.latency_ms,
         response_body: r.response_body,
     })
+}
+
+pub(crate) fn attempt_ref(r: &pb::MaterialRequest) -> Result<AttemptRef, AppError> {
+    let delivery_id = parse_id("delivery_id", &r.delivery_id)?;
+    let (attempt, generation) = attempt_and_generation(r.attempt, r.generation)?;
+    Ok(AttemptRef { delivery_id, generation, attempt })
+}
+
+/// An expand item's fields, checked; the traceparent is dropped if it is
+/// not one (tracing is best effort, never a reason to refuse an event).
+fn expand_fields(r: &pb::ExpandRequest) -> Result<(uuid::Uuid, uuid::Uuid), AppError> {
+    let event_id = parse_id("event_id", &r.event_id)?;
+    let environment_id = parse_id("environment_id", &r.environment_id)?;
+    crate::app::endpoints::check_event_type(&r.r#type)?;
+    Ok((event_id, environment_id))
 }
 
 #[derive(Debug, Clone)]
@@ -77,34 +143,41 @@ impl DispatchApi {
         items: Vec<pb::ExpandRequest>,
         metadata: Option<&tonic::metadata::MetadataMap>,
     ) -> Result<Vec<Result<pb::ExpandResponse, AppError>>, Status> {
+        let mut answers: Vec<Option<Result<pb::ExpandResponse, AppError>>> = Vec::with_capacity(items.len());
         let mut spans = Vec::with_capacity(items.len());
         let mut parsed = Vec::with_capacity(items.len());
         for r in items {
-            let span = tracing::info_span!("expand", event_id = %r.event_id, created = Empty, duplicate = Empty);
-            match (r.traceparent.is_empty(), metadata) {
-                (false, _) => relay_telemetry::set_parent_from_traceparent(&span, &r.traceparent),
+            let (event_id, environment_id) = match expand_fields(&r) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    answers.push(Some(Err(e)));
+                    continue;
+                }
+            };
+            let span = tracing::info_span!("expand", event_id = %event_id, created = Empty, duplicate = Empty);
+            let traceparent = (r.traceparent.len() <= MAX_TRACEPARENT).then_some(r.traceparent.as_str()).unwrap_or_default();
+            match (traceparent.is_empty(), metadata) {
+                (false, _) => relay_telemetry::set_parent_from_traceparent(&span, traceparent),
                 (true, Some(m)) => relay_telemetry::set_parent(&span, &relay_telemetry::GrpcMetadataRef(m)),
                 (true, None) => {}
             }
             parsed.push(ExpandItem {
-                event_id: id("event_id", &r.event_id)?,
-                environment_id: id("environment_id", &r.environment_id)?,
+                event_id,
+                environment_id,
                 event_type: r.r#type,
                 trace_context: span.in_scope(relay_telemetry::current_traceparent),
             });
             spans.push(span);
+            answers.push(None);
         }
-        let answers = self.app.expand_batch(parsed).await.map_err(status)?;
-        Ok(answers
-            .into_iter()
-            .zip(&spans)
-            .map(|(a, span)| {
-                a.map(|x| {
-                    span.record("created", x.created).record("duplicate", x.duplicate);
-                    pb::ExpandResponse { created: x.created, duplicate: x.duplicate }
-                })
+        let expanded = if parsed.is_empty() { Vec::new() } else { self.app.expand_batch(parsed).await.map_err(status)? };
+        let mut expanded = expanded.into_iter().zip(spans).map(|(a, span)| {
+            a.map(|x| {
+                span.record("created", x.created).record("duplicate", x.duplicate);
+                pb::ExpandResponse { created: x.created, duplicate: x.duplicate }
             })
-            .collect())
+        });
+        Ok(answers.into_iter().map(|a| a.unwrap_or_else(|| expanded.next().expect("one answer per valid item"))).collect())
     }
 }
 
@@ -136,28 +209,27 @@ impl DispatchService for DispatchApi {
     }
 
     async fn material(&self, req: Request<pb::MaterialRequest>) -> Result<Response<pb::MaterialResponse>, Status> {
-        let r = req.into_inner();
-        let m = self.app.material(id("delivery_id", &r.delivery_id)?, r.generation, r.attempt).await.map_err(status)?;
+        let r = attempt_ref(req.get_ref()).map_err(status)?;
+        let m = self.app.material(r.delivery_id, r.generation, r.attempt).await.map_err(status)?;
         Ok(Response::new(material_message(m)))
     }
 
     async fn outcome(&self, req: Request<pb::OutcomeRequest>) -> Result<Response<pb::OutcomeResponse>, Status> {
-        let decision = self.app.record_outcome(report(req.into_inner())?).await.map_err(status)?;
+        let decision = self.app.record_outcome(report(req.into_inner()).map_err(status)?).await.map_err(status)?;
         Ok(Response::new(outcome_message(decision)))
     }
 
     async fn material_batch(&self, req: Request<pb::MaterialBatchRequest>) -> Result<Response<pb::MaterialBatchResponse>, Status> {
         let items = req.into_inner().items;
         check_batch(items.len())?;
-        let wanted = items
-            .iter()
-            .map(|r| Ok(AttemptRef { delivery_id: id("delivery_id", &r.delivery_id)?, generation: r.generation, attempt: r.attempt }))
-            .collect::<Result<Vec<_>, Status>>()?;
-        let answers = self.app.material_batch(&wanted).await.map_err(status)?;
-        let items = answers
+        let checked: Vec<Result<AttemptRef, AppError>> = items.iter().map(attempt_ref).collect();
+        let wanted: Vec<AttemptRef> = checked.iter().filter_map(|c| c.as_ref().ok().copied()).collect();
+        let served = if wanted.is_empty() { Vec::new() } else { self.app.material_batch(&wanted).await.map_err(status)? };
+        let mut served = served.into_iter();
+        let items = checked
             .into_iter()
-            .map(|a| pb::MaterialResult {
-                result: Some(match a {
+            .map(|c| pb::MaterialResult {
+                result: Some(match c.and_then(|_| served.next().expect("one answer per valid item")) {
                     Ok(m) => pb::material_result::Result::Material(material_message(m)),
                     Err(e) => pb::material_result::Result::Error(item_error(e)),
                 }),
@@ -169,12 +241,14 @@ impl DispatchService for DispatchApi {
     async fn outcome_batch(&self, req: Request<pb::OutcomeBatchRequest>) -> Result<Response<pb::OutcomeBatchResponse>, Status> {
         let items = req.into_inner().items;
         check_batch(items.len())?;
-        let reports = items.into_iter().map(report).collect::<Result<Vec<_>, Status>>()?;
-        let answers = self.app.record_outcomes(reports).await.map_err(status)?;
-        let items = answers
+        let checked: Vec<Result<AttemptReport, AppError>> = items.into_iter().map(report).collect();
+        let reports: Vec<AttemptReport> = checked.iter().filter_map(|c| c.as_ref().ok().cloned()).collect();
+        let recorded = if reports.is_empty() { Vec::new() } else { self.app.record_outcomes(reports).await.map_err(status)? };
+        let mut recorded = recorded.into_iter();
+        let items = checked
             .into_iter()
-            .map(|a| pb::OutcomeResult {
-                result: Some(match a {
+            .map(|c| pb::OutcomeResult {
+                result: Some(match c.and_then(|_| recorded.next().expect("one answer per valid item")) {
                     Ok(d) => pb::outcome_result::Result::Outcome(outcome_message(d)),
                     Err(e) => pb::outcome_result::Result::Error(item_error(e)),
                 }),
@@ -186,5 +260,58 @@ impl DispatchService for DispatchApi {
     async fn replay(&self, req: Request<pb::ReplayRequest>) -> Result<Response<pb::ReplayResponse>, Status> {
         let delivery_id = self.app.replay_dead_letter(None, id("dead_letter_id", &req.get_ref().dead_letter_id)?).await.map_err(status)?;
         Ok(Response::new(pb::ReplayResponse { delivery_id: delivery_id.to_string() }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::*;
+
+    proptest! {
+        #[test]
+        fn a_report_is_taken_only_with_every_field_in_range(
+            id in prop_oneof![Just(uuid::Uuid::new_v4().to_string()), "\\PC{0,40}"],
+            attempt in any::<u32>(),
+            generation in any::<u32>(),
+            http_status in proptest::option::of(any::<u32>()),
+            error_len in 0usize..70_000,
+            latency_ms in any::<u64>(),
+        ) {
+            let r = pb::OutcomeRequest {
+                delivery_id: id.clone(),
+                attempt,
+                generation,
+                http_status,
+                error: "e".repeat(error_len),
+                latency_ms,
+                response_body: Vec::new(),
+            };
+            let valid = uuid::Uuid::parse_str(id.trim()).is_ok()
+                && (1..=MAX_ATTEMPT).contains(&attempt)
+                && generation <= i32::MAX as u32
+                && http_status.is_none_or(|s| (100..=599).contains(&s))
+                && error_len <= MAX_REPORT_TEXT
+                && latency_ms <= MAX_LATENCY_MS;
+            match report(r) {
+                Ok(taken) => {
+                    prop_assert!(valid);
+                    prop_assert_eq!((taken.attempt, taken.generation), (attempt, generation));
+                }
+                Err(e) => {
+                    prop_assert!(!valid, "refused a valid report: {e:?}");
+                    prop_assert_eq!(e.code, crate::error::ErrorCode::InvalidArgument);
+                    prop_assert!(e.message.len() < 300, "{}", e.message);
+                }
+            }
+        }
+
+        #[test]
+        fn a_material_request_is_taken_only_with_its_numbers_in_range(attempt in any::<u32>(), generation in any::<u32>()) {
+            let r = pb::MaterialRequest { delivery_id: uuid::Uuid::new_v4().to_string(), attempt, generation };
+            let valid = (1..=MAX_ATTEMPT).contains(&attempt) && generation <= i32::MAX as u32;
+            prop_assert_eq!(attempt_ref(&r).is_ok(), valid);
+        }
     }
 }
