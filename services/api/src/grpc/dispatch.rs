@@ -155,7 +155,7 @@ impl DispatchApi {
                 }
             };
             let span = tracing::info_span!("expand", event_id = %event_id, created = Empty, duplicate = Empty);
-            let traceparent = (r.traceparent.len() <= MAX_TRACEPARENT).then_some(r.traceparent.as_str()).unwrap_or_default();
+            let traceparent = if r.traceparent.len() <= MAX_TRACEPARENT { r.traceparent.as_str() } else { "" };
             match (traceparent.is_empty(), metadata) {
                 (false, _) => relay_telemetry::set_parent_from_traceparent(&span, traceparent),
                 (true, Some(m)) => relay_telemetry::set_parent(&span, &relay_telemetry::GrpcMetadataRef(m)),
