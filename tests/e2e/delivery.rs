@@ -126,7 +126,10 @@ async fn outcomes_are_idempotent_and_a_late_dispatcher_drains_the_backlog() -> a
     let after = rest.deliveries(&event_id).await?;
     assert_eq!(after[0]["attempt"], 2, "the schedule advanced once");
     assert_eq!(after[0]["attempts"].as_array().unwrap().len(), 1, "one attempt recorded");
-    let stale = seam.material(MaterialRequest { delivery_id: delivery_id.clone(), attempt: 1, generation: 0 }).await.unwrap_err();
+    let stale = seam
+        .material(MaterialRequest { delivery_id: delivery_id.clone(), attempt: 1, generation: 0, ..Default::default() })
+        .await
+        .unwrap_err();
     assert_eq!(stale.code(), tonic::Code::FailedPrecondition, "a finished attempt has no material");
     assert!(receiver.received().is_empty(), "nothing is sent without a dispatcher");
 
@@ -198,9 +201,9 @@ async fn batched_expand_material_and_outcomes_answer_item_by_item_with_the_same_
     let m = seam
         .material_batch(MaterialBatchRequest {
             items: vec![
-                MaterialRequest { delivery_id: d0.clone(), attempt: 1, generation: 0 },
-                MaterialRequest { delivery_id: d1.clone(), attempt: 2, generation: 0 },
-                MaterialRequest { delivery_id: unknown.clone(), attempt: 1, generation: 0 },
+                MaterialRequest { delivery_id: d0.clone(), attempt: 1, generation: 0, ..Default::default() },
+                MaterialRequest { delivery_id: d1.clone(), attempt: 2, generation: 0, ..Default::default() },
+                MaterialRequest { delivery_id: unknown.clone(), attempt: 1, generation: 0, ..Default::default() },
             ],
         })
         .await?
@@ -257,7 +260,7 @@ async fn batched_expand_material_and_outcomes_answer_item_by_item_with_the_same_
     );
 
     // Oversized batches are refused with the limit and the count.
-    let items = vec![MaterialRequest { delivery_id: d0.clone(), attempt: 1, generation: 0 }; 1001];
+    let items = vec![MaterialRequest { delivery_id: d0.clone(), attempt: 1, generation: 0, ..Default::default() }; 1001];
     let refused = seam.material_batch(MaterialBatchRequest { items }).await.unwrap_err();
     assert_eq!(refused.code(), tonic::Code::InvalidArgument);
     assert!(refused.message().contains("at most 1000") && refused.message().contains("1001"), "{}", refused.message());

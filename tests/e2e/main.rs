@@ -166,7 +166,7 @@ async fn the_internal_seam_accepts_only_the_dispatcher_identity() -> anyhow::Res
     };
     let stack = Stack::start(Options::default()).await?;
     let tenant = stack.tenant("seam").await?;
-    let probe = MaterialRequest { delivery_id: uuid::Uuid::new_v4().to_string(), attempt: 1, generation: 0 };
+    let probe = MaterialRequest { delivery_id: uuid::Uuid::new_v4().to_string(), attempt: 1, generation: 0, ..Default::default() };
 
     // The dispatcher passes the identity check (and learns the id is unknown).
     let mut as_dispatcher = DispatchServiceClient::new(stack.internal_channel(Some("dispatcher")).await?);

@@ -21,6 +21,10 @@ pub mod reasons {
     /// A batch item not served in this reply (its budget was spent on the
     /// items before it); ask for it again. Not a failure of the item.
     pub const DEFERRED: &str = "deferred";
+    /// Another dispatcher holds this attempt (it fetched the material and
+    /// has not yet reported): do not send, ask again later. If the holder
+    /// died, its claim runs out and the attempt is handed out again.
+    pub const IN_HAND_ELSEWHERE: &str = "in_hand_elsewhere";
 }
 
 /// The largest message either end of the internal seam sends or accepts, set

@@ -55,6 +55,48 @@ async fn durable(stream: &jetstream::stream::Stream, config: pull::Config) -> Re
     }
 }
 
+/// What the broker is told about a message, decided from the api's answer in
+/// this one place.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verdict {
+    /// Handled, or nothing left to do for it.
+    Ack,
+    /// Not handled this time; it comes back after a delay.
+    Retry,
+    /// It can never be handled.
+    Term,
+}
+
+/// The verdict for an answer of the api that is not a success. `for_event`:
+/// an EVENTS message (expansion), else a DELIVERIES job (material).
+fn verdict(st: &tonic::Status, for_event: bool) -> Verdict {
+    let reason = st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).unwrap_or_default();
+    match (st.code(), reason) {
+        // Another dispatcher is sending this attempt: if it reports, the
+        // attempt is done; if it died, its claim runs out. Either way, ask
+        // again later rather than send.
+        (_, relay_contracts::reasons::IN_HAND_ELSEWHERE) => Verdict::Retry,
+        // An event the api does not know, or that does not match its record.
+        (Code::NotFound | Code::InvalidArgument, _) if for_event => Verdict::Term,
+        // The attempt is no longer current (reported, delivery finished,
+        // endpoint switched off) or the delivery is gone: nothing to send.
+        (Code::FailedPrecondition | Code::NotFound, _) => Verdict::Ack,
+        // A job the api refuses to read will be refused every time.
+        (Code::InvalidArgument, _) => Verdict::Term,
+        // The api is away or failing: the job comes back.
+        _ => Verdict::Retry,
+    }
+}
+
+async fn settle_by(msg: &Message, v: Verdict) {
+    let kind = match v {
+        Verdict::Ack => AckKind::Ack,
+        Verdict::Retry => retry_later(msg),
+        Verdict::Term => AckKind::Term,
+    };
+    settle(msg, kind).await
+}
+
 async fn settle(msg: &Message, kind: AckKind) {
     if let Err(e) = msg.ack_with(kind).await {
         tracing::warn!(error = %e, "settling a message with the broker failed; it will be redelivered");
@@ -115,13 +157,15 @@ pub async fn expand_loop(
             req.traceparent = relay_telemetry::current_traceparent().unwrap_or_default();
             match expansions.call(req).await {
                 Ok(_) => settle(&msg, AckKind::Ack).await,
-                Err(st) if matches!(st.code(), Code::NotFound | Code::InvalidArgument) => {
-                    tracing::error!(code = ?st.code(), message = st.message(), "event cannot be expanded; terminating it");
-                    settle(&msg, AckKind::Term).await
-                }
                 Err(st) => {
-                    tracing::warn!(code = ?st.code(), message = st.message(), "expand failed; the event will come back");
-                    settle(&msg, retry_later(&msg)).await
+                    let v = verdict(&st, true);
+                    match v {
+                        Verdict::Term => {
+                            tracing::error!(code = ?st.code(), message = st.message(), "event cannot be expanded; terminating it")
+                        }
+                        _ => tracing::warn!(code = ?st.code(), message = st.message(), "expand failed; the event will come back"),
+                    }
+                    settle_by(&msg, v).await
                 }
             }
         };
@@ -197,6 +241,8 @@ pub async fn deliver_loop(
         unsettled: Default::default(),
         progress_every: cfg.deliveries_ack_wait() / 3,
         stop: stop.clone(),
+        claimant: uuid::Uuid::new_v4().to_string(),
+        claim_hold: MATERIAL_FRESH + cfg.attempt_timeout + CLAIM_MARGIN,
     });
     loop {
         let msg = tokio::select! {
@@ -251,7 +297,18 @@ struct LaneShared {
     /// Shutdown: a lane finishes the attempt in hand and leaves the rest
     /// unacked, for the broker to hand to another dispatcher.
     stop: watch::Receiver<bool>,
+    /// This process, as the claimant of the attempts it sends.
+    claimant: String,
+    /// How long a claim is held: an attempt starts within `MATERIAL_FRESH`
+    /// of its claim and ends within the attempt timeout, so the claim
+    /// outlasts the POST; the margin is for reporting the outcome, which
+    /// ends the claim.
+    claim_hold: Duration,
 }
+
+/// Time, after an attempt ends, for its outcome to reach the api before
+/// another dispatcher may claim the attempt again.
+const CLAIM_MARGIN: Duration = Duration::from_secs(5);
 
 struct Lane {
     key: String,
@@ -314,6 +371,8 @@ impl Lane {
                 delivery_id: job.delivery_id.clone(),
                 attempt: job.attempt,
                 generation: job.generation,
+                claimant: self.shared.claimant.clone(),
+                hold_ms: self.shared.claim_hold.as_millis() as u32,
             })
         }))
         .await;
@@ -331,14 +390,15 @@ impl Lane {
     async fn send_one(&self, msg: Arc<Message>, job: DeliveryJob, material: Result<MaterialResponse, tonic::Status>) {
         let material = match material {
             Ok(m) => m,
-            // Already reported, delivery finished, or endpoint gone: nothing to send.
-            Err(st) if matches!(st.code(), Code::FailedPrecondition | Code::NotFound) => {
-                tracing::debug!(delivery_id = %job.delivery_id, message = st.message(), "nothing to send for this job");
-                return settle(&msg, AckKind::Ack).await;
-            }
             Err(st) => {
-                tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "material unavailable; the job will come back");
-                return settle(&msg, retry_later(&msg)).await;
+                let v = verdict(&st, false);
+                match v {
+                    Verdict::Ack => tracing::debug!(delivery_id = %job.delivery_id, message = st.message(), "nothing to send for this job"),
+                    _ => {
+                        tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), verdict = ?v, "no material for this job")
+                    }
+                }
+                return settle_by(&msg, v).await;
             }
         };
         // The attempt's span continues the delivery's trace (the relay put
@@ -401,4 +461,37 @@ async fn report(outcomes: &batch::Outcomes, msg: &Message, job: &DeliveryJob, ev
         }
     }
     settle(msg, retry_later(msg)).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn status(code: Code, reason: &str) -> tonic::Status {
+        let mut st = tonic::Status::new(code, "x");
+        if !reason.is_empty() {
+            st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, reason.parse().unwrap());
+        }
+        st
+    }
+
+    #[test]
+    fn the_apis_answers_map_to_one_broker_verdict_each() {
+        use Verdict::*;
+        for (code, reason, for_event, want) in [
+            (Code::Unavailable, relay_contracts::reasons::IN_HAND_ELSEWHERE, false, Retry),
+            (Code::FailedPrecondition, "stale_attempt", false, Ack),
+            (Code::FailedPrecondition, "endpoint_inactive", false, Ack),
+            (Code::NotFound, "not_found", false, Ack),
+            (Code::InvalidArgument, "attempt_out_of_range", false, Term),
+            (Code::Unavailable, "", false, Retry),
+            (Code::Internal, "", false, Retry),
+            (Code::DeadlineExceeded, "", false, Retry),
+            (Code::NotFound, "not_found", true, Term),
+            (Code::InvalidArgument, "event_mismatch", true, Term),
+            (Code::Unavailable, "", true, Retry),
+        ] {
+            assert_eq!(verdict(&status(code, reason), for_event), want, "{code:?} {reason} event={for_event}");
+        }
+    }
 }

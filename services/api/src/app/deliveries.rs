@@ -138,7 +138,20 @@ pub struct AttemptRef {
     pub delivery_id: Uuid,
     pub generation: u32,
     pub attempt: u32,
+    /// Who will send it, for how long: the material is handed out only to
+    /// the holder of the attempt's claim. `None` reads without claiming.
+    pub claim: Option<Claim>,
 }
+
+/// A dispatcher's claim on an attempt it is about to send.
+#[derive(Debug, Clone, Copy)]
+pub struct Claim {
+    pub claimant: Uuid,
+    pub hold: Duration,
+}
+
+/// The longest claim a dispatcher may take.
+pub const MAX_CLAIM_HOLD: Duration = Duration::from_secs(600);
 
 #[derive(sqlx::FromRow)]
 struct MaterialRow {
@@ -506,8 +519,8 @@ impl App {
     }
 
     /// What one attempt needs, if that attempt is still the delivery's current one.
-    pub async fn material(&self, delivery_id: Uuid, generation: u32, attempt: u32) -> AppResult<Material> {
-        self.material_batch(&[AttemptRef { delivery_id, generation, attempt }]).await?.pop().expect("one answer per request")
+    pub async fn material(&self, wanted: AttemptRef) -> AppResult<Material> {
+        self.material_batch(&[wanted]).await?.pop().expect("one answer per request")
     }
 
     /// Material for many attempts with one query. The outer error is the
@@ -547,6 +560,7 @@ impl App {
         .fetch_all(&self.db)
         .await?;
         let by_ord: HashMap<i64, MaterialRow> = rows.into_iter().map(|r| (r.ord, r)).collect();
+        let claimed = self.claim_attempts(wanted, &by_ord).await?;
         // Secrets are decrypted once per endpoint per batch, not per attempt.
         let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
         let now = Utc::now();
@@ -565,6 +579,14 @@ impl App {
                     ErrorCode::Unavailable,
                     relay_contracts::reasons::DEFERRED,
                     "this reply's payload budget is spent; ask for this attempt again",
+                )));
+                continue;
+            }
+            if row.servable && w.claim.is_some() && !claimed.contains(&row.id) {
+                out.push(Err(AppError::new(
+                    ErrorCode::Unavailable,
+                    relay_contracts::reasons::IN_HAND_ELSEWHERE,
+                    format!("another dispatcher holds attempt {attempt} of delivery {}; ask again later", row.id, attempt = w.attempt),
                 )));
                 continue;
             }
@@ -587,6 +609,41 @@ impl App {
         Ok(out)
     }
 
+    /// Claims the attempts of a material batch that will be answered, for
+    /// their claimants: one statement, taking only attempts that are still
+    /// current and that nobody else holds (or whose holder's claim ran out).
+    /// Returns the deliveries claimed.
+    async fn claim_attempts(&self, wanted: &[AttemptRef], rows: &HashMap<i64, MaterialRow>) -> AppResult<HashSet<Uuid>> {
+        let mut seen: HashSet<Uuid> = HashSet::new();
+        let asked: Vec<(&AttemptRef, Claim)> = (1..)
+            .zip(wanted)
+            .filter_map(|(ord, w)| {
+                let row = rows.get(&ord)?;
+                let claim = w.claim?;
+                (row.servable && row.envelope.is_some() && seen.insert(w.delivery_id)).then_some((w, claim))
+            })
+            .collect();
+        if asked.is_empty() {
+            return Ok(HashSet::new());
+        }
+        Ok(sqlx::query_scalar(
+            "UPDATE webhook_deliveries d SET sending_by = u.claimant, sending_until = now() + u.hold_ms * interval '1 millisecond'
+             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms)
+             WHERE d.id = u.id AND d.state = 'pending' AND d.attempt = u.attempt AND d.generation = u.generation
+               AND (d.sending_until IS NULL OR d.sending_until < now() OR d.sending_by = u.claimant)
+             RETURNING d.id",
+        )
+        .bind(asked.iter().map(|(w, _)| w.delivery_id).collect::<Vec<_>>())
+        .bind(asked.iter().map(|(w, _)| w.attempt as i32).collect::<Vec<_>>())
+        .bind(asked.iter().map(|(w, _)| w.generation as i32).collect::<Vec<_>>())
+        .bind(asked.iter().map(|(_, c)| c.claimant).collect::<Vec<_>>())
+        .bind(asked.iter().map(|(_, c)| c.hold.as_millis() as i64).collect::<Vec<_>>())
+        .fetch_all(&self.db)
+        .await?
+        .into_iter()
+        .collect())
+    }
+
     fn material_from(
         &self,
         row: &MaterialRow,
@@ -594,7 +651,7 @@ impl App {
         now: Timestamp,
         secrets_of: &mut HashMap<Uuid, Vec<SigningSecret>>,
     ) -> AppResult<Material> {
-        let AttemptRef { delivery_id, generation, attempt } = *w;
+        let AttemptRef { delivery_id, generation, attempt, .. } = *w;
         if row.state != "pending" || row.attempt as u32 != attempt || row.generation as u32 != generation {
             return Err(AppError::precondition(
                 "stale_attempt",
@@ -673,7 +730,7 @@ impl App {
         let errors: Vec<Option<String>> = reports.iter().map(|r| report_error(&r.error)).collect();
         let applied: Vec<(Uuid, Uuid, Uuid, Uuid)> = sqlx::query_as(
             "UPDATE webhook_deliveries d SET state = u.state, attempt = u.next_attempt, next_attempt_at = coalesce(u.next_attempt_at, d.next_attempt_at),
-               dispatched_at = NULL, last_status = u.status, last_error = u.error, updated_at = now()
+               dispatched_at = NULL, sending_by = NULL, sending_until = NULL, last_status = u.status, last_error = u.error, updated_at = now()
              FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[])
                AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error)
              WHERE d.id = u.id AND d.state = 'pending' AND d.generation = u.generation AND d.attempt = u.attempt
@@ -969,7 +1026,8 @@ impl App {
             let rows: Vec<&OutcomeRow> = touched.iter().map(|id| &current[id]).collect();
             sqlx::query(
                 "UPDATE webhook_deliveries d SET state = u.state, attempt = u.attempt, next_attempt_at = u.next_attempt_at,
-                   dispatched_at = NULL, last_status = u.last_status, last_error = u.last_error, updated_at = now()
+                   dispatched_at = NULL, sending_by = NULL, sending_until = NULL, last_status = u.last_status, last_error = u.last_error,
+                   updated_at = now()
                  FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::int[], $6::text[])
                    AS u(id, state, attempt, next_attempt_at, last_status, last_error)
                  WHERE d.id = u.id",
@@ -1034,7 +1092,7 @@ impl App {
         }
         let reset = sqlx::query(
             "UPDATE webhook_deliveries SET state = 'pending', attempt = 1, generation = generation + 1,
-               next_attempt_at = now(), dispatched_at = NULL, updated_at = now()
+               next_attempt_at = now(), dispatched_at = NULL, sending_by = NULL, sending_until = NULL, updated_at = now()
              WHERE id = $1 AND state = 'dead'",
         )
         .bind(delivery_id)

@@ -1,5 +1,7 @@
 //! The internal seam the dispatcher calls: Expand, Material, Outcome, Replay.
 
+use std::time::Duration;
+
 use relay_contracts::relay::dispatch::v1::{self as pb, dispatch_service_server::DispatchService};
 use tonic::{Request, Response, Status};
 use tracing::field::Empty;
@@ -9,7 +11,7 @@ use crate::error::parse_id;
 use crate::{
     app::{
         App,
-        deliveries::{AttemptRef, AttemptReport, Decision, ExpandItem, Material},
+        deliveries::{AttemptRef, AttemptReport, Claim, Decision, ExpandItem, MAX_CLAIM_HOLD, Material},
     },
     error::AppError,
 };
@@ -118,7 +120,19 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
 pub(crate) fn attempt_ref(r: &pb::MaterialRequest) -> Result<AttemptRef, AppError> {
     let delivery_id = parse_id("delivery_id", &r.delivery_id)?;
     let (attempt, generation) = attempt_and_generation(r.attempt, r.generation)?;
-    Ok(AttemptRef { delivery_id, generation, attempt })
+    let claim = if r.claimant.is_empty() {
+        None
+    } else {
+        let hold = Duration::from_millis(u64::from(r.hold_ms));
+        if hold.is_zero() || hold > MAX_CLAIM_HOLD {
+            return Err(invalid(
+                "hold_out_of_range",
+                format!("hold_ms must be from 1 to {} with a claimant, got {}", MAX_CLAIM_HOLD.as_millis(), r.hold_ms),
+            ));
+        }
+        Some(Claim { claimant: parse_id("claimant", &r.claimant)?, hold })
+    };
+    Ok(AttemptRef { delivery_id, generation, attempt, claim })
 }
 
 /// An expand item's fields, checked; the traceparent is dropped if it is
@@ -209,8 +223,7 @@ impl DispatchService for DispatchApi {
     }
 
     async fn material(&self, req: Request<pb::MaterialRequest>) -> Result<Response<pb::MaterialResponse>, Status> {
-        let r = attempt_ref(req.get_ref()).map_err(status)?;
-        let m = self.app.material(r.delivery_id, r.generation, r.attempt).await.map_err(status)?;
+        let m = self.app.material(attempt_ref(req.get_ref()).map_err(status)?).await.map_err(status)?;
         Ok(Response::new(material_message(m)))
     }
 
@@ -309,7 +322,7 @@ mod tests {
 
         #[test]
         fn a_material_request_is_taken_only_with_its_numbers_in_range(attempt in any::<u32>(), generation in any::<u32>()) {
-            let r = pb::MaterialRequest { delivery_id: uuid::Uuid::new_v4().to_string(), attempt, generation };
+            let r = pb::MaterialRequest { delivery_id: uuid::Uuid::new_v4().to_string(), attempt, generation, ..Default::default() };
             let valid = (1..=MAX_ATTEMPT).contains(&attempt) && generation <= i32::MAX as u32;
             prop_assert_eq!(attempt_ref(&r).is_ok(), valid);
         }

@@ -89,6 +89,8 @@ struct Claimed {
     attempt: i32,
     generation: i32,
     trace_context: Option<String>,
+    /// The instant of this pass's claim, which later writes compare against.
+    dispatched_at: Timestamp,
 }
 
 async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
@@ -211,18 +213,22 @@ impl DeliveryRelay {
             })
             .map(|r| r.id)
             .collect();
-        // Lock what was chosen, re-checking that it is still due and
-        // unclaimed: another relay may have taken (or an outcome moved) it
-        // since the scan.
-        let mut tx = self.app.db.begin().await?;
+        // Claim what was chosen, re-checking that it is still due and
+        // unclaimed (another relay may have taken, or an outcome moved, it
+        // since the scan). The claim is a short lease written in one
+        // statement: no row lock is held while the broker is asked. If this
+        // process dies before the broker answers, the short lease runs out
+        // and the rows are published again, under the same message ids.
         let rows: Vec<Claimed> = sqlx::query_as(
-            "SELECT id, environment_id, endpoint_id, attempt, generation, trace_context
-             FROM webhook_deliveries
-             WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
-             ORDER BY next_attempt_at FOR UPDATE SKIP LOCKED",
+            "UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $2
+             WHERE d.id IN (SELECT id FROM webhook_deliveries
+                            WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
+                            ORDER BY id FOR UPDATE SKIP LOCKED)
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation, d.trace_context, d.dispatched_at",
         )
         .bind(&chosen)
-        .fetch_all(&mut *tx)
+        .bind(crate::relay::outbox::RELAY_CLAIM)
+        .fetch_all(&self.app.db)
         .await
         .context("claiming due deliveries")?;
         if rows.is_empty() {
@@ -243,19 +249,42 @@ impl DeliveryRelay {
             })
             .collect();
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
-        let leased: Vec<Uuid> = rows.iter().zip(stored).filter_map(|(row, ok)| ok.then_some(row.id)).collect();
+        let (mut leased, mut refused): (Vec<&Claimed>, Vec<&Claimed>) = (Vec::new(), Vec::new());
+        for (row, ok) in rows.iter().zip(stored) {
+            if ok { leased.push(row) } else { refused.push(row) }
+        }
+        // The broker has them: the full lease, for rows still under this
+        // pass's claim (an outcome may already have come back and moved one
+        // on; compare-and-set on the claim's instant leaves that alone).
+        let still_ours =
+            |rows: &[&Claimed]| (rows.iter().map(|r| r.id).collect::<Vec<_>>(), rows.iter().map(|r| r.dispatched_at).collect::<Vec<_>>());
         if !leased.is_empty() {
+            let (ids, at) = still_ours(&leased);
             sqlx::query(
-                "UPDATE webhook_deliveries SET dispatched_at = now(), next_attempt_at = now() + $2
-                 WHERE id = ANY ($1)",
+                "UPDATE webhook_deliveries d SET next_attempt_at = u.at + $3
+                 FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)
+                 WHERE d.id = u.id AND d.state = 'pending' AND d.dispatched_at = u.at",
             )
-            .bind(&leased)
+            .bind(&ids)
+            .bind(&at)
             .bind(self.lease)
-            .execute(&mut *tx)
+            .execute(&self.app.db)
             .await
             .context("leasing published deliveries")?;
         }
-        tx.commit().await.context("committing a delivery relay pass")?;
+        if !refused.is_empty() {
+            let (ids, at) = still_ours(&refused);
+            sqlx::query(
+                "UPDATE webhook_deliveries d SET dispatched_at = NULL, next_attempt_at = now()
+                 FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)
+                 WHERE d.id = u.id AND d.state = 'pending' AND d.dispatched_at = u.at",
+            )
+            .bind(&ids)
+            .bind(&at)
+            .execute(&self.app.db)
+            .await
+            .context("releasing deliveries the broker refused")?;
+        }
         match first_error {
             Some(e) if leased.is_empty() => Err(e.context("publishing to DELIVERIES")),
             _ => Ok(leased.len()),

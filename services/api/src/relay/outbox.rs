@@ -63,14 +63,22 @@ impl OutboxRelay {
     }
 
     /// One pass: claim a batch, publish it, mark what the broker confirmed.
+    /// No row lock is held while the broker is asked: the claim is a short
+    /// lease written in one statement, so a broker that stalls holds up
+    /// nothing in Postgres, and a relay that dies mid-pass leaves events that
+    /// another relay takes once the claim runs out (re-published under the
+    /// same message id, inside the broker's duplicate window).
     pub async fn drain_once(&self) -> Result<usize> {
-        let mut tx = self.app.db.begin().await?;
         let rows: Vec<OutboxRow> = sqlx::query_as(
-            "SELECT seq, id, environment_id, event_type, trace_context FROM events
-             WHERE published_at IS NULL ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED",
+            "UPDATE events SET relay_claim_until = now() + $2
+             WHERE seq IN (SELECT seq FROM events
+                           WHERE published_at IS NULL AND (relay_claim_until IS NULL OR relay_claim_until < now())
+                           ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+             RETURNING seq, id, environment_id, event_type, trace_context",
         )
         .bind(self.batch)
-        .fetch_all(&mut *tx)
+        .bind(RELAY_CLAIM)
+        .fetch_all(&self.app.db)
         .await
         .context("claiming unpublished events")?;
         if rows.is_empty() {
@@ -96,18 +104,33 @@ impl OutboxRelay {
             messages.push((self.names.events_subject(&env.to_string()), headers, head.into()));
         }
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
-        let published: Vec<i64> = seqs.into_iter().zip(stored).filter_map(|(seq, ok)| ok.then_some(seq)).collect();
+        let (published, refused): (Vec<(i64, bool)>, Vec<(i64, bool)>) = seqs.into_iter().zip(stored).partition(|(_, ok)| *ok);
+        let published: Vec<i64> = published.into_iter().map(|(seq, _)| seq).collect();
+        let refused: Vec<i64> = refused.into_iter().map(|(seq, _)| seq).collect();
         if !published.is_empty() {
-            sqlx::query("UPDATE events SET published_at = now() WHERE seq = ANY ($1)")
+            sqlx::query("UPDATE events SET published_at = now(), relay_claim_until = NULL WHERE seq = ANY ($1)")
                 .bind(&published)
-                .execute(&mut *tx)
+                .execute(&self.app.db)
                 .await
                 .context("marking events published")?;
         }
-        tx.commit().await.context("committing an outbox pass")?;
+        if !refused.is_empty() {
+            // The next pass may take them at once, rather than after the claim.
+            sqlx::query("UPDATE events SET relay_claim_until = NULL WHERE seq = ANY ($1) AND published_at IS NULL")
+                .bind(&refused)
+                .execute(&self.app.db)
+                .await
+                .context("releasing events the broker refused")?;
+        }
         match first_error {
             Some(e) if published.is_empty() => Err(e.context("publishing to EVENTS")),
             _ => Ok(published.len()),
         }
     }
 }
+
+/// How long a relay's claim on rows it is publishing lasts. Longer than any
+/// publish takes; shorter than the broker's duplicate window, so rows a dead
+/// relay had already published are recognised when published again.
+pub(crate) const RELAY_CLAIM: Duration = Duration::from_secs(30);
+const _: () = assert!(RELAY_CLAIM.as_secs() * 2 <= crate::broker::DUPLICATE_WINDOW.as_secs(), "re-publishes must be deduplicated");
