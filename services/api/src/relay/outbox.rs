@@ -104,9 +104,10 @@ impl OutboxRelay {
             messages.push((self.names.events_subject(&env.to_string()), headers, head.into()));
         }
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
-        let (published, refused): (Vec<(i64, bool)>, Vec<(i64, bool)>) = seqs.into_iter().zip(stored).partition(|(_, ok)| *ok);
-        let published: Vec<i64> = published.into_iter().map(|(seq, _)| seq).collect();
-        let refused: Vec<i64> = refused.into_iter().map(|(seq, _)| seq).collect();
+        let (mut published, mut refused): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
+        for (seq, ok) in seqs.into_iter().zip(stored) {
+            if ok { published.push(seq) } else { refused.push(seq) }
+        }
         if !published.is_empty() {
             sqlx::query("UPDATE events SET published_at = now(), relay_claim_until = NULL WHERE seq = ANY ($1)")
                 .bind(&published)
