@@ -138,14 +138,14 @@ fn init_logs() {
     }
 }
 
-async fn free_addr() -> Result<SocketAddr> {
+pub async fn free_addr() -> Result<SocketAddr> {
     Ok(TcpListener::bind("127.0.0.1:0").await?.local_addr()?)
 }
 
 /// Three distinct free ports for an api. Each probe's listener is dropped
 /// before the next, so the kernel may hand the same port out twice (seen:
 /// gRPC and internal on one port); ask again until they differ.
-async fn api_addrs() -> Result<relay_api::config::ListenAddrs> {
+pub async fn api_addrs() -> Result<relay_api::config::ListenAddrs> {
     for _ in 0..20 {
         let (grpc, rest, internal) = (free_addr().await?, free_addr().await?, free_addr().await?);
         if grpc != rest && rest != internal && grpc != internal {
@@ -757,8 +757,9 @@ pub struct Process {
 impl Process {
     pub fn spawn(name: &str, env: &[(&'static str, String)]) -> Result<Self> {
         let mut cmd = tokio::process::Command::new(binary(name)?);
-        cmd.envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RELAY_LOG", std::env::var("RELAY_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+        cmd.env("RELAY_LOG", std::env::var("RELAY_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            // The caller's settings win, RELAY_LOG included.
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .kill_on_drop(true)
             .stdin(std::process::Stdio::null());
         Ok(Self { child: cmd.spawn().with_context(|| format!("starting {name}"))? })
@@ -814,6 +815,15 @@ impl PrivateNats {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         anyhow::bail!("the private NATS did not start on port {}", self.port)
+    }
+
+    /// Kills the server with SIGKILL (no shutdown path runs), and waits.
+    pub async fn kill9(&mut self) -> Result<()> {
+        if let Some(mut c) = self.child.take() {
+            c.start_kill()?;
+            c.wait().await?;
+        }
+        Ok(())
     }
 
     /// Stops the server the way an operator would (SIGTERM), and waits.
