@@ -39,6 +39,10 @@ pub struct Workload {
     /// as the api accepts them. Paced runs measure latency at a given load
     /// instead of behind a backlog the publishers outrun.
     pub rate: Option<f64>,
+    /// Hostile requests sent beside the publishers, 200 of each kind at once
+    /// (`bodies`): bodies without a key, bodies declared past the limit, and
+    /// bodies that stream past it. The api's peak memory is the figure.
+    pub hostile: bool,
 }
 
 impl Workload {
@@ -61,15 +65,19 @@ impl Workload {
             backlog,
             payload_bytes: 1024,
             rate,
+            hostile: false,
         };
         Ok(match base {
             "w1" => w(2_000, 32, 10, 0, 0, 0),
             "w2" => w(500, 32, 10, 10, 10, 0),
             "w2b" => w(1_500, 32, 10, 10, 10, 0),
             "w3" => w(2_000, 32, 10, 0, 0, 1_000_000),
+            // 200 publishes of 250 KiB at once beside 600 hostile bodies of
+            // 1–1.9 MiB: what the api's memory does under that.
+            "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
-            other => bail!("unknown workload {other:?}: w1, w2, w2b, w3 or smoke, optionally paced as <name>@<events per second>"),
+            other => bail!("unknown workload {other:?}: w1, w2, w2b, w3, bodies or smoke, optionally paced as <name>@<events per second>"),
         })
     }
 
@@ -216,12 +224,24 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
                 }
                 let body = serde_json::json!({"id": ids[i], "type": "bench.event", "payload": {"n": i, "data": filler}});
                 let at = Instant::now();
-                let resp = http.post(format!("{url}/v1/events")).bearer_auth(&key).json(&body).send().await?;
-                anyhow::ensure!(resp.status().as_u16() == 202, "publishing: {}", resp.status());
+                // An overloaded api says when to come back; a client that
+                // listens publishes the same id again then.
+                loop {
+                    let resp = http.post(format!("{url}/v1/events")).bearer_auth(&key).json(&body).send().await?;
+                    match resp.status().as_u16() {
+                        202 => break,
+                        503 | 429 => {
+                            let after = resp.headers().get("retry-after").and_then(|v| v.to_str().ok()?.parse().ok()).unwrap_or(1);
+                            tokio::time::sleep(Duration::from_secs(after)).await;
+                        }
+                        other => anyhow::bail!("publishing: {other}"),
+                    }
+                }
                 sent.push((i, at));
             }
         }));
     }
+    let hostile = w.hostile.then(|| tokio::spawn(hostile_bodies(rest, key.clone())));
     let mut published_at: HashMap<String, Instant> = HashMap::with_capacity(w.events);
     for p in publishers {
         for (i, at) in p.await?? {
@@ -229,6 +249,11 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
         }
     }
     let publish_done = Instant::now();
+    if let Some(h) = hostile {
+        let answers = h.await??;
+        eprintln!("hostile bodies answered: {answers:?}");
+        anyhow::ensure!(answers.keys().all(|s| *s < 500 || *s == 503), "a hostile body got a server error: {answers:?}");
+    }
 
     // Wait for every healthy delivery, or until progress stops.
     let expected = w.events * w.healthy;
@@ -257,6 +282,39 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
     delete_streams(&env.nats_url, &prefix).await;
     let _ = std::fs::remove_dir_all(&work);
     Ok(report)
+}
+
+/// 200 each, all at once, over raw connections: 1 MiB chunked without a key
+/// (refused before it is read), 1.9 MiB declared with a key (refused by its
+/// declared size), 1 MiB chunked with a key (refused while it streams).
+/// Returns how many of each status came back.
+async fn hostile_bodies(rest: SocketAddr, key: String) -> Result<std::collections::BTreeMap<u16, usize>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mib = "x".repeat(1024 * 1024);
+    let requests: Vec<Vec<u8>> = (0..600)
+        .map(|i| {
+            let head = |auth: &str, framing: String| format!("POST /v1/events HTTP/1.1\r\nhost: relay\r\nconnection: close\r\n{auth}{framing}\r\n");
+            let auth = format!("authorization: Bearer {key}\r\n");
+            match i % 3 {
+                0 => (head("", "transfer-encoding: chunked\r\n".into()) + &format!("{:x}\r\n{mib}\r\n0\r\n\r\n", mib.len())).into_bytes(),
+                1 => (head(&auth, format!("content-length: {}\r\n", mib.len() * 19 / 10)) + &mib + &mib[..mib.len() * 9 / 10]).into_bytes(),
+                _ => (head(&auth, "transfer-encoding: chunked\r\n".into()) + &format!("{:x}\r\n{mib}\r\n0\r\n\r\n", mib.len())).into_bytes(),
+            }
+        })
+        .collect();
+    let sends = requests.into_iter().map(|req| async move {
+        let mut tcp = tokio::net::TcpStream::connect(rest).await.ok()?;
+        // The api may answer, and close, before the body is all sent.
+        let _ = tcp.write_all(&req).await;
+        let mut out = Vec::new();
+        let _ = tokio::time::timeout(Duration::from_secs(30), tcp.read_to_end(&mut out)).await;
+        String::from_utf8_lossy(&out).split(' ').nth(1)?.parse::<u16>().ok()
+    });
+    let mut counts = std::collections::BTreeMap::new();
+    for status in futures::future::join_all(sends).await {
+        *counts.entry(status.unwrap_or(0)).or_insert(0) += 1;
+    }
+    Ok(counts)
 }
 
 async fn delete_streams(url: &str, prefix: &str) {

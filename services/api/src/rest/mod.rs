@@ -55,9 +55,14 @@ use crate::{
 /// succeed is a publish of a payload at the envelope's limit; the rest of an
 /// event's fields need far less than the slack.
 pub const MAX_BODY_BYTES: usize = MAX_ENVELOPE_BYTES + 8 * 1024;
-/// Request bodies held in memory at once, across all REST calls. Each call
-/// reserves its declared size (the limit when undeclared) before reading.
-pub const BODY_BUDGET_BYTES: usize = 32 * 1024 * 1024;
+/// Request bodies held in memory at once, across all REST calls, counting
+/// the copies a body goes through on its way in (the bytes read, the bound
+/// message, its encoding, the service's decoding, the stored envelope). Each
+/// call reserves that much for its declared size (for the limit when
+/// undeclared) before reading a byte, and holds it until it is answered.
+pub const BODY_BUDGET_BYTES: usize = 64 * 1024 * 1024;
+/// How many times its own size a body occupies while it is converted.
+const BODY_COPIES: usize = 5;
 /// How long a call waits for room in that budget before answering 503.
 const BODY_BUDGET_WAIT: Duration = Duration::from_secs(2);
 
@@ -262,7 +267,7 @@ async fn handle(
     let tenant = auth::tenant_from_header(&facade.app, headers.get(header::AUTHORIZATION)).await.map_err(|st| status_response(&st))?;
 
     let body = if binding.body_all {
-        let reserve = declared.map_or(MAX_BODY_BYTES, |n| n as usize).div_ceil(1024).max(1) as u32;
+        let reserve = (declared.map_or(MAX_BODY_BYTES, |n| n as usize) * BODY_COPIES).div_ceil(1024).max(1) as u32;
         let permit = tokio::time::timeout(BODY_BUDGET_WAIT, facade.body_budget.clone().acquire_many_owned(reserve))
             .await
             .map_err(|_| overloaded())?
@@ -427,11 +432,12 @@ async fn transcode(
 
     // Frame it as a unary gRPC call and send it to the in-process server,
     // with the tenant this facade already verified.
-    let encoded = msg.encode_to_vec();
-    let mut frame = BytesMut::with_capacity(5 + encoded.len());
+    let len = msg.encoded_len();
+    let mut frame = BytesMut::with_capacity(5 + len);
     frame.put_u8(0);
-    frame.put_u32(encoded.len() as u32);
-    frame.put_slice(&encoded);
+    frame.put_u32(len as u32);
+    msg.encode(&mut frame).map_err(|e| internal(anyhow::Error::new(e).context("encoding an in-process call")))?;
+    drop(msg);
     let mut req = http::Request::builder()
         .method(Method::POST)
         .uri(&b.grpc_path)
