@@ -232,6 +232,19 @@ async fn payloads_arrive_exactly_as_published_and_nesting_is_bounded_with_a_400(
     req.metadata_mut().insert("authorization", format!("Bearer {}", tenant.api_key).parse()?);
     let refused = grpc.publish_event(req).await.expect_err("legacy_payload is refused");
     assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    // Nested past the protobuf decoder's own limit: the caller's mistake, not
+    // an internal error, and nothing of the decoder's words.
+    let mut deep = prost_types::Value::default();
+    for _ in 0..120 {
+        deep = prost_types::Value { kind: Some(prost_types::value::Kind::ListValue(prost_types::ListValue { values: vec![deep] })) };
+    }
+    #[allow(deprecated)]
+    let legacy = PublishEventRequest { r#type: "f".into(), legacy_payload: Some(deep), ..Default::default() };
+    let mut req = tonic::Request::new(legacy);
+    req.metadata_mut().insert("authorization", format!("Bearer {}", tenant.api_key).parse()?);
+    let refused = grpc.publish_event(req).await.expect_err("an undecodable message is refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
+    assert!(!refused.message().contains("recursion"), "{refused:?}");
 
     let got = receiver.wait_at("/f", sent.len(), Duration::from_secs(20)).await;
     assert_eq!(got.len(), sent.len());

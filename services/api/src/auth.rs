@@ -120,9 +120,23 @@ where
                 return Ok(st.into_http());
             };
             req.extensions_mut().insert(Authenticated(tenant));
-            inner.call(req).await
+            let resp = inner.call(req).await?;
+            Ok(undecodable_as_invalid_argument(resp))
         })
     }
+}
+
+/// tonic answers a message it cannot decode with INTERNAL and the decoder's
+/// own words; to a caller that is their mistake, so it is INVALID_ARGUMENT
+/// with a message that names it and nothing of the decoder's internals.
+fn undecodable_as_invalid_argument(resp: http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body> {
+    let Some(st) = Status::from_header_map(resp.headers()) else { return resp };
+    if st.code() != tonic::Code::Internal || !st.message().starts_with("failed to decode Protobuf message") {
+        return resp;
+    }
+    let mut st = Status::invalid_argument("the request is not a valid protobuf message of the method's request type");
+    st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, "undecodable_message".parse().expect("ascii"));
+    st.into_http()
 }
 
 /// The platform identities a peer certificate carries (its URI SANs).
