@@ -131,12 +131,16 @@ async fn a_connection_left_inside_a_dropped_begin_is_never_handed_out_again() ->
 /// well-behaved client would send. Returns the status, the head (lowercase)
 /// and the body.
 async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> anyhow::Result<(u16, String, String)> {
+    raw_exchange_within(addr, request, Duration::from_secs(10)).await
+}
+
+async fn raw_exchange_within(addr: std::net::SocketAddr, request: &[u8], within: Duration) -> anyhow::Result<(u16, String, String)> {
     use tokio::io::AsyncReadExt;
     let mut tcp = tokio::net::TcpStream::connect(addr).await?;
     // The server may answer (and close) before it has read everything.
     let _ = tcp.write_all(request).await;
     let mut out = Vec::new();
-    let read = tokio::time::timeout(Duration::from_secs(10), async {
+    let read = tokio::time::timeout(within, async {
         let mut buf = [0u8; 8192];
         loop {
             match tcp.read(&mut buf).await {
@@ -155,7 +159,7 @@ async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> anyhow::Res
         }
     })
     .await;
-    anyhow::ensure!(read.is_ok(), "no answer within 10 s");
+    anyhow::ensure!(read.is_ok(), "no answer within {within:?}");
     let text = String::from_utf8_lossy(&out).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));
     let status = head.split(' ').nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
@@ -863,4 +867,59 @@ async fn no_transaction_stays_open_while_the_broker_is_away() -> anyhow::Result<
     pg.close().await;
     stack.stop().await?;
     nats.stop().await
+}
+
+/// Issue 9.4: a tenant that opens many calls and trickles (or never sends)
+/// their bodies holds at most its share of the body budget, and only for the
+/// body deadline: another tenant's publishes go on, and the trickler gets 408.
+/// A client that half-closes after a complete request still gets its answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_holding_bodies_open_cannot_starve_another_and_is_timed_out() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let (slow, other) = (stack.tenant("slow").await?, stack.tenant("other").await?);
+    let addr = stack.addrs.rest;
+    // Calls that declare bodies and send none: large ones, then small ones
+    // to take whatever room is left — more than the whole body budget, let
+    // alone the slow tenant's share of it.
+    let held: Vec<_> = (0..300)
+        .map(|i| {
+            let key = slow.api_key.clone();
+            let declared = if i < 100 { 200_000 } else { 200 };
+            tokio::spawn(async move {
+                let head = format!(
+                    "POST /v1/events HTTP/1.1\r\nhost: relay\r\nauthorization: Bearer {key}\r\ncontent-type: application/json\r\ncontent-length: {declared}\r\n\r\n{{"
+                );
+                raw_exchange_within(addr, head.as_bytes(), Duration::from_secs(20)).await
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let rest = Rest::new(&stack.rest_url, Some(&other.api_key));
+    let started = std::time::Instant::now();
+    for i in 0..5 {
+        rest.publish("x", json!({"i": i})).await?;
+    }
+    assert!(started.elapsed() < Duration::from_secs(2), "the other tenant waited {:?}", started.elapsed());
+    let mut statuses = std::collections::BTreeMap::new();
+    for h in held {
+        let (status, head, body) = h.await??;
+        assert!(status == 408 || status == 503, "a held body answered {status}: {body}");
+        assert_error_json("a held body", status, &head, &body, status);
+        *statuses.entry(status).or_insert(0) += 1;
+    }
+    assert!(statuses.contains_key(&408), "some held calls got room, then a deadline: {statuses:?}");
+
+    // Half-close after a complete request: the answer still comes.
+    use tokio::io::AsyncReadExt;
+    let mut tcp = tokio::net::TcpStream::connect(addr).await?;
+    tcp.write_all(
+        format!("GET /v1/webhooks HTTP/1.1\r\nhost: relay\r\nconnection: close\r\nauthorization: Bearer {}\r\n\r\n", other.api_key)
+            .as_bytes(),
+    )
+    .await?;
+    tcp.shutdown().await?;
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), tcp.read_to_end(&mut out)).await??;
+    assert!(out.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&out));
+    stack.stop().await
 }

@@ -293,12 +293,16 @@ async fn hostile_bodies(rest: SocketAddr, key: String) -> Result<std::collection
     let mib = "x".repeat(1024 * 1024);
     let requests: Vec<Vec<u8>> = (0..600)
         .map(|i| {
-            let head = |auth: &str, framing: String| format!("POST /v1/events HTTP/1.1\r\nhost: relay\r\nconnection: close\r\n{auth}{framing}\r\n");
+            let head = |auth: &str, framing: String| {
+                format!("POST /v1/events HTTP/1.1\r\nhost: relay\r\nconnection: close\r\n{auth}{framing}\r\n")
+            };
             let auth = format!("authorization: Bearer {key}\r\n");
             match i % 3 {
                 0 => (head("", "transfer-encoding: chunked\r\n".into()) + &format!("{:x}\r\n{mib}\r\n0\r\n\r\n", mib.len())).into_bytes(),
                 1 => (head(&auth, format!("content-length: {}\r\n", mib.len() * 19 / 10)) + &mib + &mib[..mib.len() * 9 / 10]).into_bytes(),
-                _ => (head(&auth, "transfer-encoding: chunked\r\n".into()) + &format!("{:x}\r\n{mib}\r\n0\r\n\r\n", mib.len())).into_bytes(),
+                _ => {
+                    (head(&auth, "transfer-encoding: chunked\r\n".into()) + &format!("{:x}\r\n{mib}\r\n0\r\n\r\n", mib.len())).into_bytes()
+                }
             }
         })
         .collect();

@@ -95,9 +95,11 @@ pub fn verify(
     tolerance_secs: i64,
 ) -> Result<(), VerifyError> {
     let sent: i64 = timestamp.parse().map_err(|_| VerifyError::MalformedTimestamp)?;
-    let skew = (now_unix - sent).abs();
-    if skew > tolerance_secs {
-        return Err(VerifyError::TimestampOutOfTolerance { skew_secs: skew });
+    // The distance can exceed i64 for extreme timestamps a sender chose;
+    // measured without overflow, and saturated when reported.
+    let skew = now_unix.abs_diff(sent);
+    if skew > tolerance_secs.unsigned_abs() {
+        return Err(VerifyError::TimestampOutOfTolerance { skew_secs: i64::try_from(skew).unwrap_or(i64::MAX) });
     }
     let expected = sign(secret, timestamp, body);
     let matched = signature_header
@@ -105,6 +107,19 @@ pub fn verify(
         .filter_map(|entry| entry.trim().strip_prefix("v1="))
         .any(|candidate| candidate.as_bytes().ct_eq(expected.as_bytes()).into());
     if matched { Ok(()) } else { Err(VerifyError::NoMatchingSignature) }
+}
+
+#[cfg(test)]
+mod extremes {
+    use super::*;
+
+    #[test]
+    fn extreme_timestamps_are_refused_not_a_panic() {
+        let s = SigningSecret::new("whsec_x");
+        for (ts, now) in [("-9223372036854775808", 1_700_000_000), ("9223372036854775807", -1), ("9223372036854775807", i64::MIN)] {
+            assert!(matches!(verify(&s, "v1=00", ts, b"{}", now, 300), Err(VerifyError::TimestampOutOfTolerance { .. })), "{ts} at {now}");
+        }
+    }
 }
 
 #[cfg(test)]
@@ -153,5 +168,116 @@ mod tests {
     #[test]
     fn debug_redacts_the_secret() {
         assert_eq!(format!("{:?}", SigningSecret::new("hunter2")), "SigningSecret([redacted])");
+    }
+
+    mod properties {
+        use proptest::{collection::vec, prelude::*, sample::Index};
+
+        use super::super::*;
+
+        /// The HMAC as the contract states it, computed here without the
+        /// crate's helpers: key = the secret's UTF-8 bytes, message =
+        /// `v1:<timestamp>:<body>` in one piece, lowercase hex.
+        fn contract_hmac(secret: &str, timestamp: &str, body: &[u8]) -> String {
+            let mut message = format!("v1:{timestamp}:").into_bytes();
+            message.extend_from_slice(body);
+            let mut mac = Hmac::<Sha256>::new_from_slice(secret.as_bytes()).expect("any key length");
+            mac.update(&message);
+            hex::encode(mac.finalize().into_bytes())
+        }
+
+        /// HMAC pads a short key with zero bytes, so `k` and `k\0` are the
+        /// same key: a "different" secret must differ after that padding.
+        fn same_hmac_key(a: &str, b: &str) -> bool {
+            a.trim_end_matches('\0') == b.trim_end_matches('\0') && a.len() <= 64 && b.len() <= 64
+        }
+
+        fn secret() -> impl Strategy<Value = String> {
+            // Any non-empty text, control characters and astral planes included.
+            "(?s).{1,48}"
+        }
+
+        proptest! {
+            #[test]
+            fn every_secret_signs_once_in_order_and_each_verifies(
+                secrets in vec(secret(), 1..=3),
+                ts in any::<i64>(),
+                body in vec(any::<u8>(), 0..4096),
+                skew in -DEFAULT_TOLERANCE_SECS..=DEFAULT_TOLERANCE_SECS,
+            ) {
+                let timestamp = ts.to_string();
+                let keys: Vec<SigningSecret> = secrets.iter().map(SigningSecret::new).collect();
+                let header = signature_header(&keys, &timestamp, &body);
+                let entries: Vec<&str> = header.split(',').collect();
+                prop_assert_eq!(entries.len(), secrets.len(), "one entry per secret: {}", header);
+                for (entry, s) in entries.iter().zip(&keys) {
+                    let hex = entry.strip_prefix("v1=");
+                    prop_assert!(hex.is_some(), "entry {:?} is not v1=", entry);
+                    let hex = hex.unwrap_or_default();
+                    prop_assert!(hex.len() == 64 && hex.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)), "{:?}", hex);
+                    // In order: entry i is secret i's signature.
+                    prop_assert_eq!(hex, sign(s, &timestamp, &body));
+                    prop_assert_eq!(hex, contract_hmac(s.expose(), &timestamp, &body));
+                }
+                // Within tolerance of the verifier's clock, on either side
+                // (saturating: the skew stays within tolerance at i64's ends).
+                let now = ts.saturating_add(skew);
+                for s in &keys {
+                    prop_assert_eq!(verify(s, &header, &timestamp, &body, now, DEFAULT_TOLERANCE_SECS), Ok(()));
+                }
+            }
+
+            #[test]
+            fn a_flipped_bit_another_secret_or_a_stale_timestamp_is_refused(
+                secrets in vec(secret(), 1..=3),
+                other in secret(),
+                ts in any::<i64>(),
+                body in vec(any::<u8>(), 1..4096),
+                at in any::<Index>(),
+                bit in 0u8..8,
+                beyond in 1i64..=1_000_000,
+            ) {
+                let timestamp = ts.to_string();
+                let keys: Vec<SigningSecret> = secrets.iter().map(SigningSecret::new).collect();
+                let header = signature_header(&keys, &timestamp, &body);
+
+                let mut flipped = body.clone();
+                let i = at.index(flipped.len());
+                flipped[i] ^= 1 << bit;
+                for s in &keys {
+                    prop_assert_eq!(
+                        verify(s, &header, &timestamp, &flipped, ts, DEFAULT_TOLERANCE_SECS),
+                        Err(VerifyError::NoMatchingSignature),
+                        "bit {} of byte {} flipped", bit, i
+                    );
+                }
+
+                prop_assume!(!secrets.iter().any(|s| same_hmac_key(s, &other)));
+                prop_assert_eq!(
+                    verify(&SigningSecret::new(other), &header, &timestamp, &body, ts, DEFAULT_TOLERANCE_SECS),
+                    Err(VerifyError::NoMatchingSignature)
+                );
+
+                // Just past the tolerance, ahead of or behind the verifier,
+                // whichever side i64 has room for.
+                let off = DEFAULT_TOLERANCE_SECS + beyond;
+                let now = ts.checked_add(off).or_else(|| ts.checked_sub(off)).expect("one side has room");
+                for s in &keys {
+                    prop_assert_eq!(
+                        verify(s, &header, &timestamp, &body, now, DEFAULT_TOLERANCE_SECS),
+                        Err(VerifyError::TimestampOutOfTolerance { skew_secs: off })
+                    );
+                }
+            }
+        }
+
+        #[test]
+        fn an_empty_body_and_a_one_byte_body_sign_differently() {
+            // The flip property needs a byte to flip; the empty body's own case.
+            let s = SigningSecret::new("s3cr3t");
+            let header = signature_header(std::slice::from_ref(&s), "1700000000", b"");
+            assert_eq!(verify(&s, &header, "1700000000", b"\0", 1_700_000_000, 300), Err(VerifyError::NoMatchingSignature));
+            assert_eq!(verify(&s, &header, "1700000000", b"", 1_700_000_000, 300), Ok(()));
+        }
     }
 }

@@ -47,6 +47,9 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<
     let mut builder = auto::Builder::new(TokioExecutor::new());
     builder
         .http1()
+        // A client may close its side once its request is sent and still
+        // wait for the answer; without this hyper would drop the request.
+        .half_close(true)
         .timer(TokioTimer::new())
         .header_read_timeout(HEAD_TIMEOUT)
         .max_buf_size(PARSER_BUF_BYTES)
