@@ -104,6 +104,13 @@ async fn a_connection_left_inside_a_dropped_begin_is_never_handed_out_again() ->
     // One connection, so the next statement would get the very same one.
     let pool = relay_api::db::connect(&db.url, 1, Duration::from_secs(5)).await?;
     sqlx::query("CREATE TABLE published (n int)").execute(&pool).await?;
+    // A healthy connection is kept: the check must not discard it (opening
+    // a backend per query would cost more than everything else).
+    let mut pids = HashSet::new();
+    for _ in 0..20 {
+        pids.insert(sqlx::query_scalar::<_, i32>("SELECT pg_backend_pid()").fetch_one(&pool).await?);
+    }
+    assert_eq!(pids.len(), 1, "an idle connection was discarded and reopened");
     let mut dropped_mid_begin = 0;
     for n in 0..20 {
         {

@@ -14,9 +14,12 @@ use std::time::Duration;
 use anyhow::{Context, Result};
 use sqlx::{PgPool, postgres::PgPoolOptions};
 
-/// Statement that is true only outside a transaction block: the first
-/// statement of a transaction is stamped with the transaction's start time,
-/// so inside a block opened earlier the two stamps differ.
+/// Statement that is true only outside a transaction block: sent as one
+/// simple-protocol message, it starts its own transaction and both stamps
+/// are the time that message arrived; inside a block opened earlier, the
+/// transaction's stamp is older. (Over the extended protocol the stamps
+/// differ even outside a block: the transaction starts at Parse, the
+/// statement's stamp moves on with each later message.)
 const OUTSIDE_A_TRANSACTION: &str = "SELECT transaction_timestamp() = statement_timestamp()";
 
 pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration) -> Result<PgPool> {
@@ -28,7 +31,8 @@ pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration)
         .test_before_acquire(false)
         .before_acquire(|conn, _meta| {
             Box::pin(async move {
-                let idle: bool = sqlx::query_scalar(OUTSIDE_A_TRANSACTION).fetch_one(&mut *conn).await?;
+                let row = sqlx::raw_sql(OUTSIDE_A_TRANSACTION).fetch_one(&mut *conn).await?;
+                let idle: bool = sqlx::Row::try_get(&row, 0)?;
                 if !idle {
                     tracing::warn!("discarding a pooled Postgres connection left inside a transaction");
                 }

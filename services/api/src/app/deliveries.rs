@@ -627,8 +627,11 @@ impl App {
             return Ok(HashSet::new());
         }
         Ok(sqlx::query_scalar(
+            // Committed without waiting for the disk (see cheap commits in `crate::relay`):
+            // a claim lost to a Postgres crash only reopens the window it closes.
             "UPDATE webhook_deliveries d SET sending_by = u.claimant, sending_until = now() + u.hold_ms * interval '1 millisecond'
-             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms)
+             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms),
+                  (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
              WHERE d.id = u.id AND d.state = 'pending' AND d.attempt = u.attempt AND d.generation = u.generation
                AND (d.sending_until IS NULL OR d.sending_until < now() OR d.sending_by = u.claimant)
              RETURNING d.id",

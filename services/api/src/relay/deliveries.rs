@@ -215,19 +215,23 @@ impl DeliveryRelay {
             .collect();
         // Claim what was chosen, re-checking that it is still due and
         // unclaimed (another relay may have taken, or an outcome moved, it
-        // since the scan). The claim is a short lease written in one
-        // statement: no row lock is held while the broker is asked. If this
-        // process dies before the broker answers, the short lease runs out
-        // and the rows are published again, under the same message ids.
+        // since the scan), and lease it in the same statement: no row lock
+        // or transaction is held while the broker is asked. Rows the broker
+        // refuses are released at once; if this process dies before the
+        // broker answers, they are published again when the lease runs out,
+        // under the same message ids. A claim lost to a Postgres crash is a
+        // re-publish the broker drops, so it need not wait for the disk
+        // (see cheap commits in `super`).
         let rows: Vec<Claimed> = sqlx::query_as(
             "UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $2
+             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
              WHERE d.id IN (SELECT id FROM webhook_deliveries
                             WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
                             ORDER BY id FOR UPDATE SKIP LOCKED)
              RETURNING d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation, d.trace_context, d.dispatched_at",
         )
         .bind(&chosen)
-        .bind(crate::relay::outbox::RELAY_CLAIM)
+        .bind(self.lease)
         .fetch_all(&self.app.db)
         .await
         .context("claiming due deliveries")?;
@@ -253,25 +257,11 @@ impl DeliveryRelay {
         for (row, ok) in rows.iter().zip(stored) {
             if ok { leased.push(row) } else { refused.push(row) }
         }
-        // The broker has them: the full lease, for rows still under this
-        // pass's claim (an outcome may already have come back and moved one
-        // on; compare-and-set on the claim's instant leaves that alone).
+        // Refused rows are released, if still under this pass's claim (an
+        // outcome cannot have come back for them, but compare-and-set on the
+        // claim's instant keeps that true by construction).
         let still_ours =
             |rows: &[&Claimed]| (rows.iter().map(|r| r.id).collect::<Vec<_>>(), rows.iter().map(|r| r.dispatched_at).collect::<Vec<_>>());
-        if !leased.is_empty() {
-            let (ids, at) = still_ours(&leased);
-            sqlx::query(
-                "UPDATE webhook_deliveries d SET next_attempt_at = u.at + $3
-                 FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)
-                 WHERE d.id = u.id AND d.state = 'pending' AND d.dispatched_at = u.at",
-            )
-            .bind(&ids)
-            .bind(&at)
-            .bind(self.lease)
-            .execute(&self.app.db)
-            .await
-            .context("leasing published deliveries")?;
-        }
         if !refused.is_empty() {
             let (ids, at) = still_ours(&refused);
             sqlx::query(

@@ -1,4 +1,15 @@
 //! The two relays: Postgres → NATS for work the platform owes itself.
+//!
+//! Cheap commits: writes whose loss in a Postgres crash costs nothing but a
+//! repeat the system already absorbs (a relay's claim or lease, a
+//! "published" mark, a dispatcher's claim on an attempt: the broker drops a
+//! re-publish inside its duplicate window, the expansion ledger a second
+//! expansion, an attempt's claim only narrows a duplicate window) are
+//! committed without waiting for the disk, by turning `synchronous_commit`
+//! off for their own transaction inside the statement:
+//! `FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit`.
+//! Everything a client or the schedule relies on (an accepted event, a
+//! delivery, an outcome, a dead letter) still waits for the disk.
 //! Each claims rows with `FOR UPDATE SKIP LOCKED`, so any number of api
 //! processes can run them side by side, and a broker outage leaves the rows
 //! where they are until it returns.

@@ -71,6 +71,7 @@ impl OutboxRelay {
     pub async fn drain_once(&self) -> Result<usize> {
         let rows: Vec<OutboxRow> = sqlx::query_as(
             "UPDATE events SET relay_claim_until = now() + $2
+             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
              WHERE seq IN (SELECT seq FROM events
                            WHERE published_at IS NULL AND (relay_claim_until IS NULL OR relay_claim_until < now())
                            ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
@@ -109,11 +110,16 @@ impl OutboxRelay {
             if ok { published.push(seq) } else { refused.push(seq) }
         }
         if !published.is_empty() {
-            sqlx::query("UPDATE events SET published_at = now(), relay_claim_until = NULL WHERE seq = ANY ($1)")
-                .bind(&published)
-                .execute(&self.app.db)
-                .await
-                .context("marking events published")?;
+            // Lost to a Postgres crash, this is a second publish that the
+            // broker or the expansion ledger drops (see cheap commits in `super`).
+            sqlx::query(
+                "UPDATE events SET published_at = now(), relay_claim_until = NULL
+                 FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit WHERE seq = ANY ($1)",
+            )
+            .bind(&published)
+            .execute(&self.app.db)
+            .await
+            .context("marking events published")?;
         }
         if !refused.is_empty() {
             // The next pass may take them at once, rather than after the claim.
