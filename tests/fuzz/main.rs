@@ -27,7 +27,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use relay_tests::{Options, Receiver, Reply, Rest, Stack};
+use relay_tests::{Options, Receiver, Reply, Rest, Rng, Stack};
 use serde_json::{Value, json};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -49,51 +49,24 @@ const EXCERPT_BYTES: usize = 300;
 const POOL_CAP: usize = 64;
 
 // ---------------------------------------------------------------------------
-// A deterministic PRNG: splitmix64, small enough to read.
+// The deterministic generator (`relay_tests::Rng`), with what this file adds.
 
-#[derive(Debug, Clone)]
-struct Rng(u64);
+/// The stream of request `index`, whichever worker sends it.
+fn rng_for_request(seed: u64, index: usize) -> Rng {
+    let mut r = Rng(seed ^ (index as u64).wrapping_mul(0xd1b5_4a32_d192_ed03));
+    r.next_u64();
+    r
+}
 
-impl Rng {
-    /// The stream of request `index`, whichever worker sends it.
-    fn for_request(seed: u64, index: usize) -> Self {
-        let mut r = Self(seed ^ (index as u64).wrapping_mul(0xd1b5_4a32_d192_ed03));
-        r.next();
-        r
-    }
+trait RandomIds {
+    fn uuid(&mut self) -> String;
+}
 
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        if n == 0 { 0 } else { (self.next() % n as u64) as usize }
-    }
-
-    fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + self.below(hi - lo + 1)
-    }
-
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-
-    fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {
-        &items[self.below(items.len())]
-    }
-
-    fn choose<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len())]
-    }
-
+impl RandomIds for Rng {
     fn uuid(&mut self) -> String {
         let mut bytes = [0u8; 16];
-        bytes[..8].copy_from_slice(&self.next().to_le_bytes());
-        bytes[8..].copy_from_slice(&self.next().to_le_bytes());
+        bytes[..8].copy_from_slice(&self.next_u64().to_le_bytes());
+        bytes[8..].copy_from_slice(&self.next_u64().to_le_bytes());
         uuid::Builder::from_random_bytes(bytes).into_uuid().to_string()
     }
 }
@@ -526,7 +499,7 @@ const MUTATIONS: &[(&str, u64, Mutate)] = &[
 
 fn pick_mutation(rng: &mut Rng) -> usize {
     let total: u64 = MUTATIONS.iter().map(|m| m.1).sum();
-    let mut at = rng.next() % total;
+    let mut at = rng.next_u64() % total;
     for (i, m) in MUTATIONS.iter().enumerate() {
         if at < m.1 {
             return i;
@@ -976,7 +949,7 @@ fn damage_bytes(rng: &mut Rng, req: &mut Req, _: &World) {
             let quote = bytes.iter().enumerate().filter(|(_, b)| **b == b'"').map(|(i, _)| i).nth(rng.below(4)).map_or(at, |q| q + 1);
             bytes.splice(quote..quote, invalid_utf8.iter().copied());
         }
-        3 if at < bytes.len() => bytes[at] = rng.next() as u8,
+        3 if at < bytes.len() => bytes[at] = rng.next_u64() as u8,
         _ => bytes.insert(at, rng.choose(&[0u8, 0x1b, b'\r', 0x7f])),
     }
     req.body = Body::Raw(bytes);
@@ -1453,7 +1426,7 @@ async fn every_rest_route_survives_mutated_requests_with_json_errors_and_no_5xx(
 
     // Directed first: each route with a path id, given the other tenant's id
     // (and the other tenant given ours), is exactly a 404.
-    let mut probe_rng = Rng::for_request(seed, usize::MAX);
+    let mut probe_rng = rng_for_request(seed, usize::MAX);
     let mut probes = 0;
     for route in world.routes.iter().filter(|r| !r.params().is_empty()) {
         for (caller, owner) in [(Tenant::Own, Tenant::Other), (Tenant::Other, Tenant::Own)] {
@@ -1501,7 +1474,7 @@ async fn every_rest_route_survives_mutated_requests_with_json_errors_and_no_5xx(
                     if i >= total {
                         break;
                     }
-                    let mut rng = Rng::for_request(seed, i);
+                    let mut rng = rng_for_request(seed, i);
                     let req = build(&mut rng, &world);
                     run_one(&world, &report, &format!("#{i}"), &req).await;
                 }

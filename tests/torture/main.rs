@@ -15,29 +15,13 @@ use std::{
 };
 
 use anyhow::{Context, Result};
-use relay_tests::{Options, PrivateNats, Process, Receiver, Stack, api_addrs};
+use relay_tests::{Options, PrivateNats, Process, Receiver, Rng, Stack, api_addrs};
 use serde_json::json;
 use uuid::Uuid;
 
-/// A small deterministic generator (splitmix64): a seed replays a run.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-
-    fn millis(&mut self, lo: u64, hi: u64) -> Duration {
-        Duration::from_millis(lo + self.below(hi - lo + 1))
-    }
+/// A random pause from `lo` to `hi` milliseconds.
+fn millis(rng: &mut Rng, lo: usize, hi: usize) -> Duration {
+    Duration::from_millis(rng.range(lo, hi) as u64)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -179,7 +163,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
                     ledger.lock().expect("unpoisoned").unconfirmed.insert(id);
                     let deadline = Instant::now() + Duration::from_secs(60);
                     while Instant::now() < deadline {
-                        let url = &urls[rng.below(2) as usize];
+                        let url = &urls[rng.below(2)];
                         let sent = http
                             .post(format!("{url}/v1/events"))
                             .bearer_auth(&key)
@@ -195,7 +179,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
                         ledger.lock().expect("unpoisoned").retries += 1;
                         tokio::time::sleep(Duration::from_millis(50)).await;
                     }
-                    tokio::time::sleep(rng.millis(5, 40)).await;
+                    tokio::time::sleep(millis(&mut rng, 5, 40)).await;
                 }
                 anyhow::Ok(())
             })
@@ -206,15 +190,15 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
     let started = Instant::now();
     let mut kills: Vec<Kill> = Vec::new();
     while started.elapsed() < Duration::from_secs(seconds) {
-        tokio::time::sleep(rng.millis(700, 2500)).await;
+        tokio::time::sleep(millis(&mut rng, 700, 2500)).await;
         let victim = match rng.below(10) {
-            0..=2 => Victim::Api(rng.below(2) as usize),
-            3..=7 => Victim::Dispatcher(rng.below(2) as usize),
+            0..=2 => Victim::Api(rng.below(2)),
+            3..=7 => Victim::Dispatcher(rng.below(2)),
             _ => Victim::Broker,
         };
         fleet.kill(victim).await?;
         kills.push(Kill { victim, at: Instant::now() });
-        tokio::time::sleep(rng.millis(100, 1500)).await;
+        tokio::time::sleep(millis(&mut rng, 100, 1500)).await;
         fleet.start(victim).await?;
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);

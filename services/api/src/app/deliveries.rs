@@ -930,11 +930,11 @@ impl App {
                 continue;
             };
             let same_attempt = row.attempt as u32 == report.attempt && row.generation as u32 == report.generation;
-            if row.state == "dead" && same_attempt && switched_off.contains(&row.id) {
+            let status = report.http_status.map(|s| s as i32);
+            let error = report_error(&report.error);
+            let decision = if row.state == "dead" && same_attempt && switched_off.contains(&row.id) {
                 // The attempt in flight when the endpoint was switched off.
-                let status = report.http_status.map(|s| s as i32);
-                let error = report_error(&report.error);
-                let decision = if matches!(report.http_status, Some(200..=299)) {
+                if matches!(report.http_status, Some(200..=299)) {
                     row.state = "delivered".into();
                     row.last_error = None;
                     revived.push(row.id);
@@ -951,29 +951,8 @@ impl App {
                         error.clone(),
                     );
                     Decision::DeadLettered
-                };
-                row.last_status = status;
-                if !touched.contains(&row.id) {
-                    touched.push(row.id);
                 }
-                let mut body = report.response_body;
-                body.truncate(MAX_RESPONSE_BODY);
-                log.push(
-                    &report.delivery_id,
-                    report.generation,
-                    report.attempt,
-                    row.environment_id,
-                    status,
-                    error,
-                    report.latency_ms,
-                    body,
-                    decision,
-                );
-                recorded.insert(key, decision);
-                out.push(Ok(decision));
-                continue;
-            }
-            if row.state != "pending" || !same_attempt {
+            } else if row.state != "pending" || !same_attempt {
                 // Not the current attempt and never recorded: a report from before
                 // a replay, say. Answer with where the delivery stands; change nothing.
                 out.push(Ok(match row.state.as_str() {
@@ -982,29 +961,29 @@ impl App {
                     _ => Decision::Rescheduled { next_attempt_at: row.next_attempt_at },
                 }));
                 continue;
-            }
-            let decision = self.decide(&report, now)?;
-            let status = report.http_status.map(|s| s as i32);
-            let error = report_error(&report.error);
+            } else {
+                let decision = self.decide(&report, now)?;
+                match decision {
+                    Decision::Delivered => {
+                        row.state = "delivered".into();
+                        row.last_error = None;
+                    }
+                    Decision::Rescheduled { next_attempt_at } => {
+                        row.attempt += 1;
+                        row.next_attempt_at = next_attempt_at;
+                        row.last_error = error.clone();
+                    }
+                    Decision::DeadLettered => {
+                        // The dead letter and the state change commit together: a
+                        // dead delivery always has its record.
+                        row.state = "dead".into();
+                        row.last_error = error.clone();
+                        dead.push(row, report.attempt as i32);
+                    }
+                }
+                decision
+            };
             row.last_status = status;
-            match decision {
-                Decision::Delivered => {
-                    row.state = "delivered".into();
-                    row.last_error = None;
-                }
-                Decision::Rescheduled { next_attempt_at } => {
-                    row.attempt += 1;
-                    row.next_attempt_at = next_attempt_at;
-                    row.last_error = error.clone();
-                }
-                Decision::DeadLettered => {
-                    // The dead letter and the state change commit together: a
-                    // dead delivery always has its record.
-                    row.state = "dead".into();
-                    row.last_error = error.clone();
-                    dead.push(row, report.attempt as i32);
-                }
-            }
             if !touched.contains(&row.id) {
                 touched.push(row.id);
             }
