@@ -7,8 +7,21 @@
 -- id, which the broker drops inside its duplicate window.
 ALTER TABLE events ADD COLUMN relay_claim_until timestamptz;
 
--- Who is sending the current attempt, and until when: set when a dispatcher
--- fetches the attempt's material, cleared by its outcome. Another dispatcher
--- holding a second copy of the same job is refused the material while the
--- claim lasts, so an attempt already sent and recorded is not sent again.
-ALTER TABLE webhook_deliveries ADD COLUMN sending_by uuid, ADD COLUMN sending_until timestamptz;
+-- Who is sending a delivery's attempt, and until when: taken when a
+-- dispatcher fetches the attempt's material. Another dispatcher holding a
+-- second copy of the same job is refused the material while the claim lasts,
+-- so an attempt already sent (and perhaps recorded) is not sent again. A
+-- claim for an earlier attempt or generation is simply replaced; claims are
+-- pruned once long expired.
+-- Unlogged, and apart from the deliveries: a claim is written for every
+-- attempt, and here it costs one narrow row with one index and no WAL,
+-- instead of a new version of a delivery row and of each of its indexes. A
+-- crash of Postgres empties the table, which only reopens, for attempts in
+-- flight at that moment, the window the claims close.
+CREATE UNLOGGED TABLE attempt_claims (
+    delivery_id  uuid PRIMARY KEY,
+    generation   integer NOT NULL,
+    attempt      integer NOT NULL,
+    claimant     uuid NOT NULL,
+    until        timestamptz NOT NULL
+);

@@ -141,11 +141,16 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             let mut tick = tokio::time::interval(every);
             loop {
                 tokio::select! {
-                    _ = tick.tick() => match app.prune_dead_letters(retention).await {
-                        Ok(0) => {}
-                        Ok(n) => tracing::info!(pruned = n, "dead letters past retention deleted"),
-                        Err(e) => tracing::warn!(error = ?e, "pruning dead letters failed"),
-                    },
+                    _ = tick.tick() => {
+                        match app.prune_dead_letters(retention).await {
+                            Ok(0) => {}
+                            Ok(n) => tracing::info!(pruned = n, "dead letters past retention deleted"),
+                            Err(e) => tracing::warn!(error = ?e, "pruning dead letters failed"),
+                        }
+                        if let Err(e) = app.prune_attempt_claims().await {
+                            tracing::warn!(error = ?e, "pruning expired attempt claims failed");
+                        }
+                    }
                     _ = stop.changed() => return Ok(()),
                 }
             }

@@ -609,10 +609,12 @@ impl App {
         Ok(out)
     }
 
-    /// Claims the attempts of a material batch that will be answered, for
-    /// their claimants: one statement, taking only attempts that are still
-    /// current and that nobody else holds (or whose holder's claim ran out).
-    /// Returns the deliveries claimed.
+    /// Claims the attempts of a material batch that will be answered (the
+    /// read just found them current), for their claimants: one statement,
+    /// taking only attempts nobody else holds (or whose holder's claim ran
+    /// out). A claim outlives its attempt's outcome on purpose: a second copy
+    /// of the job asking before it runs out is refused, and asking after
+    /// finds the attempt no longer current. Returns the deliveries claimed.
     async fn claim_attempts(&self, wanted: &[AttemptRef], rows: &HashMap<i64, MaterialRow>) -> AppResult<HashSet<Uuid>> {
         let mut seen: HashSet<Uuid> = HashSet::new();
         let asked: Vec<(&AttemptRef, Claim)> = (1..)
@@ -627,14 +629,17 @@ impl App {
             return Ok(HashSet::new());
         }
         Ok(sqlx::query_scalar(
-            // Committed without waiting for the disk (see cheap commits in `crate::relay`):
-            // a claim lost to a Postgres crash only reopens the window it closes.
-            "UPDATE webhook_deliveries d SET sending_by = u.claimant, sending_until = now() + u.hold_ms * interval '1 millisecond'
-             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms),
-                  (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
-             WHERE d.id = u.id AND d.state = 'pending' AND d.attempt = u.attempt AND d.generation = u.generation
-               AND (d.sending_until IS NULL OR d.sending_until < now() OR d.sending_by = u.claimant)
-             RETURNING d.id",
+            // A claim for an earlier attempt or generation of the delivery is
+            // replaced; one for this attempt only by its own claimant, or once
+            // it has run out.
+            "INSERT INTO attempt_claims AS c (delivery_id, attempt, generation, claimant, until)
+             SELECT u.id, u.attempt, u.generation, u.claimant, now() + u.hold_ms * interval '1 millisecond'
+             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms)
+             ON CONFLICT (delivery_id) DO UPDATE
+               SET attempt = excluded.attempt, generation = excluded.generation, claimant = excluded.claimant, until = excluded.until
+               WHERE c.claimant = excluded.claimant OR c.until < now()
+                  OR (c.generation, c.attempt) <> (excluded.generation, excluded.attempt)
+             RETURNING delivery_id",
         )
         .bind(asked.iter().map(|(w, _)| w.delivery_id).collect::<Vec<_>>())
         .bind(asked.iter().map(|(w, _)| w.attempt as i32).collect::<Vec<_>>())
@@ -733,7 +738,7 @@ impl App {
         let errors: Vec<Option<String>> = reports.iter().map(|r| report_error(&r.error)).collect();
         let applied: Vec<(Uuid, Uuid, Uuid, Uuid)> = sqlx::query_as(
             "UPDATE webhook_deliveries d SET state = u.state, attempt = u.next_attempt, next_attempt_at = coalesce(u.next_attempt_at, d.next_attempt_at),
-               dispatched_at = NULL, sending_by = NULL, sending_until = NULL, last_status = u.status, last_error = u.error, updated_at = now()
+               dispatched_at = NULL, last_status = u.status, last_error = u.error, updated_at = now()
              FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[])
                AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error)
              WHERE d.id = u.id AND d.state = 'pending' AND d.generation = u.generation AND d.attempt = u.attempt
@@ -1008,8 +1013,7 @@ impl App {
             let rows: Vec<&OutcomeRow> = touched.iter().map(|id| &current[id]).collect();
             sqlx::query(
                 "UPDATE webhook_deliveries d SET state = u.state, attempt = u.attempt, next_attempt_at = u.next_attempt_at,
-                   dispatched_at = NULL, sending_by = NULL, sending_until = NULL, last_status = u.last_status, last_error = u.last_error,
-                   updated_at = now()
+                   dispatched_at = NULL, last_status = u.last_status, last_error = u.last_error, updated_at = now()
                  FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::int[], $6::text[])
                    AS u(id, state, attempt, next_attempt_at, last_status, last_error)
                  WHERE d.id = u.id",
@@ -1074,7 +1078,7 @@ impl App {
         }
         let reset = sqlx::query(
             "UPDATE webhook_deliveries SET state = 'pending', attempt = 1, generation = generation + 1,
-               next_attempt_at = now(), dispatched_at = NULL, sending_by = NULL, sending_until = NULL, updated_at = now()
+               next_attempt_at = now(), dispatched_at = NULL, updated_at = now()
              WHERE id = $1 AND state = 'dead'",
         )
         .bind(delivery_id)
@@ -1090,6 +1094,13 @@ impl App {
         tx.commit().await.context("committing a replay")?;
         self.deliveries_wake.wake();
         Ok(delivery_id)
+    }
+
+    /// Deletes claims on attempts that ran out long ago: a claim matters
+    /// only while it holds (see `claim_attempts`). Run with the pruning of
+    /// dead letters.
+    pub async fn prune_attempt_claims(&self) -> AppResult<u64> {
+        Ok(sqlx::query("DELETE FROM attempt_claims WHERE until < now() - interval '10 minutes'").execute(&self.db).await?.rows_affected())
     }
 
     /// Deletes dead letters older than `retention`; run by the api on a timer.
