@@ -256,6 +256,12 @@ async fn payloads_arrive_exactly_as_published_and_nesting_is_bounded_with_a_400(
     let refused = grpc.publish_event(req).await.expect_err("an undecodable message is refused");
     assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{refused:?}");
     assert!(!refused.message().contains("recursion"), "{refused:?}");
+    // A gRPC caller's overlong value is not echoed back either.
+    let mut req = tonic::Request::new(PublishEventRequest { r#type: "t".repeat(300_000), payload: "1".into(), ..Default::default() });
+    req.metadata_mut().insert("authorization", format!("Bearer {}", tenant.api_key).parse()?);
+    let refused = grpc.publish_event(req).await.expect_err("an overlong type is refused");
+    assert_eq!(refused.code(), tonic::Code::InvalidArgument, "{}", &refused.message()[..200.min(refused.message().len())]);
+    assert!(refused.message().len() < 300, "the message echoes the type ({} bytes)", refused.message().len());
 
     let got = receiver.wait_at("/f", sent.len(), Duration::from_secs(20)).await;
     assert_eq!(got.len(), sent.len());

@@ -80,6 +80,19 @@ impl From<anyhow::Error> for AppError {
     }
 }
 
+/// The longest message an error carries, over gRPC or REST. Messages name
+/// the mistake and the number; anything longer is input being echoed, which
+/// is cut.
+pub const MAX_MESSAGE_CHARS: usize = 300;
+
+/// `message`, cut to [`MAX_MESSAGE_CHARS`] on a character boundary.
+pub fn bounded(message: &str) -> String {
+    match message.char_indices().nth(MAX_MESSAGE_CHARS) {
+        Some((cut, _)) => format!("{}…", &message[..cut]),
+        None => message.to_owned(),
+    }
+}
+
 /// How much of a caller's value an error message quotes back.
 const QUOTED_CHARS: usize = 64;
 

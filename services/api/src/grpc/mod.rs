@@ -35,7 +35,7 @@ pub fn status(e: AppError) -> Status {
     if let Some(src) = &e.source {
         tracing::error!(reason = e.reason, error = format!("{src:#}"), "request failed");
     }
-    let mut st = Status::new(code, e.message);
+    let mut st = Status::new(code, crate::error::bounded(&e.message));
     if let Ok(v) = e.reason.parse() {
         st.metadata_mut().insert(ERROR_REASON_METADATA, v);
     }

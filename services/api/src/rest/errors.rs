@@ -9,9 +9,7 @@ use axum::{
 use relay_contracts::ERROR_REASON_METADATA;
 use tonic::{Code, Status};
 
-/// The longest message an error body carries. Messages name the mistake and
-/// the number; anything longer is input being echoed, which is cut.
-pub const MAX_MESSAGE_CHARS: usize = 300;
+pub use crate::error::{MAX_MESSAGE_CHARS, bounded};
 
 /// How long an overloaded api asks a client to wait before retrying.
 pub const RETRY_AFTER_SECS: u64 = 1;
@@ -31,14 +29,6 @@ pub fn http_status(code: Code) -> StatusCode {
         Code::Unimplemented => StatusCode::NOT_IMPLEMENTED,
         Code::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
         Code::Unknown | Code::Internal | Code::DataLoss => StatusCode::INTERNAL_SERVER_ERROR,
-    }
-}
-
-/// `message`, cut to [`MAX_MESSAGE_CHARS`] on a character boundary.
-pub fn bounded(message: &str) -> String {
-    match message.char_indices().nth(MAX_MESSAGE_CHARS) {
-        Some((cut, _)) => format!("{}…", &message[..cut]),
-        None => message.to_owned(),
     }
 }
 

@@ -111,17 +111,22 @@ async fn checked_head(router: Router, req: Request) -> Response {
     router.oneshot(req).await.unwrap_or_else(|never| match never {})
 }
 
-/// The JSON body for one of hyper's automatic answers, by its status code.
-fn automatic_answer(status: &[u8]) -> Option<(&'static str, &'static str, &'static str)> {
+/// The status line, reason and message for one of hyper's automatic
+/// answers, by its status code.
+fn automatic_answer(status: &[u8]) -> Option<(&'static str, &'static str, String)> {
     Some(match status {
-        b"400" => ("400 Bad Request", "malformed_request", "the request could not be parsed as HTTP/1.1"),
-        b"414" => {
-            ("414 URI Too Long", "uri_too_long", "the request target is longer than the server parses (at most 8192 bytes are accepted)")
-        }
+        b"400" => ("400 Bad Request", "malformed_request", "the request could not be parsed as HTTP/1.1".to_owned()),
+        b"414" => (
+            "414 URI Too Long",
+            "uri_too_long",
+            format!("the request target is longer than the server parses (at most {MAX_URI_BYTES} bytes are accepted)"),
+        ),
         b"431" => (
             "431 Request Header Fields Too Large",
             "headers_too_large",
-            "the request head is larger than the server parses (at most 64 header fields and 16384 bytes of them are accepted)",
+            format!(
+                "the request head is larger than the server parses (at most {MAX_HEADERS} header fields and {MAX_HEADER_BYTES} bytes of them are accepted)"
+            ),
         ),
         _ => return None,
     })
@@ -132,13 +137,13 @@ fn automatic_answer(status: &[u8]) -> Option<(&'static str, &'static str, &'stat
 /// answer to send instead.
 fn rewrite(buf: &[u8]) -> Option<Vec<u8>> {
     let rest = buf.strip_prefix(b"HTTP/1.1 ").or_else(|| buf.strip_prefix(b"HTTP/1.0 "))?;
-    let (line, head) = automatic_answer(rest.get(..3)?).map(|(line, reason, message)| (line, (reason, message)))?;
+    let (line, reason, message) = automatic_answer(rest.get(..3)?)?;
     let end = buf.windows(4).position(|w| w == b"\r\n\r\n")?;
     let head_text = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
     if head_text.contains("\r\ncontent-type:") {
         return None;
     }
-    let body = error_json(Code::InvalidArgument, head.0, head.1);
+    let body = error_json(Code::InvalidArgument, reason, &message);
     Some(
         format!("HTTP/1.1 {line}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}", body.len())
             .into_bytes(),
