@@ -815,7 +815,10 @@ async fn a_job_redelivered_to_another_dispatcher_mid_attempt_is_not_sent_twice()
         published.insert(event_id.clone());
         // Once the attempt is in the receiver's hands, put copies of its job
         // in the stream, as a broker that lost track of its acks would.
-        assert_eq!(receiver.wait_at("/slow", i + 1, Duration::from_secs(20)).await.len(), i + 1);
+        let seen: Vec<String> =
+            receiver.wait_at("/slow", i + 1, Duration::from_secs(20)).await.iter().map(|r| r.header("relay-webhook-id")).collect();
+        assert_eq!(seen.len(), i + 1);
+        assert_eq!(seen.iter().collect::<HashSet<_>>().len(), seen.len(), "an event was sent twice: {seen:?}");
         let id: Uuid =
             sqlx::query_scalar("SELECT id FROM webhook_deliveries WHERE event_id = $1::uuid").bind(&event_id).fetch_one(&pg).await?;
         let job = DeliveryJob {

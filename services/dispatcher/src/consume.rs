@@ -187,11 +187,19 @@ fn decode_event(body: &[u8]) -> Option<ExpandRequest> {
 
 type Job = (Arc<Message>, DeliveryJob);
 type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
-/// Attempts POSTed and not yet settled with the broker, by
-/// `delivery:generation:attempt`. A second copy of such a job (a redelivery
-/// racing its original) is acked unsent: the original either records its
-/// outcome or comes back itself.
+/// Attempts in this process's hands, by `delivery:generation:attempt`: taken
+/// before their material is asked for, given back once the outcome is
+/// recorded (or the job goes back to the broker). A second copy of such a job
+/// (a redelivery racing its original) is acked unsent: the original either
+/// records its outcome or comes back itself. Taking the key before asking
+/// matters: the api hands this process's own claim back to it, so a copy
+/// whose material was fetched while the original was still being reported
+/// would otherwise be sent again once the report landed.
 type Unsettled = Arc<std::sync::Mutex<HashSet<String>>>;
+
+fn attempt_key(job: &DeliveryJob) -> String {
+    format!("{}:{}:{}", job.delivery_id, job.generation, job.attempt)
+}
 
 /// Jobs a lane fetches material for in one go.
 const PREFETCH: usize = 32;
@@ -364,9 +372,19 @@ impl Lane {
 
     /// Fetches material for the chunk in one go, then sends its attempts one
     /// after another. Returns the jobs it did not get to (stale material, or
-    /// shutdown), in order.
+    /// shutdown), in order. Copies of an attempt already in hand are acked
+    /// before anything is asked for them.
     async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
-        let fetched = futures::future::join_all(chunk.iter().map(|(_, job)| {
+        let mut mine = Vec::with_capacity(chunk.len());
+        for (msg, job) in chunk {
+            if self.shared.unsettled.lock().expect("unpoisoned").insert(attempt_key(&job)) {
+                mine.push((msg, job));
+            } else {
+                tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
+                settle(&msg, AckKind::Ack).await;
+            }
+        }
+        let fetched = futures::future::join_all(mine.iter().map(|(_, job)| {
             self.shared.materials.call(MaterialRequest {
                 delivery_id: job.delivery_id.clone(),
                 attempt: job.attempt,
@@ -377,10 +395,15 @@ impl Lane {
         }))
         .await;
         let fetched_at = Instant::now();
-        let mut rest = chunk.into_iter().zip(fetched).enumerate();
+        let mut rest = mine.into_iter().zip(fetched).enumerate();
         while let Some((i, ((msg, job), material))) = rest.next() {
             if i > 0 && (fetched_at.elapsed() > MATERIAL_FRESH || *self.shared.stop.borrow()) {
-                return std::iter::once((msg, job)).chain(rest.map(|(_, (j, _))| j)).collect();
+                let leftover: Vec<Job> = std::iter::once((msg, job)).chain(rest.map(|(_, (j, _))| j)).collect();
+                let mut unsettled = self.shared.unsettled.lock().expect("unpoisoned");
+                for (_, job) in &leftover {
+                    unsettled.remove(&attempt_key(job));
+                }
+                return leftover;
             }
             self.send_one(msg, job, material).await;
         }
@@ -398,6 +421,7 @@ impl Lane {
                         tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), verdict = ?v, "no material for this job")
                     }
                 }
+                self.shared.unsettled.lock().expect("unpoisoned").remove(&attempt_key(&job));
                 return settle_by(&msg, v).await;
             }
         };
@@ -411,11 +435,7 @@ impl Lane {
         if let Some(headers) = &msg.headers {
             relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
         }
-        let key = format!("{}:{}:{}", job.delivery_id, job.generation, job.attempt);
-        if !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
-            tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
-            return settle(&msg, AckKind::Ack).await;
-        }
+        let key = attempt_key(&job);
         let event_id = material.event_id.clone();
         let outcome = async {
             let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");
