@@ -7,6 +7,9 @@ use std::time::Duration;
 
 use anyhow::{Result, bail};
 
+/// No delay is longer than a dead letter is kept.
+const MAX_TIER: Duration = Duration::from_secs(7 * 86_400);
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetrySchedule {
     /// Delay before attempt N, at index N-1. Index 0 is the first attempt: 0.
@@ -27,6 +30,9 @@ impl RetrySchedule {
         let tiers = spec.split(',').map(|t| t.trim().parse::<u64>().map(Duration::from_millis)).collect::<Result<Vec<_>, _>>()?;
         if tiers.is_empty() || tiers[0] != Duration::ZERO {
             bail!("the first tier must be 0: a first attempt is sent immediately");
+        }
+        if let Some(t) = tiers.iter().find(|t| **t > MAX_TIER) {
+            bail!("a tier of {} ms is longer than the {} days a dead letter is kept", t.as_millis(), MAX_TIER.as_secs() / 86_400);
         }
         Ok(Self { tiers })
     }
@@ -60,5 +66,7 @@ mod tests {
     fn test_tiers_must_start_immediately() {
         assert!(RetrySchedule::parse("10,20").is_err());
         assert_eq!(RetrySchedule::parse("0,5").unwrap().max_attempts(), 2);
+        let long = RetrySchedule::parse("0,604800001").unwrap_err().to_string();
+        assert!(long.contains("604800001 ms"), "{long}");
     }
 }

@@ -141,12 +141,46 @@ impl StreamNames {
     pub fn event_message_id(environment_id: &str, event_id: &str) -> String {
         format!("{environment_id}:{event_id}")
     }
+}
 
-    /// The broker message id of one attempt: a re-publish of the same attempt
-    /// is recognisable (and dropped inside the duplicate window); a new
-    /// attempt, or a replay's attempt, is new work.
-    pub fn delivery_message_id(delivery_id: &str, generation: u32, attempt: u32) -> String {
-        if generation == 0 { format!("{delivery_id}:{attempt}") } else { format!("{delivery_id}:{attempt}:r{generation}") }
+/// One attempt of one delivery, as both ends of the queue name it: the
+/// broker message id of its job (a re-publish of the same attempt is
+/// recognisable and dropped inside the duplicate window; a new attempt, or a
+/// replay's attempt, is new work) and the dispatcher's key for the attempts
+/// it has in hand. One spelling, `delivery:attempt`, with `:rG` for a
+/// replay's generation G (so ids from before replays existed still match).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct AttemptKey {
+    pub delivery_id: String,
+    pub generation: u32,
+    pub attempt: u32,
+}
+
+impl AttemptKey {
+    pub fn of(job: &relay::queue::v1::DeliveryJob) -> Self {
+        Self { delivery_id: job.delivery_id.clone(), generation: job.generation, attempt: job.attempt }
+    }
+}
+
+impl fmt::Display for AttemptKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.generation {
+            0 => write!(f, "{}:{}", self.delivery_id, self.attempt),
+            g => write!(f, "{}:{}:r{g}", self.delivery_id, self.attempt),
+        }
+    }
+}
+
+#[cfg(test)]
+mod attempt_key_tests {
+    use super::AttemptKey;
+
+    #[test]
+    fn one_spelling_for_every_attempt_and_generation() {
+        let key = |generation, attempt| AttemptKey { delivery_id: "d".into(), generation, attempt }.to_string();
+        assert_eq!(key(0, 1), "d:1");
+        assert_eq!(key(2, 7), "d:7:r2");
+        assert_ne!(key(0, 1), key(1, 1), "a replay's attempt is new work");
     }
 }
 

@@ -7,6 +7,7 @@ pub mod batch;
 pub mod config;
 pub mod consume;
 pub mod http_client;
+mod lanes;
 pub mod seam;
 
 use std::{sync::Arc, time::Duration};

@@ -8,7 +8,8 @@ use relay_signing::SigningSecret;
 use url::Host;
 use uuid::Uuid;
 
-use super::{App, Tenant, Timestamp, deliveries::end_pending_deliveries, require_nonempty};
+use super::{App, Tenant, Timestamp, require_nonempty};
+use crate::db::deliveries::end_pending_of_endpoint;
 use crate::{
     error::{AppError, AppResult},
     secrets::mint_signing_secret,
@@ -196,7 +197,7 @@ impl App {
         .await?
         .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
         if !enabled {
-            end_pending_deliveries(&mut tx, id, "endpoint_disabled").await?;
+            end_pending_of_endpoint(&mut tx, id, crate::db::dead_letters::ENDPOINT_DISABLED).await?;
         }
         tx.commit().await.context("committing an endpoint state change")?;
         Ok(endpoint)
@@ -215,7 +216,7 @@ impl App {
         if done.rows_affected() == 0 {
             return Err(AppError::not_found("webhook endpoint"));
         }
-        end_pending_deliveries(&mut tx, id, "endpoint_deleted").await?;
+        end_pending_of_endpoint(&mut tx, id, crate::db::dead_letters::ENDPOINT_DELETED).await?;
         tx.commit().await.context("committing an endpoint deletion")?;
         Ok(())
     }

@@ -83,7 +83,7 @@ pub struct Delivery {
     pub id: Uuid,
     pub event_id: Uuid,
     pub endpoint_id: Uuid,
-    pub state: String,
+    pub state: super::state::DeliveryState,
     pub attempt: i32,
     pub next_attempt_at: Timestamp,
     pub created_at: Timestamp,

@@ -6,6 +6,7 @@ pub mod admin;
 pub mod deliveries;
 pub mod endpoints;
 pub mod events;
+pub mod state;
 
 use std::sync::Arc;
 

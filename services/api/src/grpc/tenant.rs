@@ -15,6 +15,7 @@ use crate::{
         deliveries::DeadLetter,
         endpoints::Endpoint,
         events::{Attempt, Delivery},
+        state::DeliveryState,
     },
     auth,
     error::AppError,
@@ -37,11 +38,10 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
 }
 
 pub(crate) fn delivery(d: Delivery) -> pb::Delivery {
-    let state = match d.state.as_str() {
-        "pending" => pb::DeliveryState::Pending,
-        "delivered" => pb::DeliveryState::Delivered,
-        "dead" => pb::DeliveryState::Dead,
-        _ => pb::DeliveryState::Unspecified,
+    let state = match d.state {
+        DeliveryState::Pending => pb::DeliveryState::Pending,
+        DeliveryState::Delivered => pb::DeliveryState::Delivered,
+        DeliveryState::Dead => pb::DeliveryState::Dead,
     };
     pb::Delivery {
         id: d.id.to_string(),

@@ -61,7 +61,7 @@ pub fn job_message(names: &StreamNames, j: &Job<'_>) -> (String, HeaderMap, byte
         relay_telemetry::set_parent_from_traceparent(&span, tc);
     }
     span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
-    headers.insert("Nats-Msg-Id", StreamNames::delivery_message_id(&job.delivery_id, job.generation, job.attempt).as_str());
+    headers.insert("Nats-Msg-Id", relay_contracts::AttemptKey::of(&job).to_string().as_str());
     (names.deliveries_subject(&job.environment_id), headers, job.encode_to_vec().into())
 }
 
@@ -95,7 +95,7 @@ struct Claimed {
 
 async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
     let mut l = sqlx::postgres::PgListener::connect_with(&app.db).await?;
-    l.listen(crate::app::deliveries::DUE_CHANNEL).await?;
+    l.listen(crate::db::deliveries::DUE_CHANNEL).await?;
     loop {
         l.recv().await?;
         app.deliveries_wake.wake();

@@ -43,3 +43,8 @@ pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration)
         .await
         .context("connecting to Postgres")
 }
+
+pub mod attempts;
+pub mod dead_letters;
+pub mod deliveries;
+pub mod events;

@@ -1,0 +1,99 @@
+//! `delivery_attempts`: the attempt log, one row per recorded attempt, keyed
+//! by (delivery, generation, attempt) — what makes recording idempotent.
+
+use std::collections::HashMap;
+
+use sqlx::PgConnection;
+use uuid::Uuid;
+
+use crate::{
+    app::{Timestamp, state::Decision},
+    error::AppResult,
+};
+
+/// Attempt-log rows of one outcome batch, column by column.
+#[derive(Default)]
+pub struct AttemptRows {
+    pub delivery_id: Vec<Uuid>,
+    pub generation: Vec<i32>,
+    pub attempt: Vec<i32>,
+    pub environment_id: Vec<Uuid>,
+    pub http_status: Vec<Option<i32>>,
+    pub error: Vec<Option<String>>,
+    pub latency_ms: Vec<i64>,
+    pub response_body: Vec<Vec<u8>>,
+    pub decision: Vec<&'static str>,
+    pub next_attempt_at: Vec<Option<Timestamp>>,
+}
+
+impl AttemptRows {
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        delivery_id: Uuid,
+        generation: u32,
+        attempt: u32,
+        environment_id: Uuid,
+        http_status: Option<i32>,
+        error: Option<String>,
+        latency_ms: u64,
+        body: Vec<u8>,
+        decision: Decision,
+    ) {
+        self.delivery_id.push(delivery_id);
+        self.generation.push(generation as i32);
+        self.attempt.push(attempt as i32);
+        self.environment_id.push(environment_id);
+        self.http_status.push(http_status);
+        self.error.push(error);
+        self.latency_ms.push(i64::try_from(latency_ms).unwrap_or(i64::MAX));
+        self.response_body.push(body);
+        self.decision.push(decision.as_str());
+        self.next_attempt_at.push(decision.next_attempt_at());
+    }
+}
+
+/// One insert for the batch.
+pub async fn insert(tx: &mut PgConnection, log: &AttemptRows) -> AppResult<()> {
+    if log.delivery_id.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO delivery_attempts
+           (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
+         SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bytea[],
+                              $9::text[], $10::timestamptz[])",
+    )
+    .bind(&log.delivery_id)
+    .bind(&log.generation)
+    .bind(&log.attempt)
+    .bind(&log.environment_id)
+    .bind(&log.http_status)
+    .bind(&log.error)
+    .bind(&log.latency_ms)
+    .bind(&log.response_body)
+    .bind(&log.decision)
+    .bind(&log.next_attempt_at)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// What the log already holds for these deliveries, by (delivery,
+/// generation, attempt): the first answer a repeated report gets again.
+pub async fn recorded_decisions(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<HashMap<(Uuid, u32, u32), Decision>> {
+    let rows: Vec<(Uuid, i32, i32, String, Option<Timestamp>)> = sqlx::query_as(
+        "SELECT delivery_id, generation, attempt, decision, next_attempt_at FROM delivery_attempts WHERE delivery_id = ANY ($1)",
+    )
+    .bind(delivery_ids)
+    .fetch_all(&mut *tx)
+    .await?;
+    rows.into_iter()
+        .map(|(id, g, a, decision, next)| {
+            let d = Decision::from_log(&decision, next).ok_or_else(|| {
+                anyhow::anyhow!("the attempt log of delivery {id} holds a decision this build does not know: {decision:?}")
+            })?;
+            Ok(((id, g as u32, a as u32), d))
+        })
+        .collect()
+}

@@ -1,0 +1,172 @@
+//! `webhook_dead_letters`: the record of every delivery that ended without a
+//! 2xx. Ids are time-ordered (UUIDv7) wherever a dead letter is written.
+
+use std::{collections::HashSet, time::Duration};
+
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::{app::Timestamp, error::AppResult};
+
+/// The reasons a switched-off endpoint gives its pending deliveries; such a
+/// dead letter is provisional while the attempt in flight at the switch-off
+/// may still report.
+pub const ENDPOINT_DISABLED: &str = "endpoint_disabled";
+pub const ENDPOINT_DELETED: &str = "endpoint_deleted";
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct DeadLetter {
+    pub id: Uuid,
+    pub delivery_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub event_id: Uuid,
+    pub attempts: i32,
+    pub last_status: Option<i32>,
+    pub last_error: Option<String>,
+    pub reason: String,
+    pub dead_lettered_at: Timestamp,
+}
+
+/// Dead letters of one outcome batch, column by column for one `UNNEST` insert.
+#[derive(Default)]
+pub struct DeadLetterRows {
+    pub id: Vec<Uuid>,
+    pub environment_id: Vec<Uuid>,
+    pub delivery_id: Vec<Uuid>,
+    pub endpoint_id: Vec<Uuid>,
+    pub event_id: Vec<Uuid>,
+    pub attempts: Vec<i32>,
+    pub last_status: Vec<Option<i32>>,
+    pub last_error: Vec<Option<String>>,
+}
+
+impl DeadLetterRows {
+    #[allow(clippy::too_many_arguments)]
+    pub fn push(
+        &mut self,
+        delivery_id: Uuid,
+        environment_id: Uuid,
+        endpoint_id: Uuid,
+        event_id: Uuid,
+        attempts: i32,
+        last_status: Option<i32>,
+        last_error: Option<String>,
+    ) {
+        self.id.push(Uuid::now_v7());
+        self.environment_id.push(environment_id);
+        self.delivery_id.push(delivery_id);
+        self.endpoint_id.push(endpoint_id);
+        self.event_id.push(event_id);
+        self.attempts.push(attempts);
+        self.last_status.push(last_status);
+        self.last_error.push(last_error);
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.delivery_id.is_empty()
+    }
+}
+
+/// Attempts ran out: one insert for the batch.
+pub async fn insert_exhausted(tx: &mut PgConnection, rows: &DeadLetterRows) -> AppResult<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
+         SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::int[], $7::int[], $8::text[])",
+    )
+    .bind(&rows.id)
+    .bind(&rows.environment_id)
+    .bind(&rows.delivery_id)
+    .bind(&rows.endpoint_id)
+    .bind(&rows.event_id)
+    .bind(&rows.attempts)
+    .bind(&rows.last_status)
+    .bind(&rows.last_error)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Of these deliveries, those ended by a switch-off while their current
+/// attempt was on the wire (the dead letter counts the attempts before it).
+pub async fn switched_off_in_flight(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<HashSet<Uuid>> {
+    Ok(sqlx::query_scalar(
+        "SELECT l.delivery_id FROM webhook_dead_letters l JOIN webhook_deliveries d ON d.id = l.delivery_id
+         WHERE l.delivery_id = ANY ($1) AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')
+           AND d.state = 'dead' AND l.attempts = d.attempt - 1",
+    )
+    .bind(delivery_ids)
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .collect())
+}
+
+/// Delivered after all: the provisional dead letters go, so a replay cannot
+/// send the receiver an event it already has.
+pub async fn withdraw_switch_off(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<()> {
+    if delivery_ids.is_empty() {
+        return Ok(());
+    }
+    sqlx::query("DELETE FROM webhook_dead_letters WHERE delivery_id = ANY ($1) AND reason IN ('endpoint_disabled', 'endpoint_deleted')")
+        .bind(delivery_ids)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
+
+/// The attempt in flight at the switch-off failed: its result completes the
+/// provisional dead letter.
+pub async fn complete_switch_off(tx: &mut PgConnection, rows: &DeadLetterRows) -> AppResult<()> {
+    if rows.is_empty() {
+        return Ok(());
+    }
+    sqlx::query(
+        "UPDATE webhook_dead_letters l SET attempts = u.attempts, last_status = u.last_status, last_error = u.last_error
+         FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[]) AS u(delivery_id, attempts, last_status, last_error)
+         WHERE l.delivery_id = u.delivery_id AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')",
+    )
+    .bind(&rows.delivery_id)
+    .bind(&rows.attempts)
+    .bind(&rows.last_status)
+    .bind(&rows.last_error)
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// A dead letter to replay: its delivery, its endpoint, and whether that
+/// endpoint is active. `environment` scopes the lookup (`None`: any).
+pub async fn find_for_replay(tx: &mut PgConnection, id: Uuid, environment: Option<Uuid>) -> AppResult<Option<(Uuid, Uuid, bool)>> {
+    Ok(sqlx::query_as(
+        "SELECT l.delivery_id, l.endpoint_id, e.enabled AND e.deleted_at IS NULL
+         FROM webhook_dead_letters l JOIN webhook_endpoints e ON e.id = l.endpoint_id
+         WHERE l.id = $1 AND ($2::uuid IS NULL OR l.environment_id = $2)",
+    )
+    .bind(id)
+    .bind(environment)
+    .fetch_optional(&mut *tx)
+    .await?)
+}
+
+/// Deletes dead letters older than `retention`.
+pub async fn prune(db: &PgPool, retention: Duration) -> AppResult<u64> {
+    Ok(sqlx::query("DELETE FROM webhook_dead_letters WHERE dead_lettered_at < now() - $1")
+        .bind(retention)
+        .execute(db)
+        .await?
+        .rows_affected())
+}
+
+/// An environment's newest dead letters.
+pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<DeadLetter>> {
+    Ok(sqlx::query_as::<_, DeadLetter>(
+        "SELECT id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason, dead_lettered_at
+         FROM webhook_dead_letters WHERE environment_id = $1 ORDER BY dead_lettered_at DESC, id DESC LIMIT 1000",
+    )
+    .bind(environment_id)
+    .fetch_all(db)
+    .await?)
+}

@@ -1,0 +1,333 @@
+//! `webhook_deliveries` and `attempt_claims`: every statement that writes a
+//! delivery's state, one function each. What the new state is comes from
+//! `app::state`; these functions only store it.
+
+use std::{collections::HashSet, time::Duration};
+
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::{
+    app::{Timestamp, state::DeliveryState},
+    error::AppResult,
+};
+
+/// The Postgres channel that says "deliveries are due now". Every api
+/// process's delivery relay listens, so a row written by one api wakes the
+/// relays of all of them; delivered at commit, so never before the rows exist.
+pub const DUE_CHANNEL: &str = "relay_deliveries_due";
+
+pub async fn notify_due(tx: &mut PgConnection) -> AppResult<()> {
+    sqlx::query("SELECT pg_notify($1, '')").bind(DUE_CHANNEL).execute(&mut *tx).await?;
+    Ok(())
+}
+
+/// Ends deliveries still pending as dead letters with `reason` (why they
+/// will not be attempted again); the update and the dead letters are one
+/// statement. `attempts` counts the attempts that reported (the current one
+/// had not).
+macro_rules! end_as_dead_letters {
+    ($filter:literal) => {
+        concat!(
+            "WITH ended AS (
+               UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
+               WHERE state = 'pending' AND ",
+            $filter,
+            " RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
+             INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
+             SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended"
+        )
+    };
+}
+
+/// Every pending delivery of an endpoint being disabled or deleted, in the
+/// caller's transaction (the one that switches the endpoint off).
+pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Uuid, reason: &str) -> AppResult<u64> {
+    Ok(sqlx::query(end_as_dead_letters!("endpoint_id = $1")).bind(endpoint_id).bind(reason).execute(&mut *tx).await?.rows_affected())
+}
+
+pub async fn end_pending_by_id(db: &PgPool, ids: &[Uuid], reason: &str) -> AppResult<u64> {
+    Ok(sqlx::query(end_as_dead_letters!("id = ANY ($1)")).bind(ids).bind(reason).execute(db).await?.rows_affected())
+}
+
+/// Events to expand, column by column, in the order they were asked.
+pub struct ToExpand {
+    pub environment_id: Vec<Uuid>,
+    pub event_id: Vec<Uuid>,
+    pub event_type: Vec<String>,
+    pub trace_context: Vec<Option<String>>,
+}
+
+/// A delivery row an expansion created.
+#[derive(sqlx::FromRow)]
+pub struct CreatedRow {
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub event_id: Uuid,
+    pub trace_context: Option<String>,
+    /// Written already leased: this api hands it to the broker itself.
+    pub leased: bool,
+}
+
+/// One delivery per subscribed, active endpoint of each event, first
+/// attempt due now. Rows within their endpoint's in-flight `cap` are written
+/// already leased for `lease` (the caller hands them to the broker after the
+/// commit); the rest wait, due, for the relay.
+pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, cap: i64, lease: Duration) -> AppResult<Vec<CreatedRow>> {
+    Ok(sqlx::query_as(
+        "WITH busy AS MATERIALIZED (
+                   SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
+                   WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id),
+                 -- The subscribers, share-locked: a disable or delete of one
+                 -- of them waits for this expansion to commit (and then ends
+                 -- the rows it wrote), or this expansion waits for it and
+                 -- re-reads the endpoint as disabled. Either way no pending
+                 -- delivery of an inactive endpoint is ever committed.
+                 live AS (
+                   SELECT e.id, e.environment_id, e.event_types FROM webhook_endpoints e
+                   WHERE e.environment_id = ANY ($1::uuid[]) AND e.event_types && $3::text[] AND e.enabled AND e.deleted_at IS NULL
+                   ORDER BY e.id FOR SHARE),
+                 matched AS (
+                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context,
+                          row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
+                   FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[])
+                          WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, ord)
+                   JOIN live e ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id),
+                 marked AS (
+                   SELECT m.*, m.rn + coalesce(b.n, 0) <= $5 AS leased FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
+                 INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, dispatched_at, next_attempt_at)
+                 SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context,
+                        CASE WHEN leased THEN now() END, CASE WHEN leased THEN now() + $6 ELSE now() END
+                 FROM marked
+                 ON CONFLICT (event_id, endpoint_id) DO NOTHING
+                 RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS leased",
+    )
+    .bind(&events.environment_id)
+    .bind(&events.event_id)
+    .bind(&events.event_type)
+    .bind(&events.trace_context)
+    .bind(cap)
+    .bind(lease)
+    .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// First attempts the broker did not take: due now, unleased, for the relay.
+pub async fn release_unsent_first_attempts(db: &PgPool, ids: &[Uuid]) -> AppResult<u64> {
+    Ok(sqlx::query(
+        "UPDATE webhook_deliveries SET dispatched_at = NULL, next_attempt_at = now()
+         WHERE id = ANY ($1) AND state = 'pending' AND generation = 0 AND attempt = 1 AND dispatched_at IS NOT NULL",
+    )
+    .bind(ids)
+    .execute(db)
+    .await?
+    .rows_affected())
+}
+
+/// What the material of one asked-for attempt is read from.
+#[derive(sqlx::FromRow)]
+pub struct MaterialRow {
+    /// The position of the request this row answers (from 1).
+    pub ord: i64,
+    /// The attempt is current and its endpoint active: it will be sent.
+    pub servable: bool,
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub event_id: Uuid,
+    pub attempt: i32,
+    pub generation: i32,
+    pub state: DeliveryState,
+    pub url: String,
+    pub enabled: bool,
+    pub deleted: bool,
+    pub secret_key_id: String,
+    pub secret_ciphertext: Vec<u8>,
+    pub previous_secret_key_id: Option<String>,
+    pub previous_secret_ciphertext: Option<Vec<u8>>,
+    pub secret_rotated_at: Option<Timestamp>,
+    /// Absent when the reply's payload budget was spent on earlier items.
+    pub envelope: Option<Vec<u8>>,
+}
+
+/// The attempts asked for, with their endpoints and events, in one read.
+/// Payloads are carried, in request order over the servable rows, up to
+/// `payload_budget` bytes (the first servable row's always).
+pub async fn read_material(
+    db: &PgPool,
+    ids: &[Uuid],
+    attempts: &[i32],
+    generations: &[i32],
+    payload_budget: i64,
+) -> AppResult<Vec<MaterialRow>> {
+    Ok(sqlx::query_as::<_, MaterialRow>(
+        "WITH asked AS (
+               SELECT w.ord, d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
+                      e.url, e.enabled, e.deleted_at IS NOT NULL AS deleted,
+                      e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
+                      e.secret_rotated_at, v.envelope,
+                      d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
+                        AND e.enabled AND e.deleted_at IS NULL AS servable
+               FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
+               JOIN webhook_deliveries d ON d.id = w.id
+               JOIN webhook_endpoints e ON e.id = d.endpoint_id
+               JOIN events v ON v.environment_id = d.environment_id AND v.id = d.event_id),
+             sized AS (
+               SELECT *, octet_length(envelope) AS size,
+                      sum(CASE WHEN servable THEN octet_length(envelope) ELSE 0 END) OVER (ORDER BY ord) AS upto
+               FROM asked)
+             SELECT ord, servable, id, environment_id, endpoint_id, event_id, attempt, generation, state, url, enabled, deleted,
+                    secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, secret_rotated_at,
+                    CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS envelope
+             FROM sized",
+    )
+    .bind(ids)
+    .bind(attempts)
+    .bind(generations)
+    .bind(payload_budget)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Claims to take: one attempt each, for a claimant, for `hold_ms`.
+#[derive(Default)]
+pub struct ClaimsAsked {
+    pub delivery_id: Vec<Uuid>,
+    pub attempt: Vec<i32>,
+    pub generation: Vec<i32>,
+    pub claimant: Vec<Uuid>,
+    pub hold_ms: Vec<i64>,
+}
+
+/// Takes the attempts nobody else holds (or whose holder's claim ran out),
+/// in one statement; returns the deliveries claimed.
+pub async fn claim_attempts(db: &PgPool, asked: &ClaimsAsked) -> AppResult<HashSet<Uuid>> {
+    Ok(sqlx::query_scalar(
+        // A claim for an earlier attempt or generation of the delivery is
+        // replaced; one for this attempt only by its own claimant, or once
+        // it has run out.
+        "INSERT INTO attempt_claims AS c (delivery_id, attempt, generation, claimant, until)
+             SELECT u.id, u.attempt, u.generation, u.claimant, now() + u.hold_ms * interval '1 millisecond'
+             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms)
+             ON CONFLICT (delivery_id) DO UPDATE
+               SET attempt = excluded.attempt, generation = excluded.generation, claimant = excluded.claimant, until = excluded.until
+               WHERE c.claimant = excluded.claimant OR c.until < now()
+                  OR (c.generation, c.attempt) <> (excluded.generation, excluded.attempt)
+             RETURNING delivery_id",
+    )
+    .bind(&asked.delivery_id)
+    .bind(&asked.attempt)
+    .bind(&asked.generation)
+    .bind(&asked.claimant)
+    .bind(&asked.hold_ms)
+    .fetch_all(db)
+    .await?
+    .into_iter()
+    .collect())
+}
+
+/// Claims that ran out long ago: a claim matters only while it holds.
+pub async fn prune_attempt_claims(db: &PgPool) -> AppResult<u64> {
+    Ok(sqlx::query("DELETE FROM attempt_claims WHERE until < now() - interval '10 minutes'").execute(db).await?.rows_affected())
+}
+
+/// Outcomes to apply where they are for the delivery's current attempt,
+/// column by column.
+#[derive(Default)]
+pub struct CurrentOutcomes {
+    pub id: Vec<Uuid>,
+    pub generation: Vec<i32>,
+    pub attempt: Vec<i32>,
+    pub state: Vec<DeliveryState>,
+    pub next_attempt: Vec<i32>,
+    pub next_attempt_at: Vec<Option<Timestamp>>,
+    pub status: Vec<Option<i32>>,
+    pub error: Vec<Option<String>>,
+}
+
+/// Applies each outcome only where it is for the current attempt (pending,
+/// same generation and attempt), in one statement; returns the deliveries
+/// it applied to as (id, environment, endpoint, event).
+pub async fn apply_current_outcomes(tx: &mut PgConnection, o: &CurrentOutcomes) -> AppResult<Vec<(Uuid, Uuid, Uuid, Uuid)>> {
+    Ok(sqlx::query_as(
+        "UPDATE webhook_deliveries d SET state = u.state, attempt = u.next_attempt, next_attempt_at = coalesce(u.next_attempt_at, d.next_attempt_at),
+               dispatched_at = NULL, last_status = u.status, last_error = u.error, updated_at = now()
+             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[])
+               AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error)
+             WHERE d.id = u.id AND d.state = 'pending' AND d.generation = u.generation AND d.attempt = u.attempt
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id",
+    )
+    .bind(&o.id)
+    .bind(&o.generation)
+    .bind(&o.attempt)
+    .bind(&o.state)
+    .bind(&o.next_attempt)
+    .bind(&o.next_attempt_at)
+    .bind(&o.status)
+    .bind(&o.error)
+    .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// A delivery as the careful outcome path reads and rewrites it.
+#[derive(sqlx::FromRow, Clone)]
+pub struct OutcomeRow {
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub event_id: Uuid,
+    pub attempt: i32,
+    pub generation: i32,
+    pub state: DeliveryState,
+    pub next_attempt_at: Timestamp,
+    pub last_status: Option<i32>,
+    pub last_error: Option<String>,
+}
+
+/// The deliveries locked for update, in id order (so two batches that share
+/// a delivery lock in the same order).
+pub async fn lock_for_outcome(tx: &mut PgConnection, ids: &[Uuid]) -> AppResult<Vec<OutcomeRow>> {
+    Ok(sqlx::query_as::<_, OutcomeRow>(
+        "SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state, next_attempt_at, last_status, last_error
+             FROM webhook_deliveries WHERE id = ANY ($1) ORDER BY id FOR UPDATE",
+    )
+    .bind(ids)
+    .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// Writes back rows the careful path changed.
+pub async fn rewrite_after_outcome(tx: &mut PgConnection, rows: &[&OutcomeRow]) -> AppResult<()> {
+    sqlx::query(
+        "UPDATE webhook_deliveries d SET state = u.state, attempt = u.attempt, next_attempt_at = u.next_attempt_at,
+                   dispatched_at = NULL, last_status = u.last_status, last_error = u.last_error, updated_at = now()
+                 FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::int[], $6::text[])
+                   AS u(id, state, attempt, next_attempt_at, last_status, last_error)
+                 WHERE d.id = u.id",
+    )
+    .bind(rows.iter().map(|r| r.id).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.state).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.attempt).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.next_attempt_at).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.last_status).collect::<Vec<_>>())
+    .bind(rows.iter().map(|r| r.last_error.clone()).collect::<Vec<_>>())
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// A dead delivery back at attempt 1, due now, in a new generation. False
+/// when it is no longer dead (already replayed).
+pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: Uuid) -> AppResult<bool> {
+    Ok(sqlx::query(
+        "UPDATE webhook_deliveries SET state = 'pending', attempt = 1, generation = generation + 1,
+           next_attempt_at = now(), dispatched_at = NULL, updated_at = now()
+         WHERE id = $1 AND state = 'dead'",
+    )
+    .bind(delivery_id)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1)
+}

@@ -1,0 +1,299 @@
+//! Deliveries, one lane per endpoint: one attempt per endpoint is in
+//! flight, so a hanging endpoint holds up only its own lane; lanes run
+//! concurrently, bounded overall by `max_in_flight`. A lane fetches material
+//! for a chunk of jobs, sends them one after another and reports each outcome.
+
+use std::{
+    collections::{HashMap, HashSet, VecDeque},
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use anyhow::Result;
+use async_nats::jetstream::{AckKind, message::Message};
+use relay_contracts::{
+    AttemptKey,
+    relay::{
+        dispatch::v1::{MaterialRequest, MaterialResponse, OutcomeRequest},
+        queue::v1::DeliveryJob,
+    },
+};
+use tokio::sync::{Mutex, Semaphore, mpsc, watch};
+use tracing::Instrument as _;
+
+use crate::{
+    attempt, batch,
+    config::DispatcherConfig,
+    consume::{Verdict, retry_later, settle, settle_by, verdict},
+    http_client::Sender,
+    seam::Seam,
+};
+
+/// A lane with nothing to do for this long closes.
+const LANE_IDLE: Duration = Duration::from_secs(30);
+
+type Job = (Arc<Message>, DeliveryJob);
+type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
+/// Attempts in this process's hands, by their `AttemptKey`: taken
+/// before their material is asked for, given back once the outcome is
+/// recorded (or the job goes back to the broker). A second copy of such a job
+/// (a redelivery racing its original) is acked unsent: the original either
+/// records its outcome or comes back itself. Taking the key before asking
+/// matters: the api hands this process's own claim back to it, so a copy
+/// whose material was fetched while the original was still being reported
+/// would otherwise be sent again once the report landed.
+type Unsettled = Arc<std::sync::Mutex<HashSet<AttemptKey>>>;
+
+fn attempt_key(job: &DeliveryJob) -> AttemptKey {
+    AttemptKey::of(job)
+}
+
+/// Jobs a lane fetches material for in one go.
+const PREFETCH: usize = 32;
+/// Material older than this is fetched again before sending: behind a slow
+/// attempt, a disabled endpoint or a changed URL must not be missed.
+const MATERIAL_FRESH: Duration = Duration::from_secs(2);
+
+/// The lanes of one DELIVERIES consumer.
+pub(crate) struct LaneSet {
+    shared: Arc<LaneShared>,
+}
+
+impl LaneSet {
+    pub(crate) fn new(seam: Seam, cfg: &DispatcherConfig, stop: watch::Receiver<bool>) -> Result<Self> {
+        let sender = crate::http_client::build(
+            Arc::new(cfg.url_policy.clone()),
+            cfg.resolver.clone(),
+            cfg.egress_proxy.as_deref(),
+            cfg.attempt_timeout,
+        )?;
+        let shared = Arc::new(LaneShared {
+            lanes: Default::default(),
+            materials: batch::materials(seam.clone()),
+            outcomes: batch::outcomes(seam),
+            sender,
+            permits: Arc::new(Semaphore::new(cfg.max_in_flight)),
+            unsettled: Default::default(),
+            progress_every: cfg.deliveries_ack_wait() / 3,
+            stop: stop.clone(),
+            claimant: uuid::Uuid::new_v4().to_string(),
+            claim_hold: MATERIAL_FRESH + cfg.attempt_timeout + CLAIM_MARGIN,
+        });
+        Ok(Self { shared })
+    }
+
+    /// Hands a job to its endpoint's lane, opening the lane if it has none.
+    pub(crate) async fn route(&self, msg: Message, job: DeliveryJob) {
+        let shared = &self.shared;
+        let mut map = shared.lanes.lock().await;
+        let key = job.endpoint_id.clone();
+        let job = (Arc::new(msg), job);
+        let pending = match map.get(&key) {
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
+        };
+        if let Some(first) = pending {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tx.send(first).expect("receiver alive");
+            map.insert(key.clone(), tx);
+            tokio::spawn(Lane { key, shared: shared.clone() }.run(rx));
+        }
+    }
+
+    pub(crate) async fn close(&self) {
+        self.shared.lanes.lock().await.clear();
+    }
+}
+
+/// What every lane of one consumer shares.
+struct LaneShared {
+    lanes: Lanes,
+    materials: batch::Materials,
+    outcomes: batch::Outcomes,
+    sender: Sender,
+    permits: Arc<Semaphore>,
+    unsettled: Unsettled,
+    /// How often jobs waiting in (or being worked by) a lane tell the broker
+    /// they are in progress, so a slow endpoint's queue never outlives the
+    /// ack wait and gets redelivered while still queued.
+    progress_every: Duration,
+    /// Shutdown: a lane finishes the attempt in hand and leaves the rest
+    /// unacked, for the broker to hand to another dispatcher.
+    stop: watch::Receiver<bool>,
+    /// This process, as the claimant of the attempts it sends.
+    claimant: String,
+    /// How long a claim is held: an attempt starts within `MATERIAL_FRESH`
+    /// of its claim and ends within the attempt timeout, so the claim
+    /// outlasts the POST; the margin is for reporting the outcome, which
+    /// ends the claim.
+    claim_hold: Duration,
+}
+
+/// Time, after an attempt ends, for its outcome to reach the api before
+/// another dispatcher may claim the attempt again.
+const CLAIM_MARGIN: Duration = Duration::from_secs(5);
+
+struct Lane {
+    key: String,
+    shared: Arc<LaneShared>,
+}
+
+impl Lane {
+    async fn run(self, mut rx: mpsc::UnboundedReceiver<Job>) {
+        let mut queue: VecDeque<Job> = VecDeque::new();
+        let mut tick = tokio::time::interval(self.shared.progress_every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        while !*self.shared.stop.borrow() {
+            if queue.is_empty() {
+                match tokio::time::timeout(LANE_IDLE, rx.recv()).await {
+                    Ok(Some(next)) => queue.push_back(next),
+                    Ok(None) => return,
+                    Err(_) => {
+                        // Idle: close the lane, unless a job slipped in meanwhile.
+                        let mut map = self.shared.lanes.lock().await;
+                        match rx.try_recv() {
+                            Ok(next) => queue.push_back(next),
+                            Err(_) => {
+                                map.remove(&self.key);
+                                return;
+                            }
+                        }
+                    }
+                }
+            }
+            while let Ok(next) = rx.try_recv() {
+                queue.push_back(next);
+            }
+            let chunk: Vec<Job> = queue.drain(..queue.len().min(PREFETCH)).collect();
+            let in_hand: Vec<Arc<Message>> = chunk.iter().map(|(m, _)| m.clone()).collect();
+            let work = self.work(chunk);
+            tokio::pin!(work);
+            let leftover = loop {
+                tokio::select! {
+                    leftover = &mut work => break leftover,
+                    Some(next) = rx.recv() => queue.push_back(next),
+                    _ = tick.tick() => {
+                        for m in in_hand.iter().chain(queue.iter().map(|(m, _)| m)) {
+                            let _ = m.ack_with(AckKind::Progress).await;
+                        }
+                    }
+                }
+            };
+            for job in leftover.into_iter().rev() {
+                queue.push_front(job);
+            }
+        }
+    }
+
+    /// Fetches material for the chunk in one go, then sends its attempts one
+    /// after another. Returns the jobs it did not get to (stale material, or
+    /// shutdown), in order. Copies of an attempt already in hand are acked
+    /// before anything is asked for them.
+    async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
+        let mut mine = Vec::with_capacity(chunk.len());
+        for (msg, job) in chunk {
+            if self.shared.unsettled.lock().expect("unpoisoned").insert(attempt_key(&job)) {
+                mine.push((msg, job));
+            } else {
+                tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
+                settle(&msg, AckKind::Ack).await;
+            }
+        }
+        let fetched = futures::future::join_all(mine.iter().map(|(_, job)| {
+            self.shared.materials.call(MaterialRequest {
+                delivery_id: job.delivery_id.clone(),
+                attempt: job.attempt,
+                generation: job.generation,
+                claimant: self.shared.claimant.clone(),
+                hold_ms: self.shared.claim_hold.as_millis() as u32,
+            })
+        }))
+        .await;
+        let fetched_at = Instant::now();
+        let mut rest = mine.into_iter().zip(fetched).enumerate();
+        while let Some((i, ((msg, job), material))) = rest.next() {
+            if i > 0 && (fetched_at.elapsed() > MATERIAL_FRESH || *self.shared.stop.borrow()) {
+                let leftover: Vec<Job> = std::iter::once((msg, job)).chain(rest.map(|(_, (j, _))| j)).collect();
+                let mut unsettled = self.shared.unsettled.lock().expect("unpoisoned");
+                for (_, job) in &leftover {
+                    unsettled.remove(&attempt_key(job));
+                }
+                return leftover;
+            }
+            self.send_one(msg, job, material).await;
+        }
+        Vec::new()
+    }
+
+    async fn send_one(&self, msg: Arc<Message>, job: DeliveryJob, material: Result<MaterialResponse, tonic::Status>) {
+        let material = match material {
+            Ok(m) => m,
+            Err(st) => {
+                let v = verdict(&st, false);
+                match v {
+                    Verdict::Ack => tracing::debug!(delivery_id = %job.delivery_id, message = st.message(), "nothing to send for this job"),
+                    _ => {
+                        tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), verdict = ?v, "no material for this job")
+                    }
+                }
+                self.shared.unsettled.lock().expect("unpoisoned").remove(&attempt_key(&job));
+                return settle_by(&msg, v).await;
+            }
+        };
+        // The attempt's span continues the delivery's trace (the relay put
+        // its context in the message headers) and covers the POST and the report.
+        let span = tracing::info_span!(
+            "attempt",
+            delivery_id = %job.delivery_id, endpoint_id = %job.endpoint_id, attempt = job.attempt, generation = job.generation,
+            http_status = tracing::field::Empty, latency_ms = tracing::field::Empty, outcome = tracing::field::Empty,
+        );
+        if let Some(headers) = &msg.headers {
+            relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
+        }
+        let key = attempt_key(&job);
+        let event_id = material.event_id.clone();
+        let outcome = async {
+            let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");
+            attempt::send(&self.shared.sender, material).await
+        }
+        .instrument(span.clone())
+        .await;
+        if let Some(status) = outcome.http_status {
+            span.record("http_status", status);
+        }
+        span.record("latency_ms", outcome.latency_ms);
+        // The lane moves on to its next attempt while this one is reported.
+        let (outcomes, unsettled) = (self.shared.outcomes.clone(), self.shared.unsettled.clone());
+        tokio::spawn(
+            async move {
+                report(&outcomes, &msg, &job, &event_id, outcome).await;
+                unsettled.lock().expect("unpoisoned").remove(&key);
+            }
+            .instrument(span),
+        );
+    }
+}
+
+/// The POST has happened; report it, retrying briefly. If the api stays away
+/// the job comes back and is sent again: the receiver may see the event id
+/// twice, and the schedule still advances once.
+async fn report(outcomes: &batch::Outcomes, msg: &Message, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest) {
+    let (status, error) = (outcome.http_status, outcome.error.clone());
+    for backoff in [0u64, 200, 1000] {
+        tokio::time::sleep(Duration::from_millis(backoff)).await;
+        match outcomes.call(outcome.clone()).await {
+            Ok(decision) => {
+                tracing::Span::current().record("outcome", decision.decision().as_str_name());
+                tracing::info!(
+                    delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
+                    decision = decision.decision, "attempt recorded"
+                );
+                return settle(msg, AckKind::Ack).await;
+            }
+            Err(st) => {
+                tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed")
+            }
+        }
+    }
+    settle(msg, retry_later(msg)).await
+}
