@@ -6,6 +6,9 @@ pub mod admin;
 pub mod deliveries;
 pub mod endpoints;
 pub mod events;
+mod expansion;
+mod material;
+mod outcomes;
 pub mod state;
 
 use std::sync::Arc;

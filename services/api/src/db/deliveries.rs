@@ -331,3 +331,90 @@ pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: Uuid) -> AppRe
     .rows_affected()
         == 1)
 }
+
+/// The earliest due time of any pending delivery.
+pub async fn earliest_due(db: &PgPool) -> AppResult<Option<Timestamp>> {
+    Ok(sqlx::query_scalar("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'").fetch_one(db).await?)
+}
+
+/// A due row the unlocked scan found.
+#[derive(sqlx::FromRow)]
+pub struct Candidate {
+    pub id: Uuid,
+    pub endpoint_id: Uuid,
+    /// An expired lease being handed out again: it already holds its slot.
+    pub released: bool,
+    /// Attempts of this endpoint handed out and not yet reported.
+    pub outstanding: i64,
+}
+
+/// A row this pass locked and hands to the broker.
+#[derive(sqlx::FromRow)]
+pub struct Claimed {
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub attempt: i32,
+    pub generation: i32,
+    pub trace_context: Option<String>,
+    /// The instant of this pass's claim, which later writes compare against.
+    pub dispatched_at: Timestamp,
+}
+
+/// Due rows, oldest first, without locking: the scan passes over due rows of
+/// endpoints at their `cap`, and locking every row it returns (a heap write
+/// each) would cost far more than the handful kept.
+pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<Candidate>> {
+    Ok(sqlx::query_as(
+        // Outstanding attempts are counted once per pass (a small partial
+        // index of leased rows), not once per scanned row: MATERIALIZED,
+        // or the planner may re-run the count for every row it scans
+        // (seen with a large backlog: 0.7 → 43 ms a pass).
+        "WITH busy AS MATERIALIZED (
+           SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
+           WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id)
+         SELECT d.id, d.endpoint_id, d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding
+         FROM webhook_deliveries d LEFT JOIN busy b ON b.endpoint_id = d.endpoint_id
+         WHERE d.state = 'pending' AND d.next_attempt_at <= now()
+           AND (d.dispatched_at IS NOT NULL OR coalesce(b.n, 0) < $2)
+         ORDER BY d.next_attempt_at LIMIT $1",
+    )
+    .bind(limit)
+    .bind(cap)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Claims the chosen rows that are still due and unclaimed, and leases them
+/// for `lease`, in one statement: no row lock or transaction is held while
+/// the broker is asked. Committed without waiting for the disk: a claim lost
+/// to a Postgres crash is a re-publish the broker drops.
+pub async fn claim_and_lease(db: &PgPool, chosen: &[Uuid], lease: Duration) -> AppResult<Vec<Claimed>> {
+    Ok(sqlx::query_as(
+        "UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $2
+         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+         WHERE d.id IN (SELECT id FROM webhook_deliveries
+                        WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
+                        ORDER BY id FOR UPDATE SKIP LOCKED)
+         RETURNING d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation, d.trace_context, d.dispatched_at",
+    )
+    .bind(chosen)
+    .bind(lease)
+    .fetch_all(db)
+    .await?)
+}
+
+/// Releases rows the broker refused, where still under the claim made at
+/// `claimed_at` (compare-and-set on the claim's instant).
+pub async fn release_refused(db: &PgPool, ids: &[Uuid], claimed_at: &[Timestamp]) -> AppResult<u64> {
+    Ok(sqlx::query(
+        "UPDATE webhook_deliveries d SET dispatched_at = NULL, next_attempt_at = now()
+         FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)
+         WHERE d.id = u.id AND d.state = 'pending' AND d.dispatched_at = u.at",
+    )
+    .bind(ids)
+    .bind(claimed_at)
+    .execute(db)
+    .await?
+    .rows_affected())
+}

@@ -1,8 +1,12 @@
-//! `events` and the `consumed_events` ledger, as expansion uses them.
+//! `events` (each row is also the outbox row) and the `consumed_events`
+//! ledger, as the outbox relay and expansion use them.
 
-use std::collections::{HashMap, HashSet};
+use std::{
+    collections::{HashMap, HashSet},
+    time::Duration,
+};
 
-use sqlx::PgConnection;
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::error::AppResult;
@@ -38,4 +42,47 @@ pub async fn mark_consumed(tx: &mut PgConnection, consumer: &str, environments: 
     .await?
     .into_iter()
     .collect())
+}
+
+/// An unpublished event as the outbox relay claims it:
+/// (seq, id, environment, type, trace context).
+pub type OutboxRow = (i64, Uuid, Uuid, String, Option<String>);
+
+/// Claims up to `limit` unpublished events nobody holds, oldest first, for
+/// `claim`, in one statement (committed without waiting for the disk: a
+/// claim lost to a crash is a re-publish the broker drops).
+pub async fn claim_unpublished(db: &PgPool, limit: i64, claim: Duration) -> AppResult<Vec<OutboxRow>> {
+    Ok(sqlx::query_as(
+        "UPDATE events SET relay_claim_until = now() + $2
+         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+         WHERE seq IN (SELECT seq FROM events
+                       WHERE published_at IS NULL AND (relay_claim_until IS NULL OR relay_claim_until < now())
+                       ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+         RETURNING seq, id, environment_id, event_type, trace_context",
+    )
+    .bind(limit)
+    .bind(claim)
+    .fetch_all(db)
+    .await?)
+}
+
+/// The broker has these: published, claim ended.
+pub async fn mark_published(db: &PgPool, seqs: &[i64]) -> AppResult<u64> {
+    Ok(sqlx::query(
+        "UPDATE events SET published_at = now(), relay_claim_until = NULL
+         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit WHERE seq = ANY ($1)",
+    )
+    .bind(seqs)
+    .execute(db)
+    .await?
+    .rows_affected())
+}
+
+/// The broker refused these: the next pass may take them at once.
+pub async fn release_refused(db: &PgPool, seqs: &[i64]) -> AppResult<u64> {
+    Ok(sqlx::query("UPDATE events SET relay_claim_until = NULL WHERE seq = ANY ($1) AND published_at IS NULL")
+        .bind(seqs)
+        .execute(db)
+        .await?
+        .rows_affected())
 }

@@ -16,7 +16,10 @@ use relay_contracts::{StreamNames, relay::queue::v1::DeliveryJob};
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use crate::app::{App, Timestamp};
+use crate::{
+    app::{App, Timestamp},
+    db::{self, deliveries::Claimed},
+};
 
 pub struct DeliveryRelay {
     pub app: App,
@@ -68,30 +71,6 @@ pub fn job_message(names: &StreamNames, j: &Job<'_>) -> (String, HeaderMap, byte
 /// The shortest pause between relay passes started by wake-ups (a pass that
 /// fills its batch goes straight on).
 const MIN_PASS_GAP: Duration = Duration::from_millis(5);
-
-/// A due row the unlocked scan found.
-#[derive(sqlx::FromRow)]
-struct Candidate {
-    id: Uuid,
-    endpoint_id: Uuid,
-    /// An expired lease being handed out again: it already holds its slot.
-    released: bool,
-    /// Attempts of this endpoint handed out and not yet reported.
-    outstanding: i64,
-}
-
-/// A row this pass locked and hands to the broker.
-#[derive(sqlx::FromRow)]
-struct Claimed {
-    id: Uuid,
-    environment_id: Uuid,
-    endpoint_id: Uuid,
-    attempt: i32,
-    generation: i32,
-    trace_context: Option<String>,
-    /// The instant of this pass's claim, which later writes compare against.
-    dispatched_at: Timestamp,
-}
 
 async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
     let mut l = sqlx::postgres::PgListener::connect_with(&app.db).await?;
@@ -165,9 +144,7 @@ impl DeliveryRelay {
     }
 
     async fn next_due(&self) -> Result<Option<Timestamp>> {
-        Ok(sqlx::query_scalar("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'")
-            .fetch_one(&self.app.db)
-            .await?)
+        Ok(db::deliveries::earliest_due(&self.app.db).await?)
     }
 
     pub async fn drain_once(&self) -> Result<usize> {
@@ -175,25 +152,8 @@ impl DeliveryRelay {
         // Choose without locking: the scan passes over due rows of endpoints
         // at their cap, and locking every row it returns (a heap write each)
         // would cost far more than the handful kept.
-        let candidates: Vec<Candidate> = sqlx::query_as(
-            // Outstanding attempts are counted once per pass (a small partial
-            // index of leased rows), not once per scanned row: MATERIALIZED,
-            // or the planner may re-run the count for every row it scans
-            // (seen with a large backlog: 0.7 → 43 ms a pass).
-            "WITH busy AS MATERIALIZED (
-               SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
-               WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id)
-             SELECT d.id, d.endpoint_id, d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding
-             FROM webhook_deliveries d LEFT JOIN busy b ON b.endpoint_id = d.endpoint_id
-             WHERE d.state = 'pending' AND d.next_attempt_at <= now()
-               AND (d.dispatched_at IS NOT NULL OR coalesce(b.n, 0) < $2)
-             ORDER BY d.next_attempt_at LIMIT $1",
-        )
-        .bind(self.batch)
-        .bind(self.endpoint_cap)
-        .fetch_all(&self.app.db)
-        .await
-        .context("finding due deliveries")?;
+        let candidates =
+            db::deliveries::due_candidates(&self.app.db, self.batch, self.endpoint_cap).await.context("finding due deliveries")?;
         if candidates.is_empty() {
             return Ok(0);
         }
@@ -222,19 +182,7 @@ impl DeliveryRelay {
         // under the same message ids. A claim lost to a Postgres crash is a
         // re-publish the broker drops, so it need not wait for the disk
         // (see cheap commits in `super`).
-        let rows: Vec<Claimed> = sqlx::query_as(
-            "UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $2
-             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
-             WHERE d.id IN (SELECT id FROM webhook_deliveries
-                            WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
-                            ORDER BY id FOR UPDATE SKIP LOCKED)
-             RETURNING d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation, d.trace_context, d.dispatched_at",
-        )
-        .bind(&chosen)
-        .bind(self.lease)
-        .fetch_all(&self.app.db)
-        .await
-        .context("claiming due deliveries")?;
+        let rows = db::deliveries::claim_and_lease(&self.app.db, &chosen, self.lease).await.context("claiming due deliveries")?;
         if rows.is_empty() {
             return Ok(0);
         }
@@ -264,16 +212,7 @@ impl DeliveryRelay {
             |rows: &[&Claimed]| (rows.iter().map(|r| r.id).collect::<Vec<_>>(), rows.iter().map(|r| r.dispatched_at).collect::<Vec<_>>());
         if !refused.is_empty() {
             let (ids, at) = still_ours(&refused);
-            sqlx::query(
-                "UPDATE webhook_deliveries d SET dispatched_at = NULL, next_attempt_at = now()
-                 FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)
-                 WHERE d.id = u.id AND d.state = 'pending' AND d.dispatched_at = u.at",
-            )
-            .bind(&ids)
-            .bind(&at)
-            .execute(&self.app.db)
-            .await
-            .context("releasing deliveries the broker refused")?;
+            db::deliveries::release_refused(&self.app.db, &ids, &at).await.context("releasing deliveries the broker refused")?;
         }
         match first_error {
             Some(e) if leased.is_empty() => Err(e.context("publishing to DELIVERIES")),

@@ -11,10 +11,9 @@ use relay_contracts::{StreamNames, event_headers};
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use crate::app::App;
+use crate::{app::App, db};
 
 /// seq, event id, environment, type, stored trace context.
-type OutboxRow = (i64, Uuid, Uuid, String, Option<String>);
 
 /// What an EVENTS message carries: the event's identity, never its payload.
 /// Expansion needs nothing more (the api holds the envelope), and a stream of
@@ -69,19 +68,7 @@ impl OutboxRelay {
     /// another relay takes once the claim runs out (re-published under the
     /// same message id, inside the broker's duplicate window).
     pub async fn drain_once(&self) -> Result<usize> {
-        let rows: Vec<OutboxRow> = sqlx::query_as(
-            "UPDATE events SET relay_claim_until = now() + $2
-             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
-             WHERE seq IN (SELECT seq FROM events
-                           WHERE published_at IS NULL AND (relay_claim_until IS NULL OR relay_claim_until < now())
-                           ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
-             RETURNING seq, id, environment_id, event_type, trace_context",
-        )
-        .bind(self.batch)
-        .bind(RELAY_CLAIM)
-        .fetch_all(&self.app.db)
-        .await
-        .context("claiming unpublished events")?;
+        let rows = db::events::claim_unpublished(&self.app.db, self.batch, RELAY_CLAIM).await.context("claiming unpublished events")?;
         if rows.is_empty() {
             return Ok(0);
         }
@@ -112,22 +99,11 @@ impl OutboxRelay {
         if !published.is_empty() {
             // Lost to a Postgres crash, this is a second publish that the
             // broker or the expansion ledger drops (see cheap commits in `super`).
-            sqlx::query(
-                "UPDATE events SET published_at = now(), relay_claim_until = NULL
-                 FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit WHERE seq = ANY ($1)",
-            )
-            .bind(&published)
-            .execute(&self.app.db)
-            .await
-            .context("marking events published")?;
+            db::events::mark_published(&self.app.db, &published).await.context("marking events published")?;
         }
         if !refused.is_empty() {
             // The next pass may take them at once, rather than after the claim.
-            sqlx::query("UPDATE events SET relay_claim_until = NULL WHERE seq = ANY ($1) AND published_at IS NULL")
-                .bind(&refused)
-                .execute(&self.app.db)
-                .await
-                .context("releasing events the broker refused")?;
+            db::events::release_refused(&self.app.db, &refused).await.context("releasing events the broker refused")?;
         }
         match first_error {
             Some(e) if published.is_empty() => Err(e.context("publishing to EVENTS")),

@@ -1,0 +1,173 @@
+//! Material: what the dispatcher needs to sign and send an attempt that is
+//! still current, claimed for the one dispatcher that asked.
+
+use std::collections::{HashMap, HashSet};
+
+use anyhow::Context;
+use chrono::Utc;
+use uuid::Uuid;
+
+use super::{App, Timestamp, deliveries::*, state::DeliveryState};
+use crate::{
+    db,
+    error::{AppError, AppResult, ErrorCode},
+};
+
+use relay_signing::SigningSecret;
+
+impl App {
+    /// What one attempt needs, if that attempt is still the delivery's current one.
+    pub async fn material(&self, wanted: AttemptRef) -> AppResult<Material> {
+        self.material_batch(&[wanted]).await?.pop().expect("one answer per request")
+    }
+
+    /// Material for many attempts with one query. The outer error is the
+    /// batch failing as a whole (the database); each item answers on its own.
+    pub async fn material_batch(&self, wanted: &[AttemptRef]) -> AppResult<Vec<AppResult<Material>>> {
+        // One reply carries at most the budget's worth of payloads, counted
+        // in request order over the items that will be sent: the first such
+        // item always fits (an event is far smaller than the budget), the
+        // rest past the budget are answered `deferred`, for the next call.
+        // So a batch of large events never makes a reply the seam refuses,
+        // and never fails the other items it shares a call with.
+        let rows = db::deliveries::read_material(
+            &self.db,
+            &wanted.iter().map(|w| w.delivery_id).collect::<Vec<_>>(),
+            &wanted.iter().map(|w| i32::try_from(w.attempt).unwrap_or(i32::MAX)).collect::<Vec<_>>(),
+            &wanted.iter().map(|w| i32::try_from(w.generation).unwrap_or(i32::MAX)).collect::<Vec<_>>(),
+            relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64,
+        )
+        .await?;
+        let by_ord: HashMap<i64, db::deliveries::MaterialRow> = rows.into_iter().map(|r| (r.ord, r)).collect();
+        let claimed = self.claim_attempts(wanted, &by_ord).await?;
+        // Secrets are decrypted once per endpoint per batch, not per attempt.
+        let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
+        let now = Utc::now();
+        let mut out = Vec::with_capacity(wanted.len());
+        let mut switched_off: Vec<(Uuid, &'static str)> = Vec::new();
+        for (ord, w) in (1..).zip(wanted) {
+            let row = match by_ord.get(&ord) {
+                Some(r) => r,
+                None => {
+                    out.push(Err(AppError::not_found("delivery")));
+                    continue;
+                }
+            };
+            if row.servable && row.envelope.is_none() {
+                out.push(Err(AppError::new(
+                    ErrorCode::Unavailable,
+                    relay_contracts::reasons::DEFERRED,
+                    "this reply's payload budget is spent; ask for this attempt again",
+                )));
+                continue;
+            }
+            if row.servable && w.claim.is_some() && !claimed.contains(&row.id) {
+                out.push(Err(AppError::new(
+                    ErrorCode::Unavailable,
+                    relay_contracts::reasons::IN_HAND_ELSEWHERE,
+                    format!("another dispatcher holds attempt {attempt} of delivery {}; ask again later", row.id, attempt = w.attempt),
+                )));
+                continue;
+            }
+            if row.state == DeliveryState::Pending && (!row.enabled || row.deleted) {
+                switched_off
+                    .push((row.id, if row.deleted { db::dead_letters::ENDPOINT_DELETED } else { db::dead_letters::ENDPOINT_DISABLED }));
+            }
+            out.push(self.material_from(row, w, now, &mut secrets_of));
+        }
+        // Disabling or deleting an endpoint ends its pending deliveries in the
+        // same transaction, and expansion cannot write new ones behind it, so
+        // none should get here; if one ever does, it ends now rather than
+        // waiting on a lease for an attempt that will never be made.
+        for reason in [db::dead_letters::ENDPOINT_DISABLED, db::dead_letters::ENDPOINT_DELETED] {
+            let ids: Vec<Uuid> = switched_off.iter().filter(|(_, r)| *r == reason).map(|(id, _)| *id).collect();
+            if !ids.is_empty() {
+                let ended = db::deliveries::end_pending_by_id(&self.db, &ids, reason).await?;
+                tracing::warn!(ended, reason, "pending deliveries of an inactive endpoint found at material time; dead-lettered");
+            }
+        }
+        Ok(out)
+    }
+
+    /// Claims the attempts of a material batch that will be answered (the
+    /// read just found them current), for their claimants: one statement,
+    /// taking only attempts nobody else holds (or whose holder's claim ran
+    /// out). A claim outlives its attempt's outcome on purpose: a second copy
+    /// of the job asking before it runs out is refused, and asking after
+    /// finds the attempt no longer current. Returns the deliveries claimed.
+    async fn claim_attempts(&self, wanted: &[AttemptRef], rows: &HashMap<i64, db::deliveries::MaterialRow>) -> AppResult<HashSet<Uuid>> {
+        let mut seen: HashSet<Uuid> = HashSet::new();
+        let asked: Vec<(&AttemptRef, Claim)> = (1..)
+            .zip(wanted)
+            .filter_map(|(ord, w)| {
+                let row = rows.get(&ord)?;
+                let claim = w.claim?;
+                (row.servable && row.envelope.is_some() && seen.insert(w.delivery_id)).then_some((w, claim))
+            })
+            .collect();
+        if asked.is_empty() {
+            return Ok(HashSet::new());
+        }
+        let mut claims = db::deliveries::ClaimsAsked::default();
+        for (w, c) in asked {
+            claims.delivery_id.push(w.delivery_id);
+            claims.attempt.push(w.attempt as i32);
+            claims.generation.push(w.generation as i32);
+            claims.claimant.push(c.claimant);
+            claims.hold_ms.push(c.hold.as_millis() as i64);
+        }
+        db::deliveries::claim_attempts(&self.db, &claims).await
+    }
+
+    fn material_from(
+        &self,
+        row: &db::deliveries::MaterialRow,
+        w: &AttemptRef,
+        now: Timestamp,
+        secrets_of: &mut HashMap<Uuid, Vec<SigningSecret>>,
+    ) -> AppResult<Material> {
+        let AttemptRef { delivery_id, generation, attempt, .. } = *w;
+        if row.state != DeliveryState::Pending || row.attempt as u32 != attempt || row.generation as u32 != generation {
+            return Err(AppError::precondition(
+                "stale_attempt",
+                format!(
+                    "delivery {delivery_id} is {} at attempt {} (generation {}); attempt {attempt} (generation {generation}) is not current",
+                    row.state.as_str(),
+                    row.attempt,
+                    row.generation
+                ),
+            ));
+        }
+        if !row.enabled || row.deleted {
+            return Err(AppError::precondition("endpoint_inactive", format!("endpoint {} is disabled or deleted", row.endpoint_id)));
+        }
+        let secrets = match secrets_of.get(&row.endpoint_id) {
+            Some(s) => s.clone(),
+            None => {
+                let mut secrets =
+                    vec![self.keyring.decrypt(&row.secret_key_id, &row.secret_ciphertext).context("decrypting a signing secret")?];
+                if let (Some(key_id), Some(ct), Some(at)) =
+                    (&row.previous_secret_key_id, &row.previous_secret_ciphertext, row.secret_rotated_at)
+                {
+                    let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
+                    if now < at + window {
+                        secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
+                    }
+                }
+                secrets_of.insert(row.endpoint_id, secrets.clone());
+                secrets
+            }
+        };
+        Ok(Material {
+            delivery_id,
+            endpoint_id: row.endpoint_id,
+            environment_id: row.environment_id,
+            event_id: row.event_id,
+            url: row.url.clone(),
+            attempt,
+            generation,
+            secrets,
+            payload: row.envelope.clone().context("a servable row carries its envelope")?,
+        })
+    }
+}
