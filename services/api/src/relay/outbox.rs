@@ -13,8 +13,6 @@ use uuid::Uuid;
 
 use crate::{app::App, db};
 
-/// seq, event id, environment, type, stored trace context.
-
 /// What an EVENTS message carries: the event's identity, never its payload.
 /// Expansion needs nothing more (the api holds the envelope), and a stream of
 /// ids cannot make one tenant's large events a queue of megabytes that every
