@@ -262,7 +262,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             "/metrics",
             axum::routing::get(move || {
                 let app = app.clone();
-                async move { ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app).await) }
+                async move { ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app.db).await) }
             }),
         );
         let stop = stopped(stop_rx.clone());
@@ -275,7 +275,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 /// Ready means able to take writes and move them on: Postgres answers and
 /// the broker connection is up. (Alive, `/healthz`, only means the process runs.)
 async fn readiness(db: &sqlx::PgPool, js: &async_nats::jetstream::Context) -> (http::StatusCode, String) {
-    let pg = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(db).await.is_ok();
+    let pg = db::answers(db).await;
     let nats = js.client().connection_state() == async_nats::connection::State::Connected;
     let body = format!("{{\"postgres\":{pg},\"nats\":{nats}}}");
     if pg && nats { (http::StatusCode::OK, body) } else { (http::StatusCode::SERVICE_UNAVAILABLE, body) }

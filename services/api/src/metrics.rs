@@ -3,7 +3,7 @@
 
 use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use crate::app::App;
+use crate::db::depths;
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -57,8 +57,8 @@ impl Default for Metrics {
 
 impl Metrics {
     /// The text exposition, with the queue depths read now.
-    pub async fn render(&self, app: &App) -> String {
-        match app.queue_depths().await {
+    pub async fn render(&self, db: &sqlx::PgPool) -> String {
+        match depths::queue_depths(db).await {
             Ok(d) => {
                 for (queue, n) in [
                     ("outbox_unpublished", d.outbox_unpublished),
@@ -72,7 +72,7 @@ impl Metrics {
             }
             Err(e) => tracing::warn!(error = ?e, "reading queue depths for metrics"),
         }
-        match app.in_flight_by_endpoint().await {
+        match depths::in_flight_by_endpoint(db).await {
             Ok(rows) => {
                 // Endpoints that drained since the last scrape disappear.
                 self.endpoint_in_flight.reset();

@@ -6,4 +6,5 @@
 pub mod procs;
 pub mod receiver;
 pub mod report;
+pub mod spec;
 pub mod workload;

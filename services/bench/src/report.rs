@@ -7,7 +7,7 @@ use std::{
 
 use serde::Serialize;
 
-use crate::{receiver::Receiver, workload::Workload};
+use crate::{receiver::Receiver, spec::Workload};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {

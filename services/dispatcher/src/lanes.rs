@@ -24,9 +24,9 @@ use tracing::Instrument as _;
 use crate::{
     attempt, batch,
     config::DispatcherConfig,
-    consume::{Verdict, retry_later, settle, settle_by, verdict},
     http_client::Sender,
     seam::Seam,
+    verdict::{Verdict, retry_later, settle, settle_by, verdict},
 };
 
 /// A lane with nothing to do for this long closes.

@@ -9,6 +9,7 @@ pub mod consume;
 pub mod http_client;
 mod lanes;
 pub mod seam;
+mod verdict;
 
 use std::{sync::Arc, time::Duration};
 

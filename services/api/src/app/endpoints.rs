@@ -8,30 +8,14 @@ use relay_signing::SigningSecret;
 use url::Host;
 use uuid::Uuid;
 
-use super::{App, Tenant, Timestamp, require_nonempty};
-use crate::db::deliveries::end_pending_of_endpoint;
+use super::{App, Tenant, require_nonempty};
+pub use crate::db::models::Endpoint;
+use crate::db::{self, deliveries::end_pending_of_endpoint};
 use crate::{
     error::{AppError, AppResult},
     secrets::mint_signing_secret,
 };
 
-/// An endpoint as every read shows it. The ciphertexts are not even selected.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct Endpoint {
-    pub id: Uuid,
-    pub url: String,
-    pub event_types: Vec<String>,
-    pub enabled: bool,
-    pub created_at: Timestamp,
-    pub secret_rotated_at: Option<Timestamp>,
-}
-
-/// The columns every endpoint read selects: never a ciphertext.
-macro_rules! endpoint_columns {
-    () => {
-        "id, url, event_types, enabled, created_at, secret_rotated_at"
-    };
-}
 const MAX_EVENT_TYPES: usize = 100;
 const MAX_EVENT_TYPE_LEN: usize = 128;
 const MAX_URL_LEN: usize = 2048;
@@ -95,15 +79,8 @@ impl App {
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
         // racing requests cannot both take the last slot.
-        let quota: i32 = sqlx::query_scalar("SELECT endpoint_quota FROM environments WHERE id = $1 FOR UPDATE")
-            .bind(tenant.environment_id)
-            .fetch_optional(&mut *tx)
-            .await?
-            .ok_or_else(|| AppError::not_found("environment"))?;
-        let live: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_endpoints WHERE environment_id = $1 AND deleted_at IS NULL")
-            .bind(tenant.environment_id)
-            .fetch_one(&mut *tx)
-            .await?;
+        let quota = db::endpoints::lock_quota(&mut tx, tenant.environment_id).await?.ok_or_else(|| AppError::not_found("environment"))?;
+        let live = db::endpoints::count_live(&mut tx, tenant.environment_id).await?;
         if live >= i64::from(quota) {
             return Err(AppError::precondition(
                 "endpoint_quota_exceeded",
@@ -112,47 +89,17 @@ impl App {
         }
         let secret = mint_signing_secret();
         let (key_id, ciphertext) = self.keyring.encrypt(&secret);
-        let endpoint = sqlx::query_as::<_, Endpoint>(concat!(
-            "INSERT INTO webhook_endpoints (id, environment_id, url, event_types, secret_key_id, secret_ciphertext)
-             VALUES ($1, $2, $3, $4, $5, $6) RETURNING ",
-            endpoint_columns!(),
-            ""
-        ))
-        .bind(Uuid::now_v7())
-        .bind(tenant.environment_id)
-        .bind(&url)
-        .bind(&event_types)
-        .bind(key_id)
-        .bind(ciphertext)
-        .fetch_one(&mut *tx)
-        .await?;
+        let endpoint = db::endpoints::insert(&mut tx, tenant.environment_id, &url, &event_types, &key_id, &ciphertext).await?;
         tx.commit().await.context("committing a new endpoint")?;
         Ok((endpoint, secret))
     }
 
     pub async fn list_endpoints(&self, tenant: Tenant) -> AppResult<Vec<Endpoint>> {
-        Ok(sqlx::query_as::<_, Endpoint>(concat!(
-            "SELECT ",
-            endpoint_columns!(),
-            " FROM webhook_endpoints
-             WHERE environment_id = $1 AND deleted_at IS NULL ORDER BY created_at, id"
-        ))
-        .bind(tenant.environment_id)
-        .fetch_all(&self.db)
-        .await?)
+        db::endpoints::list(&self.db, tenant.environment_id).await
     }
 
     pub async fn get_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<Endpoint> {
-        sqlx::query_as::<_, Endpoint>(concat!(
-            "SELECT ",
-            endpoint_columns!(),
-            " FROM webhook_endpoints WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL"
-        ))
-        .bind(id)
-        .bind(tenant.environment_id)
-        .fetch_optional(&self.db)
-        .await?
-        .ok_or_else(|| AppError::not_found("webhook endpoint"))
+        db::endpoints::get(&self.db, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))
     }
 
     /// Mints a new secret; the current one becomes the previous one and keeps
@@ -160,23 +107,9 @@ impl App {
     pub async fn rotate_endpoint_secret(&self, tenant: Tenant, id: Uuid) -> AppResult<(Endpoint, SigningSecret)> {
         let secret = mint_signing_secret();
         let (key_id, ciphertext) = self.keyring.encrypt(&secret);
-        let endpoint = sqlx::query_as::<_, Endpoint>(concat!(
-            "UPDATE webhook_endpoints SET
-               previous_secret_key_id = secret_key_id,
-               previous_secret_ciphertext = secret_ciphertext,
-               secret_key_id = $3, secret_ciphertext = $4, secret_rotated_at = now()
-             WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL
-             RETURNING ",
-            endpoint_columns!(),
-            ""
-        ))
-        .bind(id)
-        .bind(tenant.environment_id)
-        .bind(key_id)
-        .bind(ciphertext)
-        .fetch_optional(&self.db)
-        .await?
-        .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
+        let endpoint = db::endpoints::rotate_secret(&self.db, tenant.environment_id, id, &key_id, &ciphertext)
+            .await?
+            .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
         Ok((endpoint, secret))
     }
 
@@ -185,19 +118,11 @@ impl App {
     /// nothing waits forever, and the tenant can replay after re-enabling.
     pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
         let mut tx = self.db.begin().await?;
-        let endpoint = sqlx::query_as::<_, Endpoint>(concat!(
-            "UPDATE webhook_endpoints SET enabled = $3
-             WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL RETURNING ",
-            endpoint_columns!()
-        ))
-        .bind(id)
-        .bind(tenant.environment_id)
-        .bind(enabled)
-        .fetch_optional(&mut *tx)
-        .await?
-        .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
+        let endpoint = db::endpoints::set_enabled(&mut tx, tenant.environment_id, id, enabled)
+            .await?
+            .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
         if !enabled {
-            end_pending_of_endpoint(&mut tx, id, crate::db::dead_letters::ENDPOINT_DISABLED).await?;
+            end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DISABLED).await?;
         }
         tx.commit().await.context("committing an endpoint state change")?;
         Ok(endpoint)
@@ -207,16 +132,10 @@ impl App {
     /// as dead letters with reason `endpoint_deleted`.
     pub async fn delete_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
         let mut tx = self.db.begin().await?;
-        let done =
-            sqlx::query("UPDATE webhook_endpoints SET deleted_at = now() WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL")
-                .bind(id)
-                .bind(tenant.environment_id)
-                .execute(&mut *tx)
-                .await?;
-        if done.rows_affected() == 0 {
+        if !db::endpoints::soft_delete(&mut tx, tenant.environment_id, id).await? {
             return Err(AppError::not_found("webhook endpoint"));
         }
-        end_pending_of_endpoint(&mut tx, id, crate::db::dead_letters::ENDPOINT_DELETED).await?;
+        end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DELETED).await?;
         tx.commit().await.context("committing an endpoint deletion")?;
         Ok(())
     }

@@ -5,8 +5,12 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
-use super::{App, Tenant, Timestamp, endpoints::check_event_type, require_nonempty};
-use crate::error::{AppError, AppResult};
+use super::{App, Tenant, endpoints::check_event_type, require_nonempty};
+pub use crate::db::models::{Attempt, Delivery};
+use crate::{
+    db,
+    error::{AppError, AppResult},
+};
 
 /// The webhook body. Serialised once, at publish time, and stored as bytes:
 /// every attempt sends exactly these bytes, so the body a recipient verifies
@@ -78,36 +82,6 @@ pub fn checked_payload(text: &str) -> AppResult<&RawValue> {
     serde_json::from_str::<&RawValue>(text).map_err(|e| AppError::invalid("invalid_payload", format!("payload is not valid JSON: {e}")))
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct Delivery {
-    pub id: Uuid,
-    pub event_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub state: super::state::DeliveryState,
-    pub attempt: i32,
-    pub next_attempt_at: Timestamp,
-    pub created_at: Timestamp,
-    pub last_status: Option<i32>,
-    pub last_error: Option<String>,
-    pub generation: i32,
-    #[sqlx(skip)]
-    pub attempts: Vec<Attempt>,
-}
-
-/// One row of the attempt log.
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct Attempt {
-    pub delivery_id: Uuid,
-    pub generation: i32,
-    pub attempt: i32,
-    pub attempted_at: Timestamp,
-    pub http_status: Option<i32>,
-    pub error: Option<String>,
-    pub latency_ms: i64,
-    pub response_body: Option<Vec<u8>>,
-    pub next_attempt_at: Option<Timestamp>,
-}
-
 #[derive(Debug, Clone, Copy)]
 pub struct Published {
     pub event_id: Uuid,
@@ -140,20 +114,18 @@ impl App {
         // The event row is the outbox row: one insert, one transaction. Ids
         // are unique per environment, so a conflict is this tenant's own
         // earlier publish of the same id.
-        let inserted = sqlx::query(
-            "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context)
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (environment_id, id) DO NOTHING",
-        )
-        .bind(event_id)
-        .bind(tenant.environment_id)
-        .bind(event_type)
-        .bind(&envelope)
-        .bind(occurred_at)
         // The relays continue this trace from the row.
-        .bind(relay_telemetry::current_traceparent())
-        .execute(&self.db)
+        let inserted = db::events::insert(
+            &self.db,
+            event_id,
+            tenant.environment_id,
+            event_type,
+            &envelope,
+            occurred_at,
+            relay_telemetry::current_traceparent(),
+        )
         .await?;
-        let duplicate = inserted.rows_affected() == 0;
+        let duplicate = !inserted;
         if !duplicate {
             self.outbox_wake.wake();
         }
@@ -165,32 +137,13 @@ impl App {
         // an outcome committing in between would show a delivery still dead
         // beside the attempt that made it delivered.
         let mut tx = self.db.begin_with("BEGIN ISOLATION LEVEL REPEATABLE READ, READ ONLY").await?;
-        let exists: bool = sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1 AND environment_id = $2)")
-            .bind(event_id)
-            .bind(tenant.environment_id)
-            .fetch_one(&mut *tx)
-            .await?;
+        let exists = db::events::exists(&mut tx, tenant.environment_id, event_id).await?;
         if !exists {
             return Err(AppError::not_found("event"));
         }
-        let mut deliveries = sqlx::query_as::<_, Delivery>(
-            "SELECT id, event_id, endpoint_id, state, attempt, next_attempt_at, created_at, last_status, last_error, generation
-             FROM webhook_deliveries WHERE event_id = $1 AND environment_id = $2 ORDER BY created_at, id",
-        )
-        .bind(event_id)
-        .bind(tenant.environment_id)
-        .fetch_all(&mut *tx)
-        .await?;
+        let mut deliveries = db::events::deliveries_of(&mut tx, tenant.environment_id, event_id).await?;
         let ids: Vec<Uuid> = deliveries.iter().map(|d| d.id).collect();
-        let attempts = sqlx::query_as::<_, Attempt>(
-            "SELECT delivery_id, generation, attempt, attempted_at, http_status, error, latency_ms, response_body, next_attempt_at
-             FROM delivery_attempts WHERE delivery_id = ANY ($1) AND environment_id = $2
-             ORDER BY generation, attempt",
-        )
-        .bind(&ids)
-        .bind(tenant.environment_id)
-        .fetch_all(&mut *tx)
-        .await?;
+        let attempts = db::attempts::of_deliveries(&mut tx, tenant.environment_id, &ids).await?;
         for a in attempts {
             if let Some(d) = deliveries.iter_mut().find(|d| d.id == a.delivery_id) {
                 d.attempts.push(a);

@@ -13,7 +13,6 @@ pub mod state;
 
 use std::sync::Arc;
 
-use chrono::{DateTime, Utc};
 use relay_netguard::Policy;
 use sqlx::PgPool;
 use tokio::sync::Notify;
@@ -81,7 +80,7 @@ pub struct Tenant {
     pub environment_id: Uuid,
 }
 
-pub type Timestamp = DateTime<Utc>;
+pub use crate::db::models::Timestamp;
 
 pub(crate) fn require_nonempty(field: &'static str, value: &str) -> AppResult<()> {
     if value.trim().is_empty() {

@@ -6,10 +6,8 @@ use std::collections::HashMap;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use crate::{
-    app::{Timestamp, state::Decision},
-    error::AppResult,
-};
+use super::models::{Attempt, Decision, Timestamp};
+use crate::error::AppResult;
 
 /// Attempt-log rows of one outcome batch, column by column.
 #[derive(Default)]
@@ -96,4 +94,17 @@ pub async fn recorded_decisions(tx: &mut PgConnection, delivery_ids: &[Uuid]) ->
             Ok(((id, g as u32, a as u32), d))
         })
         .collect()
+}
+
+/// The attempt logs of these deliveries, in order.
+pub async fn of_deliveries(tx: &mut PgConnection, environment_id: Uuid, delivery_ids: &[Uuid]) -> AppResult<Vec<Attempt>> {
+    Ok(sqlx::query_as::<_, Attempt>(
+        "SELECT delivery_id, generation, attempt, attempted_at, http_status, error, latency_ms, response_body, next_attempt_at
+         FROM delivery_attempts WHERE delivery_id = ANY ($1) AND environment_id = $2
+         ORDER BY generation, attempt",
+    )
+    .bind(delivery_ids)
+    .bind(environment_id)
+    .fetch_all(&mut *tx)
+    .await?)
 }

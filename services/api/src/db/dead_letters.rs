@@ -6,26 +6,14 @@ use std::{collections::HashSet, time::Duration};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::{app::Timestamp, error::AppResult};
+pub use super::models::DeadLetter;
+use crate::error::AppResult;
 
 /// The reasons a switched-off endpoint gives its pending deliveries; such a
 /// dead letter is provisional while the attempt in flight at the switch-off
 /// may still report.
 pub const ENDPOINT_DISABLED: &str = "endpoint_disabled";
 pub const ENDPOINT_DELETED: &str = "endpoint_deleted";
-
-#[derive(Debug, Clone, sqlx::FromRow)]
-pub struct DeadLetter {
-    pub id: Uuid,
-    pub delivery_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub event_id: Uuid,
-    pub attempts: i32,
-    pub last_status: Option<i32>,
-    pub last_error: Option<String>,
-    pub reason: String,
-    pub dead_lettered_at: Timestamp,
-}
 
 /// Dead letters of one outcome batch, column by column for one `UNNEST` insert.
 #[derive(Default)]

@@ -7,10 +7,8 @@ use std::{collections::HashSet, time::Duration};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use crate::{
-    app::{Timestamp, state::DeliveryState},
-    error::AppResult,
-};
+use super::models::{DeliveryState, Timestamp};
+use crate::error::AppResult;
 
 /// The Postgres channel that says "deliveries are due now". Every api
 /// process's delivery relay listens, so a row written by one api wakes the

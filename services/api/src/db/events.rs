@@ -9,6 +9,7 @@ use std::{
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
+use super::models::{Delivery, Timestamp};
 use crate::error::AppResult;
 
 /// The stored type of each of these events that exists, by (environment, id).
@@ -85,4 +86,52 @@ pub async fn release_refused(db: &PgPool, seqs: &[i64]) -> AppResult<u64> {
         .execute(db)
         .await?
         .rows_affected())
+}
+
+/// A new event, which is also its outbox row. False when the environment
+/// already has an event with this id (a repeat publish).
+#[allow(clippy::too_many_arguments)]
+pub async fn insert(
+    db: &PgPool,
+    id: Uuid,
+    environment_id: Uuid,
+    event_type: &str,
+    envelope: &[u8],
+    occurred_at: Timestamp,
+    trace_context: Option<String>,
+) -> AppResult<bool> {
+    Ok(sqlx::query(
+        "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context)
+         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (environment_id, id) DO NOTHING",
+    )
+    .bind(id)
+    .bind(environment_id)
+    .bind(event_type)
+    .bind(envelope)
+    .bind(occurred_at)
+    .bind(trace_context)
+    .execute(db)
+    .await?
+    .rows_affected()
+        == 1)
+}
+
+pub async fn exists(tx: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<bool> {
+    Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM events WHERE id = $1 AND environment_id = $2)")
+        .bind(id)
+        .bind(environment_id)
+        .fetch_one(&mut *tx)
+        .await?)
+}
+
+/// An event's deliveries, oldest first, without their attempts.
+pub async fn deliveries_of(tx: &mut PgConnection, environment_id: Uuid, event_id: Uuid) -> AppResult<Vec<Delivery>> {
+    Ok(sqlx::query_as::<_, Delivery>(
+        "SELECT id, event_id, endpoint_id, state, attempt, next_attempt_at, created_at, last_status, last_error, generation
+         FROM webhook_deliveries WHERE event_id = $1 AND environment_id = $2 ORDER BY created_at, id",
+    )
+    .bind(event_id)
+    .bind(environment_id)
+    .fetch_all(&mut *tx)
+    .await?)
 }

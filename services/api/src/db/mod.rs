@@ -47,4 +47,14 @@ pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration)
 pub mod attempts;
 pub mod dead_letters;
 pub mod deliveries;
+pub mod depths;
+pub mod endpoints;
+pub mod environments;
 pub mod events;
+pub mod keys;
+pub mod models;
+
+/// Whether Postgres answers a query now (readiness).
+pub async fn answers(db: &PgPool) -> bool {
+    sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(db).await.is_ok()
+}

@@ -1,0 +1,181 @@
+//! The rows the api stores and reads, as Rust types: what `db` returns and
+//! the use-cases and adapters take. States and decisions are enums with one
+//! spelling each; the rules that move between them are in `app::state`.
+
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+pub type Timestamp = DateTime<Utc>;
+
+/// Where a delivery stands. Stored as checked text (`webhook_deliveries.state`,
+/// CHECK constraint in the first migration); these spellings are the only
+/// ones the Rust code writes or reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
+#[sqlx(type_name = "text", rename_all = "lowercase")]
+pub enum DeliveryState {
+    /// Due at `next_attempt_at`, or leased to the broker for its current attempt.
+    Pending,
+    /// An attempt got a 2xx. Final.
+    Delivered,
+    /// The attempts ran out, or the endpoint was switched off; a dead letter
+    /// holds the record. Final until replayed.
+    Dead,
+}
+
+impl DeliveryState {
+    pub const ALL: [Self; 3] = [Self::Pending, Self::Delivered, Self::Dead];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Delivered => "delivered",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+/// What recording one attempt did to its delivery: the seam's answer to an
+/// outcome, and the attempt log's `decision` column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Delivered,
+    Rescheduled { next_attempt_at: Timestamp },
+    DeadLettered,
+}
+
+impl Decision {
+    /// The delivery's state once this decision is applied.
+    pub fn state(&self) -> DeliveryState {
+        match self {
+            Self::Delivered => DeliveryState::Delivered,
+            Self::Rescheduled { .. } => DeliveryState::Pending,
+            Self::DeadLettered => DeliveryState::Dead,
+        }
+    }
+
+    /// The delivery's attempt number once this decision is applied to `attempt`.
+    pub fn next_attempt(&self, attempt: u32) -> u32 {
+        match self {
+            Self::Rescheduled { .. } => attempt + 1,
+            _ => attempt,
+        }
+    }
+
+    pub fn next_attempt_at(&self) -> Option<Timestamp> {
+        match self {
+            Self::Rescheduled { next_attempt_at } => Some(*next_attempt_at),
+            _ => None,
+        }
+    }
+
+    /// The attempt log's spelling (and the metrics label).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::Rescheduled { .. } => "rescheduled",
+            Self::DeadLettered => "dead_lettered",
+        }
+    }
+
+    /// Reads back what `as_str` (and `next_attempt_at`) stored.
+    pub fn from_log(decision: &str, next_attempt_at: Option<Timestamp>) -> Option<Self> {
+        match (decision, next_attempt_at) {
+            ("delivered", _) => Some(Self::Delivered),
+            ("rescheduled", Some(next_attempt_at)) => Some(Self::Rescheduled { next_attempt_at }),
+            ("dead_lettered", _) => Some(Self::DeadLettered),
+            _ => None,
+        }
+    }
+
+    /// How a report that changes nothing is answered: with where the
+    /// delivery stands now.
+    pub fn standing(state: DeliveryState, next_attempt_at: Timestamp) -> Self {
+        match state {
+            DeliveryState::Delivered => Self::Delivered,
+            DeliveryState::Dead => Self::DeadLettered,
+            DeliveryState::Pending => Self::Rescheduled { next_attempt_at },
+        }
+    }
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct DeadLetter {
+    pub id: Uuid,
+    pub delivery_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub event_id: Uuid,
+    pub attempts: i32,
+    pub last_status: Option<i32>,
+    pub last_error: Option<String>,
+    pub reason: String,
+    pub dead_lettered_at: Timestamp,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Delivery {
+    pub id: Uuid,
+    pub event_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub state: DeliveryState,
+    pub attempt: i32,
+    pub next_attempt_at: Timestamp,
+    pub created_at: Timestamp,
+    pub last_status: Option<i32>,
+    pub last_error: Option<String>,
+    pub generation: i32,
+    #[sqlx(skip)]
+    pub attempts: Vec<Attempt>,
+}
+
+/// One row of the attempt log.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Attempt {
+    pub delivery_id: Uuid,
+    pub generation: i32,
+    pub attempt: i32,
+    pub attempted_at: Timestamp,
+    pub http_status: Option<i32>,
+    pub error: Option<String>,
+    pub latency_ms: i64,
+    pub response_body: Option<Vec<u8>>,
+    pub next_attempt_at: Option<Timestamp>,
+}
+
+/// An endpoint as every read shows it. The ciphertexts are not even selected.
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Endpoint {
+    pub id: Uuid,
+    pub url: String,
+    pub event_types: Vec<String>,
+    pub enabled: bool,
+    pub created_at: Timestamp,
+    pub secret_rotated_at: Option<Timestamp>,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct Environment {
+    pub id: Uuid,
+    pub name: String,
+    pub endpoint_quota: i32,
+    pub created_at: Timestamp,
+}
+
+#[derive(Debug, Clone, sqlx::FromRow)]
+pub struct ApiKey {
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub name: String,
+    pub lookup_prefix: String,
+    pub created_at: Timestamp,
+    pub revoked_at: Option<Timestamp>,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct QueueDepths {
+    pub outbox_unpublished: i64,
+    pub deliveries_pending: i64,
+    pub deliveries_due: i64,
+    /// Handed to the broker, lease not expired, outcome not yet reported.
+    pub deliveries_in_flight: i64,
+    pub dead_letters: i64,
+}

@@ -1,0 +1,65 @@
+//! What a workload is: its name, its mix of endpoints, its load.
+
+use anyhow::{Result, bail};
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Workload {
+    pub name: String,
+    pub events: usize,
+    pub publishers: usize,
+    pub healthy: usize,
+    pub hanging: usize,
+    pub failing: usize,
+    /// Pending-but-not-due deliveries seeded before the run (W3).
+    pub backlog: u64,
+    pub payload_bytes: usize,
+    /// Events per second across all publishers (`w1@500`); `None`: as fast
+    /// as the api accepts them. Paced runs measure latency at a given load
+    /// instead of behind a backlog the publishers outrun.
+    pub rate: Option<f64>,
+    /// Hostile requests sent beside the publishers, 200 of each kind at once
+    /// (`bodies`): bodies without a key, bodies declared past the limit, and
+    /// bodies that stream past it. The api's peak memory is the figure.
+    pub hostile: bool,
+}
+
+impl Workload {
+    pub fn named(name: &str) -> Result<Self> {
+        let (base, rate) = match name.split_once('@') {
+            Some((base, rate)) => {
+                let rate: f64 = rate.parse().map_err(|_| anyhow::anyhow!("{name}: the rate after @ must be events per second"))?;
+                anyhow::ensure!(rate > 0.0, "{name}: the rate must be positive");
+                (base, Some(rate))
+            }
+            None => (name, None),
+        };
+        let w = |events, publishers, healthy, hanging, failing, backlog| Workload {
+            name: name.to_owned(),
+            events,
+            publishers,
+            healthy,
+            hanging,
+            failing,
+            backlog,
+            payload_bytes: 1024,
+            rate,
+            hostile: false,
+        };
+        Ok(match base {
+            "w1" => w(2_000, 32, 10, 0, 0, 0),
+            "w2" => w(500, 32, 10, 10, 10, 0),
+            "w2b" => w(1_500, 32, 10, 10, 10, 0),
+            "w3" => w(2_000, 32, 10, 0, 0, 1_000_000),
+            // 200 publishes of 250 KiB at once beside 600 hostile bodies of
+            // 1–1.9 MiB: what the api's memory does under that.
+            "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
+            // What CI runs so the benchmark keeps working.
+            "smoke" => w(200, 8, 3, 1, 1, 0),
+            other => bail!("unknown workload {other:?}: w1, w2, w2b, w3, bodies or smoke, optionally paced as <name>@<events per second>"),
+        })
+    }
+
+    pub fn endpoints(&self) -> usize {
+        self.healthy + self.hanging + self.failing
+    }
+}
