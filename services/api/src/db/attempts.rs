@@ -56,22 +56,22 @@ pub async fn insert(tx: &mut PgConnection, log: &AttemptRows) -> AppResult<()> {
     if log.delivery_id.is_empty() {
         return Ok(());
     }
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO delivery_attempts
            (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
          SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bytea[],
                               $9::text[], $10::timestamptz[])",
+        &log.delivery_id,
+        &log.generation,
+        &log.attempt,
+        &log.environment_id,
+        &log.http_status as &[Option<i32>],
+        &log.error as &[Option<String>],
+        &log.latency_ms,
+        &log.response_body,
+        &log.decision as &[&str],
+        &log.next_attempt_at as &[Option<Timestamp>],
     )
-    .bind(&log.delivery_id)
-    .bind(&log.generation)
-    .bind(&log.attempt)
-    .bind(&log.environment_id)
-    .bind(&log.http_status)
-    .bind(&log.error)
-    .bind(&log.latency_ms)
-    .bind(&log.response_body)
-    .bind(&log.decision)
-    .bind(&log.next_attempt_at)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -80,31 +80,33 @@ pub async fn insert(tx: &mut PgConnection, log: &AttemptRows) -> AppResult<()> {
 /// What the log already holds for these deliveries, by (delivery,
 /// generation, attempt): the first answer a repeated report gets again.
 pub async fn recorded_decisions(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<HashMap<(Uuid, u32, u32), Decision>> {
-    let rows: Vec<(Uuid, i32, i32, String, Option<Timestamp>)> = sqlx::query_as(
+    let rows = sqlx::query!(
         "SELECT delivery_id, generation, attempt, decision, next_attempt_at FROM delivery_attempts WHERE delivery_id = ANY ($1)",
+        delivery_ids,
     )
-    .bind(delivery_ids)
     .fetch_all(&mut *tx)
     .await?;
     rows.into_iter()
-        .map(|(id, g, a, decision, next)| {
-            let d = Decision::from_log(&decision, next).ok_or_else(|| {
+        .map(|r| {
+            let (id, decision) = (r.delivery_id, r.decision);
+            let d = Decision::from_log(&decision, r.next_attempt_at).ok_or_else(|| {
                 anyhow::anyhow!("the attempt log of delivery {id} holds a decision this build does not know: {decision:?}")
             })?;
-            Ok(((id, g as u32, a as u32), d))
+            Ok(((id, r.generation as u32, r.attempt as u32), d))
         })
         .collect()
 }
 
 /// The attempt logs of these deliveries, in order.
 pub async fn of_deliveries(tx: &mut PgConnection, environment_id: Uuid, delivery_ids: &[Uuid]) -> AppResult<Vec<Attempt>> {
-    Ok(sqlx::query_as::<_, Attempt>(
+    Ok(sqlx::query_as!(
+        Attempt,
         "SELECT delivery_id, generation, attempt, attempted_at, http_status, error, latency_ms, response_body, next_attempt_at
          FROM delivery_attempts WHERE delivery_id = ANY ($1) AND environment_id = $2
          ORDER BY generation, attempt",
+        delivery_ids,
+        environment_id,
     )
-    .bind(delivery_ids)
-    .bind(environment_id)
     .fetch_all(&mut *tx)
     .await?)
 }

@@ -3,7 +3,7 @@
 
 use std::{collections::HashSet, time::Duration};
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
 use uuid::Uuid;
 
 pub use super::models::DeadLetter;
@@ -60,18 +60,18 @@ pub async fn insert_exhausted(tx: &mut PgConnection, rows: &DeadLetterRows) -> A
     if rows.is_empty() {
         return Ok(());
     }
-    sqlx::query(
+    sqlx::query!(
         "INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
          SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::int[], $7::int[], $8::text[])",
+        &rows.id,
+        &rows.environment_id,
+        &rows.delivery_id,
+        &rows.endpoint_id,
+        &rows.event_id,
+        &rows.attempts,
+        &rows.last_status as &[Option<i32>],
+        &rows.last_error as &[Option<String>],
     )
-    .bind(&rows.id)
-    .bind(&rows.environment_id)
-    .bind(&rows.delivery_id)
-    .bind(&rows.endpoint_id)
-    .bind(&rows.event_id)
-    .bind(&rows.attempts)
-    .bind(&rows.last_status)
-    .bind(&rows.last_error)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -80,12 +80,12 @@ pub async fn insert_exhausted(tx: &mut PgConnection, rows: &DeadLetterRows) -> A
 /// Of these deliveries, those ended by a switch-off while their current
 /// attempt was on the wire (the dead letter counts the attempts before it).
 pub async fn switched_off_in_flight(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<HashSet<Uuid>> {
-    Ok(sqlx::query_scalar(
+    Ok(sqlx::query_scalar!(
         "SELECT l.delivery_id FROM webhook_dead_letters l JOIN webhook_deliveries d ON d.id = l.delivery_id
          WHERE l.delivery_id = ANY ($1) AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')
            AND d.state = 'dead' AND l.attempts = d.attempt - 1",
+        delivery_ids,
     )
-    .bind(delivery_ids)
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
@@ -98,10 +98,12 @@ pub async fn withdraw_switch_off(tx: &mut PgConnection, delivery_ids: &[Uuid]) -
     if delivery_ids.is_empty() {
         return Ok(());
     }
-    sqlx::query("DELETE FROM webhook_dead_letters WHERE delivery_id = ANY ($1) AND reason IN ('endpoint_disabled', 'endpoint_deleted')")
-        .bind(delivery_ids)
-        .execute(&mut *tx)
-        .await?;
+    sqlx::query!(
+        "DELETE FROM webhook_dead_letters WHERE delivery_id = ANY ($1) AND reason IN ('endpoint_disabled', 'endpoint_deleted')",
+        delivery_ids
+    )
+    .execute(&mut *tx)
+    .await?;
     Ok(())
 }
 
@@ -111,15 +113,15 @@ pub async fn complete_switch_off(tx: &mut PgConnection, rows: &DeadLetterRows) -
     if rows.is_empty() {
         return Ok(());
     }
-    sqlx::query(
+    sqlx::query!(
         "UPDATE webhook_dead_letters l SET attempts = u.attempts, last_status = u.last_status, last_error = u.last_error
          FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[]) AS u(delivery_id, attempts, last_status, last_error)
          WHERE l.delivery_id = u.delivery_id AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')",
+        &rows.delivery_id,
+        &rows.attempts,
+        &rows.last_status as &[Option<i32>],
+        &rows.last_error as &[Option<String>],
     )
-    .bind(&rows.delivery_id)
-    .bind(&rows.attempts)
-    .bind(&rows.last_status)
-    .bind(&rows.last_error)
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -128,21 +130,22 @@ pub async fn complete_switch_off(tx: &mut PgConnection, rows: &DeadLetterRows) -
 /// A dead letter to replay: its delivery, its endpoint, and whether that
 /// endpoint is active. `environment` scopes the lookup (`None`: any).
 pub async fn find_for_replay(tx: &mut PgConnection, id: Uuid, environment: Option<Uuid>) -> AppResult<Option<(Uuid, Uuid, bool)>> {
-    Ok(sqlx::query_as(
-        "SELECT l.delivery_id, l.endpoint_id, e.enabled AND e.deleted_at IS NULL
+    Ok(sqlx::query!(
+        r#"SELECT l.delivery_id, l.endpoint_id, e.enabled AND e.deleted_at IS NULL AS "active!"
          FROM webhook_dead_letters l JOIN webhook_endpoints e ON e.id = l.endpoint_id
-         WHERE l.id = $1 AND ($2::uuid IS NULL OR l.environment_id = $2)",
+         WHERE l.id = $1 AND ($2::uuid IS NULL OR l.environment_id = $2)"#,
+        id,
+        environment,
     )
-    .bind(id)
-    .bind(environment)
     .fetch_optional(&mut *tx)
-    .await?)
+    .await?
+    .map(|r| (r.delivery_id, r.endpoint_id, r.active)))
 }
 
 /// Deletes dead letters older than `retention`.
 pub async fn prune(db: &PgPool, retention: Duration) -> AppResult<u64> {
-    Ok(sqlx::query("DELETE FROM webhook_dead_letters WHERE dead_lettered_at < now() - $1")
-        .bind(retention)
+    let retention = PgInterval::try_from(retention).map_err(|e| anyhow::anyhow!("a retention of {retention:?} is not an interval: {e}"))?;
+    Ok(sqlx::query!("DELETE FROM webhook_dead_letters WHERE dead_lettered_at < now() - $1::interval", retention)
         .execute(db)
         .await?
         .rows_affected())
@@ -150,11 +153,12 @@ pub async fn prune(db: &PgPool, retention: Duration) -> AppResult<u64> {
 
 /// An environment's newest dead letters.
 pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<DeadLetter>> {
-    Ok(sqlx::query_as::<_, DeadLetter>(
+    Ok(sqlx::query_as!(
+        DeadLetter,
         "SELECT id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason, dead_lettered_at
          FROM webhook_dead_letters WHERE environment_id = $1 ORDER BY dead_lettered_at DESC, id DESC LIMIT 1000",
+        environment_id,
     )
-    .bind(environment_id)
     .fetch_all(db)
     .await?)
 }

@@ -4,7 +4,7 @@
 
 use std::{collections::HashSet, time::Duration};
 
-use sqlx::{PgConnection, PgPool};
+use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
 use uuid::Uuid;
 
 use super::models::{DeliveryState, Timestamp};
@@ -16,36 +16,46 @@ use crate::error::AppResult;
 pub const DUE_CHANNEL: &str = "relay_deliveries_due";
 
 pub async fn notify_due(tx: &mut PgConnection) -> AppResult<()> {
-    sqlx::query("SELECT pg_notify($1, '')").bind(DUE_CHANNEL).execute(&mut *tx).await?;
+    sqlx::query_scalar!(r#"SELECT 1 AS "notified!" FROM pg_notify($1, '')"#, DUE_CHANNEL).fetch_one(&mut *tx).await?;
     Ok(())
 }
 
-/// Ends deliveries still pending as dead letters with `reason` (why they
-/// will not be attempted again); the update and the dead letters are one
-/// statement. `attempts` counts the attempts that reported (the current one
-/// had not).
-macro_rules! end_as_dead_letters {
-    ($filter:literal) => {
-        concat!(
-            "WITH ended AS (
-               UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
-               WHERE state = 'pending' AND ",
-            $filter,
-            " RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
-             INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
-             SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended"
-        )
-    };
-}
-
 /// Every pending delivery of an endpoint being disabled or deleted, in the
-/// caller's transaction (the one that switches the endpoint off).
+/// caller's transaction (the one that switches the endpoint off): each ends
+/// as a dead letter with `reason` (why it will not be attempted again), the
+/// update and the dead letters in one statement. `attempts` counts the
+/// attempts that reported (the current one had not).
 pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Uuid, reason: &str) -> AppResult<u64> {
-    Ok(sqlx::query(end_as_dead_letters!("endpoint_id = $1")).bind(endpoint_id).bind(reason).execute(&mut *tx).await?.rows_affected())
+    Ok(sqlx::query!(
+        "WITH ended AS (
+           UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
+           WHERE state = 'pending' AND endpoint_id = $1
+           RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
+         INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
+         SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
+        endpoint_id,
+        reason,
+    )
+    .execute(&mut *tx)
+    .await?
+    .rows_affected())
 }
 
+/// The same ending for pending deliveries found by id (see `end_pending_of_endpoint`).
 pub async fn end_pending_by_id(db: &PgPool, ids: &[Uuid], reason: &str) -> AppResult<u64> {
-    Ok(sqlx::query(end_as_dead_letters!("id = ANY ($1)")).bind(ids).bind(reason).execute(db).await?.rows_affected())
+    Ok(sqlx::query!(
+        "WITH ended AS (
+           UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
+           WHERE state = 'pending' AND id = ANY ($1)
+           RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
+         INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
+         SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
+        ids,
+        reason,
+    )
+    .execute(db)
+    .await?
+    .rows_affected())
 }
 
 /// Events to expand, column by column, in the order they were asked.
@@ -57,7 +67,6 @@ pub struct ToExpand {
 }
 
 /// A delivery row an expansion created.
-#[derive(sqlx::FromRow)]
 pub struct CreatedRow {
     pub id: Uuid,
     pub environment_id: Uuid,
@@ -73,8 +82,10 @@ pub struct CreatedRow {
 /// already leased for `lease` (the caller hands them to the broker after the
 /// commit); the rest wait, due, for the relay.
 pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, cap: i64, lease: Duration) -> AppResult<Vec<CreatedRow>> {
-    Ok(sqlx::query_as(
-        "WITH busy AS MATERIALIZED (
+    let lease = PgInterval::try_from(lease).map_err(|e| anyhow::anyhow!("a lease of {lease:?} is not an interval: {e}"))?;
+    Ok(sqlx::query_as!(
+        CreatedRow,
+        r#"WITH busy AS MATERIALIZED (
                    SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
                    WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id),
                  -- The subscribers, share-locked: a disable or delete of one
@@ -96,35 +107,34 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                    SELECT m.*, m.rn + coalesce(b.n, 0) <= $5 AS leased FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
                  INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, dispatched_at, next_attempt_at)
                  SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context,
-                        CASE WHEN leased THEN now() END, CASE WHEN leased THEN now() + $6 ELSE now() END
+                        CASE WHEN leased THEN now() END, CASE WHEN leased THEN now() + $6::interval ELSE now() END
                  FROM marked
                  ON CONFLICT (event_id, endpoint_id) DO NOTHING
-                 RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS leased",
+                 RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS "leased!""#,
+        &events.environment_id,
+        &events.event_id,
+        &events.event_type,
+        &events.trace_context as &[Option<String>],
+        cap,
+        lease,
     )
-    .bind(&events.environment_id)
-    .bind(&events.event_id)
-    .bind(&events.event_type)
-    .bind(&events.trace_context)
-    .bind(cap)
-    .bind(lease)
     .fetch_all(&mut *tx)
     .await?)
 }
 
 /// First attempts the broker did not take: due now, unleased, for the relay.
 pub async fn release_unsent_first_attempts(db: &PgPool, ids: &[Uuid]) -> AppResult<u64> {
-    Ok(sqlx::query(
+    Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET dispatched_at = NULL, next_attempt_at = now()
          WHERE id = ANY ($1) AND state = 'pending' AND generation = 0 AND attempt = 1 AND dispatched_at IS NOT NULL",
+        ids,
     )
-    .bind(ids)
     .execute(db)
     .await?
     .rows_affected())
 }
 
 /// What the material of one asked-for attempt is read from.
-#[derive(sqlx::FromRow)]
 pub struct MaterialRow {
     /// The position of the request this row answers (from 1).
     pub ord: i64,
@@ -159,31 +169,36 @@ pub async fn read_material(
     generations: &[i32],
     payload_budget: i64,
 ) -> AppResult<Vec<MaterialRow>> {
-    Ok(sqlx::query_as::<_, MaterialRow>(
-        "WITH asked AS (
-               SELECT w.ord, d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
-                      e.url, e.enabled, e.deleted_at IS NOT NULL AS deleted,
-                      e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
-                      e.secret_rotated_at, v.envelope,
-                      d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
-                        AND e.enabled AND e.deleted_at IS NULL AS servable
-               FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
-               JOIN webhook_deliveries d ON d.id = w.id
-               JOIN webhook_endpoints e ON e.id = d.endpoint_id
-               JOIN events v ON v.environment_id = d.environment_id AND v.id = d.event_id),
-             sized AS (
-               SELECT *, octet_length(envelope) AS size,
-                      sum(CASE WHEN servable THEN octet_length(envelope) ELSE 0 END) OVER (ORDER BY ord) AS upto
-               FROM asked)
-             SELECT ord, servable, id, environment_id, endpoint_id, event_id, attempt, generation, state, url, enabled, deleted,
-                    secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, secret_rotated_at,
-                    CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS envelope
-             FROM sized",
+    Ok(sqlx::query_as!(
+        MaterialRow,
+        r#"WITH asked AS (
+           SELECT w.ord, d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
+                  e.url, e.enabled, e.deleted_at IS NOT NULL AS deleted,
+                  e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
+                  e.secret_rotated_at, v.envelope,
+                  d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
+                    AND e.enabled AND e.deleted_at IS NULL AS servable
+           FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
+           JOIN webhook_deliveries d ON d.id = w.id
+           JOIN webhook_endpoints e ON e.id = d.endpoint_id
+           JOIN events v ON v.environment_id = d.environment_id AND v.id = d.event_id),
+         sized AS (
+           SELECT *, octet_length(envelope) AS size,
+                  sum(CASE WHEN servable THEN octet_length(envelope) ELSE 0 END) OVER (ORDER BY ord) AS upto
+           FROM asked)
+         SELECT ord AS "ord!", servable AS "servable!", id AS "id!", environment_id AS "environment_id!",
+                endpoint_id AS "endpoint_id!", event_id AS "event_id!", attempt AS "attempt!", generation AS "generation!",
+                state AS "state!: DeliveryState", url AS "url!", enabled AS "enabled!", deleted AS "deleted!",
+                secret_key_id AS "secret_key_id!", secret_ciphertext AS "secret_ciphertext!",
+                previous_secret_key_id AS "previous_secret_key_id?", previous_secret_ciphertext AS "previous_secret_ciphertext?",
+                secret_rotated_at AS "secret_rotated_at?",
+                CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS "envelope?"
+         FROM sized"#,
+        ids,
+        attempts,
+        generations,
+        payload_budget,
     )
-    .bind(ids)
-    .bind(attempts)
-    .bind(generations)
-    .bind(payload_budget)
     .fetch_all(db)
     .await?)
 }
@@ -201,24 +216,24 @@ pub struct ClaimsAsked {
 /// Takes the attempts nobody else holds (or whose holder's claim ran out),
 /// in one statement; returns the deliveries claimed.
 pub async fn claim_attempts(db: &PgPool, asked: &ClaimsAsked) -> AppResult<HashSet<Uuid>> {
-    Ok(sqlx::query_scalar(
-        // A claim for an earlier attempt or generation of the delivery is
-        // replaced; one for this attempt only by its own claimant, or once
-        // it has run out.
+    // A claim for an earlier attempt or generation of the delivery is
+    // replaced; one for this attempt only by its own claimant, or once it
+    // has run out.
+    Ok(sqlx::query_scalar!(
         "INSERT INTO attempt_claims AS c (delivery_id, attempt, generation, claimant, until)
-             SELECT u.id, u.attempt, u.generation, u.claimant, now() + u.hold_ms * interval '1 millisecond'
-             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms)
-             ON CONFLICT (delivery_id) DO UPDATE
-               SET attempt = excluded.attempt, generation = excluded.generation, claimant = excluded.claimant, until = excluded.until
-               WHERE c.claimant = excluded.claimant OR c.until < now()
-                  OR (c.generation, c.attempt) <> (excluded.generation, excluded.attempt)
-             RETURNING delivery_id",
+         SELECT u.id, u.attempt, u.generation, u.claimant, now() + u.hold_ms * interval '1 millisecond'
+         FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::bigint[]) AS u(id, attempt, generation, claimant, hold_ms)
+         ON CONFLICT (delivery_id) DO UPDATE
+           SET attempt = excluded.attempt, generation = excluded.generation, claimant = excluded.claimant, until = excluded.until
+           WHERE c.claimant = excluded.claimant OR c.until < now()
+              OR (c.generation, c.attempt) <> (excluded.generation, excluded.attempt)
+         RETURNING delivery_id",
+        &asked.delivery_id,
+        &asked.attempt,
+        &asked.generation,
+        &asked.claimant,
+        &asked.hold_ms,
     )
-    .bind(&asked.delivery_id)
-    .bind(&asked.attempt)
-    .bind(&asked.generation)
-    .bind(&asked.claimant)
-    .bind(&asked.hold_ms)
     .fetch_all(db)
     .await?
     .into_iter()
@@ -227,7 +242,7 @@ pub async fn claim_attempts(db: &PgPool, asked: &ClaimsAsked) -> AppResult<HashS
 
 /// Claims that ran out long ago: a claim matters only while it holds.
 pub async fn prune_attempt_claims(db: &PgPool) -> AppResult<u64> {
-    Ok(sqlx::query("DELETE FROM attempt_claims WHERE until < now() - interval '10 minutes'").execute(db).await?.rows_affected())
+    Ok(sqlx::query!("DELETE FROM attempt_claims WHERE until < now() - interval '10 minutes'").execute(db).await?.rows_affected())
 }
 
 /// Outcomes to apply where they are for the delivery's current attempt,
@@ -248,28 +263,32 @@ pub struct CurrentOutcomes {
 /// same generation and attempt), in one statement; returns the deliveries
 /// it applied to as (id, environment, endpoint, event).
 pub async fn apply_current_outcomes(tx: &mut PgConnection, o: &CurrentOutcomes) -> AppResult<Vec<(Uuid, Uuid, Uuid, Uuid)>> {
-    Ok(sqlx::query_as(
+    let states: Vec<&str> = o.state.iter().map(|s| s.as_str()).collect();
+    Ok(sqlx::query!(
         "UPDATE webhook_deliveries d SET state = u.state, attempt = u.next_attempt, next_attempt_at = coalesce(u.next_attempt_at, d.next_attempt_at),
-               dispatched_at = NULL, last_status = u.status, last_error = u.error, updated_at = now()
-             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[])
-               AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error)
-             WHERE d.id = u.id AND d.state = 'pending' AND d.generation = u.generation AND d.attempt = u.attempt
-             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id",
+           dispatched_at = NULL, last_status = u.status, last_error = u.error, updated_at = now()
+         FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[])
+           AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error)
+         WHERE d.id = u.id AND d.state = 'pending' AND d.generation = u.generation AND d.attempt = u.attempt
+         RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id",
+        &o.id,
+        &o.generation,
+        &o.attempt,
+        &states as &[&str],
+        &o.next_attempt,
+        &o.next_attempt_at as &[Option<Timestamp>],
+        &o.status as &[Option<i32>],
+        &o.error as &[Option<String>],
     )
-    .bind(&o.id)
-    .bind(&o.generation)
-    .bind(&o.attempt)
-    .bind(&o.state)
-    .bind(&o.next_attempt)
-    .bind(&o.next_attempt_at)
-    .bind(&o.status)
-    .bind(&o.error)
     .fetch_all(&mut *tx)
-    .await?)
+    .await?
+    .into_iter()
+    .map(|r| (r.id, r.environment_id, r.endpoint_id, r.event_id))
+    .collect())
 }
 
 /// A delivery as the careful outcome path reads and rewrites it.
-#[derive(sqlx::FromRow, Clone)]
+#[derive(Clone)]
 pub struct OutcomeRow {
     pub id: Uuid,
     pub environment_id: Uuid,
@@ -286,30 +305,38 @@ pub struct OutcomeRow {
 /// The deliveries locked for update, in id order (so two batches that share
 /// a delivery lock in the same order).
 pub async fn lock_for_outcome(tx: &mut PgConnection, ids: &[Uuid]) -> AppResult<Vec<OutcomeRow>> {
-    Ok(sqlx::query_as::<_, OutcomeRow>(
-        "SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state, next_attempt_at, last_status, last_error
-             FROM webhook_deliveries WHERE id = ANY ($1) ORDER BY id FOR UPDATE",
+    Ok(sqlx::query_as!(
+        OutcomeRow,
+        r#"SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state AS "state: DeliveryState", next_attempt_at,
+                  last_status, last_error
+         FROM webhook_deliveries WHERE id = ANY ($1) ORDER BY id FOR UPDATE"#,
+        ids,
     )
-    .bind(ids)
     .fetch_all(&mut *tx)
     .await?)
 }
 
 /// Writes back rows the careful path changed.
 pub async fn rewrite_after_outcome(tx: &mut PgConnection, rows: &[&OutcomeRow]) -> AppResult<()> {
-    sqlx::query(
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+    let states: Vec<&str> = rows.iter().map(|r| r.state.as_str()).collect();
+    let attempts: Vec<i32> = rows.iter().map(|r| r.attempt).collect();
+    let due: Vec<Timestamp> = rows.iter().map(|r| r.next_attempt_at).collect();
+    let statuses: Vec<Option<i32>> = rows.iter().map(|r| r.last_status).collect();
+    let errors: Vec<Option<String>> = rows.iter().map(|r| r.last_error.clone()).collect();
+    sqlx::query!(
         "UPDATE webhook_deliveries d SET state = u.state, attempt = u.attempt, next_attempt_at = u.next_attempt_at,
-                   dispatched_at = NULL, last_status = u.last_status, last_error = u.last_error, updated_at = now()
-                 FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::int[], $6::text[])
-                   AS u(id, state, attempt, next_attempt_at, last_status, last_error)
-                 WHERE d.id = u.id",
+           dispatched_at = NULL, last_status = u.last_status, last_error = u.last_error, updated_at = now()
+         FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::int[], $6::text[])
+           AS u(id, state, attempt, next_attempt_at, last_status, last_error)
+         WHERE d.id = u.id",
+        &ids,
+        &states as &[&str],
+        &attempts,
+        &due,
+        &statuses as &[Option<i32>],
+        &errors as &[Option<String>],
     )
-    .bind(rows.iter().map(|r| r.id).collect::<Vec<_>>())
-    .bind(rows.iter().map(|r| r.state).collect::<Vec<_>>())
-    .bind(rows.iter().map(|r| r.attempt).collect::<Vec<_>>())
-    .bind(rows.iter().map(|r| r.next_attempt_at).collect::<Vec<_>>())
-    .bind(rows.iter().map(|r| r.last_status).collect::<Vec<_>>())
-    .bind(rows.iter().map(|r| r.last_error.clone()).collect::<Vec<_>>())
     .execute(&mut *tx)
     .await?;
     Ok(())
@@ -318,12 +345,12 @@ pub async fn rewrite_after_outcome(tx: &mut PgConnection, rows: &[&OutcomeRow]) 
 /// A dead delivery back at attempt 1, due now, in a new generation. False
 /// when it is no longer dead (already replayed).
 pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: Uuid) -> AppResult<bool> {
-    Ok(sqlx::query(
+    Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', attempt = 1, generation = generation + 1,
            next_attempt_at = now(), dispatched_at = NULL, updated_at = now()
          WHERE id = $1 AND state = 'dead'",
+        delivery_id,
     )
-    .bind(delivery_id)
     .execute(&mut *tx)
     .await?
     .rows_affected()
@@ -332,11 +359,10 @@ pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: Uuid) -> AppRe
 
 /// The earliest due time of any pending delivery.
 pub async fn earliest_due(db: &PgPool) -> AppResult<Option<Timestamp>> {
-    Ok(sqlx::query_scalar("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'").fetch_one(db).await?)
+    Ok(sqlx::query_scalar!("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'").fetch_one(db).await?)
 }
 
 /// A due row the unlocked scan found.
-#[derive(sqlx::FromRow)]
 pub struct Candidate {
     pub id: Uuid,
     pub endpoint_id: Uuid,
@@ -347,7 +373,6 @@ pub struct Candidate {
 }
 
 /// A row this pass locked and hands to the broker.
-#[derive(sqlx::FromRow)]
 pub struct Claimed {
     pub id: Uuid,
     pub environment_id: Uuid,
@@ -363,22 +388,24 @@ pub struct Claimed {
 /// endpoints at their `cap`, and locking every row it returns (a heap write
 /// each) would cost far more than the handful kept.
 pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<Candidate>> {
-    Ok(sqlx::query_as(
-        // Outstanding attempts are counted once per pass (a small partial
-        // index of leased rows), not once per scanned row: MATERIALIZED,
-        // or the planner may re-run the count for every row it scans
-        // (seen with a large backlog: 0.7 → 43 ms a pass).
-        "WITH busy AS MATERIALIZED (
+    // Outstanding attempts are counted once per pass (a small partial index
+    // of leased rows), not once per scanned row: MATERIALIZED, or the planner
+    // may re-run the count for every row it scans (seen with a large
+    // backlog: 0.7 → 43 ms a pass).
+    Ok(sqlx::query_as!(
+        Candidate,
+        r#"WITH busy AS MATERIALIZED (
            SELECT endpoint_id, count(*) AS n FROM webhook_deliveries
            WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id)
-         SELECT d.id, d.endpoint_id, d.dispatched_at IS NOT NULL AS released, coalesce(b.n, 0) AS outstanding
+         SELECT d.id AS "id!", d.endpoint_id AS "endpoint_id!", d.dispatched_at IS NOT NULL AS "released!",
+                coalesce(b.n, 0) AS "outstanding!"
          FROM webhook_deliveries d LEFT JOIN busy b ON b.endpoint_id = d.endpoint_id
          WHERE d.state = 'pending' AND d.next_attempt_at <= now()
            AND (d.dispatched_at IS NOT NULL OR coalesce(b.n, 0) < $2)
-         ORDER BY d.next_attempt_at LIMIT $1",
+         ORDER BY d.next_attempt_at LIMIT $1"#,
+        limit,
+        cap,
     )
-    .bind(limit)
-    .bind(cap)
     .fetch_all(db)
     .await?)
 }
@@ -388,16 +415,18 @@ pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<
 /// the broker is asked. Committed without waiting for the disk: a claim lost
 /// to a Postgres crash is a re-publish the broker drops.
 pub async fn claim_and_lease(db: &PgPool, chosen: &[Uuid], lease: Duration) -> AppResult<Vec<Claimed>> {
-    Ok(sqlx::query_as(
-        "UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $2
+    let lease = PgInterval::try_from(lease).map_err(|e| anyhow::anyhow!("a lease of {lease:?} is not an interval: {e}"))?;
+    Ok(sqlx::query_as!(
+        Claimed,
+        r#"UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $2
          FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
          WHERE d.id IN (SELECT id FROM webhook_deliveries
                         WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
                         ORDER BY id FOR UPDATE SKIP LOCKED)
-         RETURNING d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation, d.trace_context, d.dispatched_at",
+         RETURNING d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation, d.trace_context, d.dispatched_at AS "dispatched_at!""#,
+        chosen,
+        lease,
     )
-    .bind(chosen)
-    .bind(lease)
     .fetch_all(db)
     .await?)
 }
@@ -405,13 +434,13 @@ pub async fn claim_and_lease(db: &PgPool, chosen: &[Uuid], lease: Duration) -> A
 /// Releases rows the broker refused, where still under the claim made at
 /// `claimed_at` (compare-and-set on the claim's instant).
 pub async fn release_refused(db: &PgPool, ids: &[Uuid], claimed_at: &[Timestamp]) -> AppResult<u64> {
-    Ok(sqlx::query(
+    Ok(sqlx::query!(
         "UPDATE webhook_deliveries d SET dispatched_at = NULL, next_attempt_at = now()
          FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)
          WHERE d.id = u.id AND d.state = 'pending' AND d.dispatched_at = u.at",
+        ids,
+        claimed_at,
     )
-    .bind(ids)
-    .bind(claimed_at)
     .execute(db)
     .await?
     .rows_affected())

@@ -7,28 +7,30 @@ use super::models::Environment;
 use crate::error::AppResult;
 
 pub async fn insert(db: &PgPool, name: &str, endpoint_quota: i32) -> AppResult<Environment> {
-    Ok(sqlx::query_as::<_, Environment>(
+    Ok(sqlx::query_as!(
+        Environment,
         "INSERT INTO environments (id, name, endpoint_quota) VALUES ($1, $2, $3)
          RETURNING id, name, endpoint_quota, created_at",
+        Uuid::now_v7(),
+        name,
+        endpoint_quota,
     )
-    .bind(Uuid::now_v7())
-    .bind(name)
-    .bind(endpoint_quota)
     .fetch_one(db)
     .await?)
 }
 
 pub async fn set_quota(db: &PgPool, id: Uuid, endpoint_quota: i32) -> AppResult<Option<Environment>> {
-    Ok(sqlx::query_as::<_, Environment>(
+    Ok(sqlx::query_as!(
+        Environment,
         "UPDATE environments SET endpoint_quota = $2 WHERE id = $1
          RETURNING id, name, endpoint_quota, created_at",
+        id,
+        endpoint_quota,
     )
-    .bind(id)
-    .bind(endpoint_quota)
     .fetch_optional(db)
     .await?)
 }
 
 pub async fn exists(db: &PgPool, id: Uuid) -> AppResult<bool> {
-    Ok(sqlx::query_scalar("SELECT EXISTS (SELECT 1 FROM environments WHERE id = $1)").bind(id).fetch_one(db).await?)
+    Ok(sqlx::query_scalar!(r#"SELECT EXISTS (SELECT 1 FROM environments WHERE id = $1) AS "exists!""#, id).fetch_one(db).await?)
 }

@@ -15,34 +15,35 @@ pub async fn insert(
     salt: &[u8],
     key_hash: &[u8],
 ) -> AppResult<Option<ApiKey>> {
-    Ok(sqlx::query_as::<_, ApiKey>(
+    Ok(sqlx::query_as!(
+        ApiKey,
         "INSERT INTO api_keys (id, environment_id, name, lookup_prefix, salt, key_hash)
          SELECT $1, e.id, $3, $4, $5, $6 FROM environments e WHERE e.id = $2
          RETURNING id, environment_id, name, lookup_prefix, created_at, revoked_at",
+        Uuid::now_v7(),
+        environment_id,
+        name,
+        lookup_prefix,
+        salt,
+        key_hash,
     )
-    .bind(Uuid::now_v7())
-    .bind(environment_id)
-    .bind(name)
-    .bind(lookup_prefix)
-    .bind(salt)
-    .bind(key_hash)
     .fetch_optional(db)
     .await?)
 }
 
 /// Revoked from now on, or since it was first revoked.
 pub async fn revoke(db: &PgPool, id: Uuid) -> AppResult<Option<ApiKey>> {
-    Ok(sqlx::query_as::<_, ApiKey>(
+    Ok(sqlx::query_as!(
+        ApiKey,
         "UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1
          RETURNING id, environment_id, name, lookup_prefix, created_at, revoked_at",
+        id,
     )
-    .bind(id)
     .fetch_optional(db)
     .await?)
 }
 
 /// What a presented key is checked against.
-#[derive(sqlx::FromRow)]
 pub struct StoredKey {
     pub environment_id: Uuid,
     pub salt: Vec<u8>,
@@ -51,8 +52,11 @@ pub struct StoredKey {
 }
 
 pub async fn find_by_prefix(db: &PgPool, lookup_prefix: &str) -> AppResult<Option<StoredKey>> {
-    Ok(sqlx::query_as("SELECT environment_id, salt, key_hash, revoked_at FROM api_keys WHERE lookup_prefix = $1")
-        .bind(lookup_prefix)
-        .fetch_optional(db)
-        .await?)
+    Ok(sqlx::query_as!(
+        StoredKey,
+        "SELECT environment_id, salt, key_hash, revoked_at FROM api_keys WHERE lookup_prefix = $1",
+        lookup_prefix
+    )
+    .fetch_optional(db)
+    .await?)
 }

@@ -56,5 +56,5 @@ pub mod models;
 
 /// Whether Postgres answers a query now (readiness).
 pub async fn answers(db: &PgPool) -> bool {
-    sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(db).await.is_ok()
+    sqlx::query_scalar!("SELECT 1 AS one").fetch_one(db).await.is_ok()
 }

@@ -98,7 +98,7 @@ impl Decision {
     }
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct DeadLetter {
     pub id: Uuid,
     pub delivery_id: Uuid,
@@ -111,7 +111,7 @@ pub struct DeadLetter {
     pub dead_lettered_at: Timestamp,
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct Delivery {
     pub id: Uuid,
     pub event_id: Uuid,
@@ -123,12 +123,11 @@ pub struct Delivery {
     pub last_status: Option<i32>,
     pub last_error: Option<String>,
     pub generation: i32,
-    #[sqlx(skip)]
     pub attempts: Vec<Attempt>,
 }
 
 /// One row of the attempt log.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct Attempt {
     pub delivery_id: Uuid,
     pub generation: i32,
@@ -142,7 +141,7 @@ pub struct Attempt {
 }
 
 /// An endpoint as every read shows it. The ciphertexts are not even selected.
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct Endpoint {
     pub id: Uuid,
     pub url: String,
@@ -152,7 +151,7 @@ pub struct Endpoint {
     pub secret_rotated_at: Option<Timestamp>,
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct Environment {
     pub id: Uuid,
     pub name: String,
@@ -160,7 +159,7 @@ pub struct Environment {
     pub created_at: Timestamp,
 }
 
-#[derive(Debug, Clone, sqlx::FromRow)]
+#[derive(Debug, Clone)]
 pub struct ApiKey {
     pub id: Uuid,
     pub environment_id: Uuid,
