@@ -48,7 +48,7 @@ impl AppError {
 
     /// The same answer for "never existed" and "belongs to another tenant".
     pub fn not_found(what: &str) -> Self {
-        Self::new(ErrorCode::NotFound, "not_found", format!("no such {what}"))
+        Self::new(ErrorCode::NotFound, relay_contracts::reasons::NOT_FOUND, format!("no such {what}"))
     }
 
     pub fn precondition(reason: &'static str, message: impl Into<String>) -> Self {

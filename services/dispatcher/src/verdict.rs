@@ -36,19 +36,39 @@ pub(crate) enum Verdict {
 /// an EVENTS message (expansion), else a DELIVERIES job (material).
 pub(crate) fn verdict(st: &tonic::Status, for_event: bool) -> Verdict {
     let reason = st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    match (st.code(), reason) {
-        // Another dispatcher is sending this attempt: if it reports, the
-        // attempt is done; if it died, its claim runs out. Either way, ask
-        // again later rather than send.
-        (_, relay_contracts::reasons::IN_HAND_ELSEWHERE) => Verdict::Retry,
-        // An event the api does not know, or that does not match its record.
-        (Code::NotFound | Code::InvalidArgument, _) if for_event => Verdict::Term,
-        // The attempt is no longer current (reported, delivery finished,
-        // endpoint switched off) or the delivery is gone: nothing to send.
-        (Code::FailedPrecondition | Code::NotFound, _) => Verdict::Ack,
-        // A job the api refuses to read will be refused every time.
-        (Code::InvalidArgument, _) => Verdict::Term,
-        // The api is away or failing: the job comes back.
+    by_reason(reason, for_event).unwrap_or_else(|| by_code(st.code(), for_event))
+}
+
+/// The verdict for a reason in the contracts' catalogue, whatever the code.
+fn by_reason(reason: &str, for_event: bool) -> Option<Verdict> {
+    use relay_contracts::reasons::*;
+    Some(match reason {
+        // Another dispatcher is sending this attempt (if it reports, the
+        // attempt is done; if it died, its claim runs out), or the reply had
+        // no room for it: ask again later rather than send.
+        IN_HAND_ELSEWHERE | DEFERRED => Verdict::Retry,
+        // The attempt is no longer current, or its endpoint was switched
+        // off: nothing to send.
+        STALE_ATTEMPT | ENDPOINT_INACTIVE | ALREADY_REPLAYED => Verdict::Ack,
+        // An event the api does not know can never be expanded; a delivery
+        // that is gone has nothing to send.
+        NOT_FOUND if for_event => Verdict::Term,
+        NOT_FOUND => Verdict::Ack,
+        // An event that does not match the api's record never will.
+        EVENT_MISMATCH => Verdict::Term,
+        _ => return None,
+    })
+}
+
+/// The verdict for an answer whose reason is not in the catalogue (a
+/// checked-input refusal, or a transport failure with no reason at all).
+fn by_code(code: Code, for_event: bool) -> Verdict {
+    match code {
+        // A message the api refuses to read will be refused every time.
+        Code::InvalidArgument => Verdict::Term,
+        Code::NotFound if for_event => Verdict::Term,
+        Code::FailedPrecondition | Code::NotFound => Verdict::Ack,
+        // The api is away or failing: the message comes back.
         _ => Verdict::Retry,
     }
 }
@@ -85,6 +105,7 @@ mod tests {
         use Verdict::*;
         for (code, reason, for_event, want) in [
             (Code::Unavailable, relay_contracts::reasons::IN_HAND_ELSEWHERE, false, Retry),
+            (Code::Unavailable, relay_contracts::reasons::DEFERRED, false, Retry),
             (Code::FailedPrecondition, "stale_attempt", false, Ack),
             (Code::FailedPrecondition, "endpoint_inactive", false, Ack),
             (Code::NotFound, "not_found", false, Ack),
@@ -97,6 +118,20 @@ mod tests {
             (Code::Unavailable, "", true, Retry),
         ] {
             assert_eq!(verdict(&status(code, reason), for_event), want, "{code:?} {reason} event={for_event}");
+        }
+    }
+
+    #[test]
+    fn every_reason_in_the_catalogue_has_its_own_verdict() {
+        for reason in relay_contracts::reasons::ALL {
+            for for_event in [false, true] {
+                let v = by_reason(reason, for_event);
+                assert!(v.is_some(), "{reason} (event={for_event}) falls through to the code");
+                // The reason decides, whatever code carries it.
+                for code in [Code::Unavailable, Code::FailedPrecondition, Code::NotFound, Code::Internal] {
+                    assert_eq!(Some(verdict(&status(code, reason), for_event)), v, "{reason} under {code:?}");
+                }
+            }
         }
     }
 }

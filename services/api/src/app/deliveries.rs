@@ -96,13 +96,13 @@ impl App {
                 .ok_or_else(|| AppError::not_found("dead letter"))?;
         if !active {
             return Err(AppError::precondition(
-                "endpoint_inactive",
+                relay_contracts::reasons::ENDPOINT_INACTIVE,
                 format!("endpoint {endpoint_id} is disabled or deleted; enable it before replaying its dead letters"),
             ));
         }
         if !db::deliveries::reset_for_replay(&mut tx, delivery_id).await? {
             return Err(AppError::precondition(
-                "already_replayed",
+                relay_contracts::reasons::ALREADY_REPLAYED,
                 format!("delivery {delivery_id} is no longer dead: it was already replayed"),
             ));
         }

@@ -54,7 +54,7 @@ impl App {
             match stored.get(&key) {
                 None => out.push(Some(Err(AppError::not_found("event")))),
                 Some(t) if *t != item.event_type => out.push(Some(Err(AppError::invalid(
-                    "event_mismatch",
+                    relay_contracts::reasons::EVENT_MISMATCH,
                     format!("event {} does not have that environment and type", item.event_id),
                 )))),
                 Some(_) if !seen.insert(key) => out.push(Some(Ok(Expanded { created: 0, duplicate: true }))),

@@ -129,7 +129,7 @@ impl App {
         let AttemptRef { delivery_id, generation, attempt, .. } = *w;
         if row.state != DeliveryState::Pending || row.attempt as u32 != attempt || row.generation as u32 != generation {
             return Err(AppError::precondition(
-                "stale_attempt",
+                relay_contracts::reasons::STALE_ATTEMPT,
                 format!(
                     "delivery {delivery_id} is {} at attempt {} (generation {}); attempt {attempt} (generation {generation}) is not current",
                     row.state.as_str(),
@@ -139,7 +139,10 @@ impl App {
             ));
         }
         if !row.enabled || row.deleted {
-            return Err(AppError::precondition("endpoint_inactive", format!("endpoint {} is disabled or deleted", row.endpoint_id)));
+            return Err(AppError::precondition(
+                relay_contracts::reasons::ENDPOINT_INACTIVE,
+                format!("endpoint {} is disabled or deleted", row.endpoint_id),
+            ));
         }
         let secrets = match secrets_of.get(&row.endpoint_id) {
             Some(s) => s.clone(),
