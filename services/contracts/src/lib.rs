@@ -16,7 +16,6 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// facade copies it into the JSON error body.
 pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
 
-/// Machine-readable reasons both ends of the seam act on.
 pub mod reasons {
     //! The reasons the api gives on the internal seam (in the
     //! `relay-error-reason` metadata of a status, or an `ItemError`), one
