@@ -407,6 +407,10 @@ impl Stack {
             ("RELAY_METRICS_ADDR", "off".into()),
             ("RELAY_RETRY_TIERS", tiers.join(",")),
             ("RELAY_ENDPOINT_IN_FLIGHT_CAP", c.endpoint_in_flight_cap.to_string()),
+            ("RELAY_DELIVERY_LEASE_SECS", c.delivery_lease.as_secs().to_string()),
+            // The dispatcher's timeouts: the api checks its lease against them.
+            ("RELAY_ATTEMPT_TIMEOUT_MS", self.opts.attempt_timeout.as_millis().to_string()),
+            ("RELAY_SEAM_TIMEOUT_MS", self.opts.seam_timeout.as_millis().to_string()),
             ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
             ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
         ]

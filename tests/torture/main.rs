@@ -114,6 +114,8 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
     // back within the test; quiet logs (the kills make the rest noisy).
     let api_env = |addrs: &relay_api::config::ListenAddrs| {
         let env = with(stack.api_env(), "RELAY_DELIVERY_LEASE_SECS", "10".into());
+        let env = with(env, "RELAY_ATTEMPT_TIMEOUT_MS", "2000".into());
+        let env = with(env, "RELAY_SEAM_TIMEOUT_MS", "2000".into());
         let env = with(env, "RELAY_LOG", "error".into());
         let env = with(env, "RELAY_GRPC_ADDR", addrs.grpc.to_string());
         let env = with(env, "RELAY_REST_ADDR", addrs.rest.to_string());

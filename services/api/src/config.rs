@@ -8,13 +8,8 @@ use relay_netguard::Policy;
 
 use crate::{schedule::RetrySchedule, secrets::Keyring};
 
-/// Where this process runs. Production turns every dev allowance into a
-/// start-up error.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Deployment {
-    Development,
-    Production,
-}
+pub use relay_config::Deployment;
+use relay_config::{Env, timing};
 
 /// PEM files for the internal mTLS port.
 #[derive(Debug, Clone)]
@@ -69,92 +64,72 @@ pub struct ListenAddrs {
     pub internal: SocketAddr,
 }
 
-/// The operator's metrics port: `RELAY_METRICS_ADDR` (default
-/// 127.0.0.1:9464; `off` disables it).
+/// The operator's metrics port: `RELAY_METRICS_ADDR` (`off` disables it).
 pub fn metrics_addr_from_env() -> Result<Option<SocketAddr>> {
-    match var("RELAY_METRICS_ADDR").as_deref() {
+    match Env.string("RELAY_METRICS_ADDR").as_deref().map(str::trim) {
         Some("off") => Ok(None),
-        Some(v) => Ok(Some(v.parse().with_context(|| format!("RELAY_METRICS_ADDR must be host:port or off, got {v:?}"))?)),
-        None => Ok(Some("127.0.0.1:9464".parse().expect("valid"))),
+        _ => Env.addr("RELAY_METRICS_ADDR").map(Some),
     }
 }
 
 pub const DEFAULT_ENDPOINT_QUOTA: i32 = 5;
 
-fn var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
-/// A true/false setting, `default` when unset.
-fn flag(name: &str, default: bool) -> Result<bool> {
-    match var(name).as_deref() {
-        None => Ok(default),
-        Some("0" | "false" | "off" | "no") => Ok(false),
-        Some("1" | "true" | "on" | "yes") => Ok(true),
-        Some(other) => bail!("{name} must be true or false, got {other:?}"),
-    }
-}
-
-fn required_path(name: &str) -> Result<PathBuf> {
-    var(name).map(PathBuf::from).with_context(|| format!("{name} is required: the path of a PEM file for the internal mTLS port"))
-}
-
 impl ApiConfig {
     pub fn from_env() -> Result<Self> {
-        let deployment = match var("RELAY_ENV").as_deref() {
-            None | Some("development" | "dev" | "test") => Deployment::Development,
-            Some("production" | "prod") => Deployment::Production,
-            Some(other) => bail!("RELAY_ENV must be development or production, got {other:?}"),
-        };
+        let env = Env;
+        let deployment = Deployment::from_env()?;
         let url_policy = Policy::from_dev_settings(
-            var("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),
-            var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES").as_deref(),
+            env.string("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),
+            env.string("RELAY_DEV_ALLOWED_ENDPOINT_RANGES").as_deref(),
         )
         .map_err(anyhow::Error::msg)?;
-        let keyring = match var("RELAY_SECRET_KEYS") {
+        let keyring = match env.string("RELAY_SECRET_KEYS") {
             Some(spec) => Keyring::parse(&spec).context("RELAY_SECRET_KEYS")?,
-            None if deployment == Deployment::Production => {
+            None if deployment.is_production() => {
                 bail!("RELAY_SECRET_KEYS is required in production: webhook signing secrets cannot be stored without it")
             }
             None => Keyring::development(),
         };
-        let schedule = match var("RELAY_RETRY_TIERS") {
+        let schedule = match env.string("RELAY_RETRY_TIERS") {
             Some(spec) => RetrySchedule::parse(&spec).context("RELAY_RETRY_TIERS")?,
             None => RetrySchedule::production(),
         };
         let cfg = Self {
             deployment,
-            database_url: var("DATABASE_URL").unwrap_or_else(|| "postgres://postgres@127.0.0.1:5432/relay".into()),
-            nats_url: var("RELAY_NATS_URL").unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
-            stream_prefix: var("RELAY_STREAM_PREFIX").unwrap_or_default(),
+            database_url: env.string_or_default("DATABASE_URL"),
+            nats_url: env.string_or_default("RELAY_NATS_URL"),
+            stream_prefix: env.string_or_default("RELAY_STREAM_PREFIX"),
             internal_tls: InternalTls {
-                client_ca: required_path("RELAY_TLS_CLIENT_CA")?,
-                cert: required_path("RELAY_TLS_CERT")?,
-                key: required_path("RELAY_TLS_KEY")?,
+                client_ca: env.path("RELAY_TLS_CLIENT_CA")?,
+                cert: env.path("RELAY_TLS_CERT")?,
+                key: env.path("RELAY_TLS_KEY")?,
             },
             keyring,
             url_policy,
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             schedule,
-            delivery_lease: Duration::from_secs(var("RELAY_DELIVERY_LEASE_SECS").map(|v| v.parse()).transpose()?.unwrap_or(300)),
+            delivery_lease: env.secs("RELAY_DELIVERY_LEASE_SECS", 5..=3600)?,
             relay_idle: Duration::from_millis(500),
-            relay_batch: 500,
+            relay_batch: env.number("RELAY_RELAY_BATCH", 1..=10_000)?,
             db_acquire_timeout: Duration::from_secs(5),
-            pool_size: var("RELAY_DB_POOL_SIZE").map(|v| v.parse()).transpose().context("RELAY_DB_POOL_SIZE")?.unwrap_or(20),
-            endpoint_in_flight_cap: var("RELAY_ENDPOINT_IN_FLIGHT_CAP")
-                .map(|v| v.parse())
-                .transpose()
-                .context("RELAY_ENDPOINT_IN_FLIGHT_CAP")?
-                // Little's law: an endpoint's throughput is at most its cap
-                // over the claim-to-outcome round trip (tens of ms under
-                // load); 20 held W1 to ~300 deliveries/s per endpoint.
-                .unwrap_or(64),
-            run_migrations: !flag("RELAY_SKIP_MIGRATIONS", false)?,
-            run_relays: flag("RELAY_RUN_RELAYS", true)?,
+            pool_size: env.number("RELAY_DB_POOL_SIZE", 2..=1000)?,
+            // Little's law: an endpoint's throughput is at most its cap over
+            // the claim-to-outcome round trip (tens of ms under load); 20
+            // held W1 to ~300 deliveries/s per endpoint, hence 64.
+            endpoint_in_flight_cap: env.number("RELAY_ENDPOINT_IN_FLIGHT_CAP", 1..=10_000)?,
+            run_migrations: !env.flag("RELAY_SKIP_MIGRATIONS")?,
+            run_relays: env.flag("RELAY_RUN_RELAYS")?,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_secs(600),
         };
         cfg.validate()?;
+        // The dispatcher's timeouts, read here too, so the lease rule that
+        // ties the two services together is checked where the lease is set.
+        timing::check_lease(
+            cfg.delivery_lease,
+            env.millis("RELAY_ATTEMPT_TIMEOUT_MS", 100..=120_000)?,
+            env.millis("RELAY_SEAM_TIMEOUT_MS", 100..=60_000)?,
+        )?;
         Ok(cfg)
     }
 
@@ -185,14 +160,10 @@ impl ApiConfig {
     }
 
     pub fn listen_addrs_from_env() -> Result<ListenAddrs> {
-        let addr = |name: &str, default: &str| -> Result<SocketAddr> {
-            let v = var(name).unwrap_or_else(|| default.into());
-            v.parse().with_context(|| format!("{name} must be host:port, got {v:?}"))
-        };
         Ok(ListenAddrs {
-            grpc: addr("RELAY_GRPC_ADDR", "127.0.0.1:50051")?,
-            rest: addr("RELAY_REST_ADDR", "127.0.0.1:8080")?,
-            internal: addr("RELAY_INTERNAL_ADDR", "127.0.0.1:50052")?,
+            grpc: Env.addr("RELAY_GRPC_ADDR")?,
+            rest: Env.addr("RELAY_REST_ADDR")?,
+            internal: Env.addr("RELAY_INTERNAL_ADDR")?,
         })
     }
 }

@@ -2,7 +2,8 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Result, bail};
+use relay_config::{Deployment, Env, timing};
 use relay_netguard::Policy;
 
 #[derive(Debug, Clone)]
@@ -33,40 +34,29 @@ pub struct DispatcherConfig {
     pub egress_proxy: Option<String>,
 }
 
-fn var(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.trim().is_empty())
-}
-
-fn path(name: &str) -> Result<PathBuf> {
-    var(name).map(PathBuf::from).with_context(|| format!("{name} is required: a PEM file for the dispatcher's mTLS identity"))
-}
-
 impl DispatcherConfig {
     pub fn from_env() -> Result<Self> {
+        let env = Env;
         let cfg = Self {
-            production: matches!(var("RELAY_ENV").as_deref(), Some("production" | "prod")),
-            nats_url: var("RELAY_NATS_URL").unwrap_or_else(|| "nats://127.0.0.1:4222".into()),
-            stream_prefix: var("RELAY_STREAM_PREFIX").unwrap_or_default(),
-            api_url: var("RELAY_API_INTERNAL_URL").unwrap_or_else(|| "https://127.0.0.1:50052".into()),
-            api_tls_name: var("RELAY_API_TLS_NAME").unwrap_or_else(|| "relay-api".into()),
-            tls_ca: path("RELAY_TLS_CA")?,
-            tls_cert: path("RELAY_TLS_CERT")?,
-            tls_key: path("RELAY_TLS_KEY")?,
-            attempt_timeout: Duration::from_millis(
-                var("RELAY_ATTEMPT_TIMEOUT_MS").map(|v| v.parse()).transpose().context("RELAY_ATTEMPT_TIMEOUT_MS")?.unwrap_or(15_000),
-            ),
-            max_in_flight: var("RELAY_MAX_IN_FLIGHT").map(|v| v.parse()).transpose().context("RELAY_MAX_IN_FLIGHT")?.unwrap_or(512),
-            max_expanding: 256,
-            seam_timeout: Duration::from_millis(
-                var("RELAY_SEAM_TIMEOUT_MS").map(|v| v.parse()).transpose().context("RELAY_SEAM_TIMEOUT_MS")?.unwrap_or(15_000),
-            ),
+            production: Deployment::from_env()?.is_production(),
+            nats_url: env.string_or_default("RELAY_NATS_URL"),
+            stream_prefix: env.string_or_default("RELAY_STREAM_PREFIX"),
+            api_url: env.string_or_default("RELAY_API_INTERNAL_URL"),
+            api_tls_name: env.string_or_default("RELAY_API_TLS_NAME"),
+            tls_ca: env.path("RELAY_TLS_CA")?,
+            tls_cert: env.path("RELAY_TLS_CERT")?,
+            tls_key: env.path("RELAY_TLS_KEY")?,
+            attempt_timeout: env.millis("RELAY_ATTEMPT_TIMEOUT_MS", 100..=120_000)?,
+            max_in_flight: env.number("RELAY_MAX_IN_FLIGHT", 1..=100_000)?,
+            max_expanding: env.number("RELAY_MAX_EXPANDING", 1..=10_000)?,
+            seam_timeout: env.millis("RELAY_SEAM_TIMEOUT_MS", 100..=60_000)?,
             url_policy: Policy::from_dev_settings(
-                var("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),
-                var("RELAY_DEV_ALLOWED_ENDPOINT_RANGES").as_deref(),
+                env.string("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),
+                env.string("RELAY_DEV_ALLOWED_ENDPOINT_RANGES").as_deref(),
             )
             .map_err(anyhow::Error::msg)?,
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
-            egress_proxy: var("RELAY_EGRESS_PROXY"),
+            egress_proxy: env.string("RELAY_EGRESS_PROXY"),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -96,11 +86,11 @@ impl DispatcherConfig {
     /// call, so a slow customer never makes the broker think we died. (Jobs
     /// queued behind a slow endpoint send in-progress acks meanwhile.)
     pub fn deliveries_ack_wait(&self) -> Duration {
-        self.attempt_timeout + self.seam_timeout
+        timing::deliveries_ack_wait(self.attempt_timeout, self.seam_timeout)
     }
 
     pub fn events_ack_wait(&self) -> Duration {
-        self.seam_timeout * 2
+        timing::events_ack_wait(self.seam_timeout)
     }
 }
 

@@ -61,6 +61,8 @@ pub(crate) struct LaneSet {
 
 impl LaneSet {
     pub(crate) fn new(seam: Seam, cfg: &DispatcherConfig, stop: watch::Receiver<bool>) -> Result<Self> {
+        let claim_hold = MATERIAL_FRESH + cfg.attempt_timeout + CLAIM_MARGIN;
+        relay_config::timing::check_claim(claim_hold)?;
         let sender = crate::http_client::build(
             Arc::new(cfg.url_policy.clone()),
             cfg.resolver.clone(),
@@ -77,7 +79,7 @@ impl LaneSet {
             progress_every: cfg.deliveries_ack_wait() / 3,
             stop: stop.clone(),
             claimant: uuid::Uuid::new_v4().to_string(),
-            claim_hold: MATERIAL_FRESH + cfg.attempt_timeout + CLAIM_MARGIN,
+            claim_hold,
         });
         Ok(Self { shared })
     }

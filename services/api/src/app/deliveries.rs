@@ -82,7 +82,7 @@ pub struct Claim {
 }
 
 /// The longest claim a dispatcher may take.
-pub const MAX_CLAIM_HOLD: Duration = Duration::from_secs(600);
+pub const MAX_CLAIM_HOLD: Duration = relay_config::timing::MAX_CLAIM_HOLD;
 
 impl App {
     /// Puts a dead delivery back at attempt 1, due now, in a new generation.

@@ -1,0 +1,344 @@
+//! Every `RELAY_*` setting, read one way by every service.
+//!
+//! - [`KNOBS`] is the catalogue: each variable a service reads, which
+//!   service reads it, its default and what it means. The README's
+//!   configuration table is generated from it (`cargo run -q -p relay-config
+//!   -- --write README.md`), and a test fails when the two differ.
+//! - [`Env`] reads a variable only if the catalogue has it, and parses it
+//!   into a typed value within stated bounds; a bad value stops the process
+//!   with a message naming the variable and the value.
+//! - [`Deployment`] is the one parse of `RELAY_ENV`.
+//! - [`timing`] holds the rules that tie one service's settings to
+//!   another's, checked at start-up by each service that can see them.
+
+use std::{fmt::Display, net::SocketAddr, ops::RangeInclusive, path::PathBuf, str::FromStr, time::Duration};
+
+use anyhow::{Context, Result, bail};
+
+/// Which services read a variable.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Readers {
+    Api,
+    Dispatcher,
+    Both,
+}
+
+impl Readers {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Api => "api",
+            Self::Dispatcher => "dispatcher",
+            Self::Both => "both",
+        }
+    }
+}
+
+/// One setting.
+#[derive(Debug, Clone, Copy)]
+pub struct Knob {
+    pub name: &'static str,
+    pub readers: Readers,
+    /// As the operator would write it; empty when there is none.
+    pub default: &'static str,
+    pub meaning: &'static str,
+}
+
+const fn knob(name: &'static str, readers: Readers, default: &'static str, meaning: &'static str) -> Knob {
+    Knob { name, readers, default, meaning }
+}
+
+use Readers::{Api, Both, Dispatcher};
+
+/// Every variable a Relay service reads.
+pub const KNOBS: &[Knob] = &[
+    knob(
+        "RELAY_ENV",
+        Both,
+        "development",
+        "`development` or `production`; production refuses dev allowances, the dev secret key and shortened retry tiers",
+    ),
+    knob("DATABASE_URL", Api, "postgres://postgres@127.0.0.1:5432/relay", "Postgres"),
+    knob("RELAY_NATS_URL", Both, "nats://127.0.0.1:4222", "NATS with JetStream"),
+    knob("RELAY_STREAM_PREFIX", Both, "", "prefix for stream, subject and consumer names (tests and stacks sharing a NATS)"),
+    knob("RELAY_REST_ADDR", Api, "127.0.0.1:8080", "the tenants' REST/JSON listen address"),
+    knob("RELAY_GRPC_ADDR", Api, "127.0.0.1:50051", "the tenants' gRPC listen address"),
+    knob("RELAY_INTERNAL_ADDR", Api, "127.0.0.1:50052", "the internal mTLS listen address (DispatchService, AdminService)"),
+    knob(
+        "RELAY_METRICS_ADDR",
+        Api,
+        "127.0.0.1:9464",
+        "the operator's Prometheus port, `GET /metrics` (`off` disables it): attempts by decision, attempt latency, queue depths, attempts in flight per endpoint",
+    ),
+    knob("RELAY_TLS_CLIENT_CA", Api, "", "the CA whose client certificates the internal port accepts (required)"),
+    knob("RELAY_TLS_CERT", Both, "", "this service's mTLS certificate, PEM (required)"),
+    knob("RELAY_TLS_KEY", Both, "", "this service's mTLS key, PEM (required)"),
+    knob("RELAY_SECRET_KEYS", Api, "", "`id:base64(32 bytes)[,id:...]`, the first is active; required in production"),
+    knob(
+        "RELAY_RETRY_TIERS",
+        Api,
+        "0,1000,5000,30000,300000,1800000,7200000",
+        "retry delays in ms (tests only; production refuses a change)",
+    ),
+    knob(
+        "RELAY_DELIVERY_LEASE_SECS",
+        Api,
+        "300",
+        "how long an attempt handed to the broker is leased before the relay may hand it out again (5–3600; longer than the dispatcher's ack wait)",
+    ),
+    knob(
+        "RELAY_DB_POOL_SIZE",
+        Api,
+        "20",
+        "Postgres connections (2–1000); a call that waits 5 s for one is answered 503 with `Retry-After`",
+    ),
+    knob(
+        "RELAY_ENDPOINT_IN_FLIGHT_CAP",
+        Api,
+        "64",
+        "attempts one endpoint may have handed out and unreported (1–10000; an endpoint's throughput is at most this over the claim-to-outcome round trip)",
+    ),
+    knob("RELAY_RELAY_BATCH", Api, "500", "rows one relay pass claims (1–10000)"),
+    knob("RELAY_SKIP_MIGRATIONS", Api, "false", "do not run the migrations at start-up"),
+    knob("RELAY_RUN_RELAYS", Api, "true", "run the outbox and delivery relays in this process (an api can also only serve requests)"),
+    knob("RELAY_API_INTERNAL_URL", Dispatcher, "https://127.0.0.1:50052", "the api's internal mTLS port"),
+    knob("RELAY_API_TLS_NAME", Dispatcher, "relay-api", "the name the api's server certificate is checked against"),
+    knob("RELAY_TLS_CA", Dispatcher, "", "the CA the api's server certificate is checked against (required)"),
+    knob(
+        "RELAY_ATTEMPT_TIMEOUT_MS",
+        Both,
+        "15000",
+        "per-attempt timeout (100–120000): connect, send and read the status; the broker's ack wait and the api's lease rule derive from it, so give both services the same value",
+    ),
+    knob("RELAY_SEAM_TIMEOUT_MS", Both, "15000", "deadline of one call to the api's seam (100–60000); give both services the same value"),
+    knob("RELAY_MAX_IN_FLIGHT", Dispatcher, "512", "attempts in flight across all endpoints (1–100000; one per endpoint)"),
+    knob("RELAY_MAX_EXPANDING", Dispatcher, "256", "expansions in flight (1–10000)"),
+    knob("RELAY_EGRESS_PROXY", Dispatcher, "", "send webhooks through this HTTP proxy; the URL rules still apply"),
+    knob("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", Both, "false", "development allowance: accept plain http endpoints (never in production)"),
+    knob(
+        "RELAY_DEV_ALLOWED_ENDPOINT_RANGES",
+        Both,
+        "",
+        "development allowance: CIDR ranges endpoints may target despite the address rules (never in production)",
+    ),
+    knob("RELAY_LOG", Both, "info", "log filter (tracing `EnvFilter` syntax)"),
+    knob("RELAY_LOG_FORMAT", Both, "text", "`json` for one JSON object per line"),
+    knob(
+        "RELAY_OTLP_ENDPOINT",
+        Both,
+        "",
+        "`http://host:port` of an OTLP/gRPC collector: export spans, one trace per event (off when unset; a malformed value refuses to start)",
+    ),
+];
+
+/// The knob of that name; a name not in the catalogue is a programming
+/// error, caught by the tests of the service that reads it.
+pub fn knob_named(name: &str) -> &'static Knob {
+    KNOBS.iter().find(|k| k.name == name).unwrap_or_else(|| panic!("{name} is not in relay_config::KNOBS"))
+}
+
+/// The README's configuration table.
+pub fn markdown_table() -> String {
+    let mut out = String::from("| variable | read by | default | meaning |\n|---|---|---|---|\n");
+    for k in KNOBS {
+        let default = if k.default.is_empty() { String::new() } else { format!("`{}`", k.default) };
+        out.push_str(&format!("| `{}` | {} | {} | {} |\n", k.name, k.readers.as_str(), default, k.meaning));
+    }
+    out
+}
+
+pub const TABLE_BEGIN: &str = "<!-- knobs: generated by `cargo run -q -p relay-config -- --write README.md`; do not edit -->";
+pub const TABLE_END: &str = "<!-- knobs end -->";
+
+/// `readme` with its generated table replaced by the current one.
+pub fn with_table(readme: &str) -> Result<String> {
+    let start = readme.find(TABLE_BEGIN).context("the README has no generated knob table (begin marker)")?;
+    let end = readme.find(TABLE_END).context("the README has no generated knob table (end marker)")?;
+    if end < start {
+        bail!("the knob table's end marker comes before its begin marker");
+    }
+    Ok(format!("{}{TABLE_BEGIN}\n{}{}", &readme[..start], markdown_table(), &readme[end..]))
+}
+
+/// Where this process runs. Production turns every dev allowance into a
+/// start-up error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Deployment {
+    Development,
+    Production,
+}
+
+impl Deployment {
+    pub fn parse(value: Option<&str>) -> Result<Self> {
+        match value.map(str::trim) {
+            None | Some("" | "development" | "dev" | "test") => Ok(Self::Development),
+            Some("production" | "prod") => Ok(Self::Production),
+            Some(other) => bail!("RELAY_ENV must be development or production, got {other:?}"),
+        }
+    }
+
+    pub fn from_env() -> Result<Self> {
+        Self::parse(Env.string("RELAY_ENV").as_deref())
+    }
+
+    pub fn is_production(self) -> bool {
+        self == Self::Production
+    }
+}
+
+/// Reads catalogued variables from the process environment. Unset and blank
+/// are the same: the default.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Env;
+
+impl Env {
+    pub fn string(&self, name: &str) -> Option<String> {
+        knob_named(name);
+        std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+    }
+
+    /// The value, or the catalogue's default.
+    pub fn string_or_default(&self, name: &str) -> String {
+        self.string(name).unwrap_or_else(|| knob_named(name).default.to_owned())
+    }
+
+    pub fn flag(&self, name: &str) -> Result<bool> {
+        let raw = self.string_or_default(name);
+        match raw.trim() {
+            "" | "0" | "false" | "off" | "no" => Ok(false),
+            "1" | "true" | "on" | "yes" => Ok(true),
+            other => bail!("{name} must be true or false, got {other:?}"),
+        }
+    }
+
+    /// A number within `range`, the catalogue's default when unset.
+    pub fn number<T>(&self, name: &str, range: RangeInclusive<T>) -> Result<T>
+    where
+        T: FromStr + PartialOrd + Display,
+        T::Err: std::error::Error + Send + Sync + 'static,
+    {
+        let raw = self.string_or_default(name);
+        let n: T = raw.trim().parse().with_context(|| format!("{name} must be a whole number, got {raw:?}"))?;
+        if !range.contains(&n) {
+            bail!("{name} must be between {} and {}, got {n}", range.start(), range.end());
+        }
+        Ok(n)
+    }
+
+    pub fn millis(&self, name: &str, range: RangeInclusive<u64>) -> Result<Duration> {
+        self.number(name, range).map(Duration::from_millis)
+    }
+
+    pub fn secs(&self, name: &str, range: RangeInclusive<u64>) -> Result<Duration> {
+        self.number(name, range).map(Duration::from_secs)
+    }
+
+    pub fn addr(&self, name: &str) -> Result<SocketAddr> {
+        let raw = self.string_or_default(name);
+        raw.trim().parse().with_context(|| format!("{name} must be host:port, got {raw:?}"))
+    }
+
+    /// A required file path.
+    pub fn path(&self, name: &str) -> Result<PathBuf> {
+        self.string(name).map(PathBuf::from).with_context(|| format!("{name} is required: {}", knob_named(name).meaning))
+    }
+}
+
+/// The rules that tie settings of different services together. Each service
+/// checks those it can see at start-up; the attempt and seam timeouts are
+/// read by both services for this reason.
+pub mod timing {
+    use std::time::Duration;
+
+    use anyhow::{Result, bail};
+
+    /// The longest claim a dispatcher may take on an attempt (the api
+    /// refuses a longer one).
+    pub const MAX_CLAIM_HOLD: Duration = Duration::from_secs(600);
+
+    /// How long the broker waits for a delivery job's ack before handing it
+    /// to another dispatcher: always longer than an attempt plus a seam call,
+    /// so a slow customer never makes the broker think the dispatcher died.
+    pub fn deliveries_ack_wait(attempt_timeout: Duration, seam_timeout: Duration) -> Duration {
+        attempt_timeout + seam_timeout
+    }
+
+    /// How long the broker waits for an EVENTS message's ack (an expansion
+    /// is one or two seam calls).
+    pub fn events_ack_wait(seam_timeout: Duration) -> Duration {
+        seam_timeout * 2
+    }
+
+    /// The api's lease on an attempt handed to the broker must outlast the
+    /// dispatcher's hold on it (the ack wait), or the relay would hand the
+    /// attempt out again while it is still being sent.
+    pub fn check_lease(delivery_lease: Duration, attempt_timeout: Duration, seam_timeout: Duration) -> Result<()> {
+        let ack_wait = deliveries_ack_wait(attempt_timeout, seam_timeout);
+        if delivery_lease <= ack_wait {
+            bail!(
+                "RELAY_DELIVERY_LEASE_SECS ({} s) must be longer than the dispatcher's ack wait, RELAY_ATTEMPT_TIMEOUT_MS + RELAY_SEAM_TIMEOUT_MS ({} ms)",
+                delivery_lease.as_secs(),
+                ack_wait.as_millis()
+            );
+        }
+        Ok(())
+    }
+
+    /// A dispatcher's claim on an attempt (material freshness + the attempt
+    /// + a margin to report) must fit under the api's longest claim.
+    pub fn check_claim(claim_hold: Duration) -> Result<()> {
+        if claim_hold > MAX_CLAIM_HOLD {
+            bail!(
+                "an attempt's claim of {} ms exceeds the api's limit of {} ms: lower RELAY_ATTEMPT_TIMEOUT_MS",
+                claim_hold.as_millis(),
+                MAX_CLAIM_HOLD.as_millis()
+            );
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn relay_env_has_one_meaning_everywhere() {
+        assert_eq!(Deployment::parse(None).unwrap(), Deployment::Development);
+        assert_eq!(Deployment::parse(Some("prod")).unwrap(), Deployment::Production);
+        assert_eq!(Deployment::parse(Some(" production ")).unwrap(), Deployment::Production);
+        let unknown = Deployment::parse(Some("staging")).unwrap_err().to_string();
+        assert!(unknown.contains("staging"), "{unknown}");
+    }
+
+    #[test]
+    fn the_catalogue_names_each_variable_once_and_its_defaults_parse() {
+        let mut names: Vec<&str> = KNOBS.iter().map(|k| k.name).collect();
+        names.sort();
+        let before = names.len();
+        names.dedup();
+        assert_eq!(before, names.len(), "a variable is catalogued twice");
+        for k in KNOBS {
+            assert!(!k.meaning.is_empty() && !k.meaning.contains('|'), "{}: a meaning that fits one table cell", k.name);
+        }
+    }
+
+    #[test]
+    fn the_readme_table_is_the_generated_one() {
+        let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md")).unwrap();
+        assert_eq!(
+            with_table(&readme).unwrap(),
+            readme,
+            "README.md's configuration table is stale: run `cargo run -q -p relay-config -- --write README.md`"
+        );
+    }
+
+    #[test]
+    fn the_timing_rules_hold_at_the_defaults_and_refuse_a_short_lease() {
+        let (attempt, seam) = (Duration::from_millis(15_000), Duration::from_millis(15_000));
+        timing::check_lease(Duration::from_secs(300), attempt, seam).unwrap();
+        assert!(timing::check_lease(Duration::from_secs(30), attempt, seam).is_err());
+        assert!(timing::deliveries_ack_wait(attempt, seam) > attempt);
+        timing::check_claim(Duration::from_secs(22)).unwrap();
+        assert!(timing::check_claim(timing::MAX_CLAIM_HOLD + Duration::from_millis(1)).is_err());
+    }
+}
