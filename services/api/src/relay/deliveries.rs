@@ -82,46 +82,8 @@ async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error>
 }
 
 impl DeliveryRelay {
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
-        let mut failures = 0u32;
-        while !*shutdown.borrow() {
-            match self.drain_once().await {
-                Ok(n) if n as i64 >= self.batch => {
-                    failures = 0;
-                    continue;
-                }
-                Ok(_) => failures = 0,
-                Err(e) => {
-                    failures += 1;
-                    tracing::warn!(error = format!("{e:#}"), "delivery relay pass failed; deliveries stay pending");
-                    tokio::select! {
-                        _ = tokio::time::sleep(super::backoff(failures)) => {}
-                        _ = shutdown.changed() => return,
-                    }
-                    continue;
-                }
-            }
-            // Sleep until the earliest due time rather than polling blindly. A
-            // due time already past belongs to rows this pass could not take
-            // (their endpoint is at its cap, or another relay holds them): an
-            // outcome freeing a slot wakes us, so wait for that.
-            let now = chrono::Utc::now();
-            let sleep = match self.next_due().await {
-                Ok(Some(at)) if at > now => (at - now).to_std().unwrap_or(Duration::ZERO).min(self.idle),
-                Ok(_) => self.idle,
-                Err(e) => {
-                    tracing::warn!(error = format!("{e:#}"), "reading the next due time");
-                    self.idle
-                }
-            };
-            if super::idle(&self.app.deliveries_wake, sleep, &mut shutdown).await {
-                return;
-            }
-            // Outcomes wake the relay one batch at a time; a short pause lets
-            // the slots freed by several batches be claimed in one pass
-            // instead of one scan each.
-            tokio::time::sleep(MIN_PASS_GAP).await;
-        }
+    pub async fn run(self, shutdown: watch::Receiver<bool>) {
+        super::drive(&self, shutdown).await
     }
 
     /// Wakes this relay whenever any api process commits due deliveries.
@@ -148,6 +110,45 @@ impl DeliveryRelay {
     }
 
     pub async fn drain_once(&self) -> Result<usize> {
+        super::Pass::drain_once(self).await
+    }
+}
+
+impl super::Pass for DeliveryRelay {
+    const FAILING: &'static str = "deliveries stay pending";
+
+    fn batch(&self) -> usize {
+        self.batch as usize
+    }
+
+    fn wake(&self) -> &crate::app::Wake {
+        &self.app.deliveries_wake
+    }
+
+    /// Until the earliest due time rather than polling blindly. A due time
+    /// already past belongs to rows this pass could not take (their endpoint
+    /// is at its cap, or another relay holds them): an outcome freeing a slot
+    /// wakes the relay, so it waits for that.
+    async fn idle_for(&self) -> Duration {
+        let now = chrono::Utc::now();
+        match self.next_due().await {
+            Ok(Some(at)) if at > now => (at - now).to_std().unwrap_or(Duration::ZERO).min(self.idle),
+            Ok(_) => self.idle,
+            Err(e) => {
+                tracing::warn!(error = format!("{e:#}"), "reading the next due time");
+                self.idle
+            }
+        }
+    }
+
+    /// Outcomes wake the relay one batch at a time; a short pause lets the
+    /// slots freed by several batches be claimed in one pass instead of one
+    /// scan each.
+    fn settle_after_wake(&self) -> Duration {
+        MIN_PASS_GAP
+    }
+
+    async fn drain_once(&self) -> Result<usize> {
         let _leasing = self.app.lease_guard.lock().await;
         // Choose without locking: the scan passes over due rows of endpoints
         // at their cap, and locking every row it returns (a heap write each)

@@ -19,9 +19,58 @@ pub mod outbox;
 
 use std::time::Duration;
 
+use anyhow::Result;
 use tokio::sync::watch;
 
 use crate::app::Wake;
+
+/// What a relay does in one pass, and how it waits between passes; the
+/// loop around it ([`drive`]) is the same for both relays.
+pub(crate) trait Pass {
+    /// What stays where it is when a pass fails, for the log.
+    const FAILING: &'static str;
+    /// Claims, publishes and marks one batch; how many rows it moved.
+    async fn drain_once(&self) -> Result<usize>;
+    /// A pass that moved this many rows goes straight on.
+    fn batch(&self) -> usize;
+    /// What wakes the relay early.
+    fn wake(&self) -> &Wake;
+    /// The longest sleep after a pass that found less than a batch.
+    async fn idle_for(&self) -> Duration;
+    /// A pause after waking, before the next pass.
+    fn settle_after_wake(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+/// Runs passes until shutdown: straight on after a full batch, backing off
+/// after a failure, otherwise asleep until woken or `idle_for`.
+pub(crate) async fn drive<P: Pass>(relay: &P, mut shutdown: watch::Receiver<bool>) {
+    let mut failures = 0u32;
+    while !*shutdown.borrow() {
+        match relay.drain_once().await {
+            Ok(n) if n >= relay.batch() => {
+                failures = 0;
+                continue;
+            }
+            Ok(_) => failures = 0,
+            Err(e) => {
+                failures += 1;
+                tracing::warn!(error = format!("{e:#}"), "relay pass failed; {}", P::FAILING);
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff(failures)) => {}
+                    _ = shutdown.changed() => return,
+                }
+                continue;
+            }
+        }
+        let sleep = relay.idle_for().await;
+        if idle(relay.wake(), sleep, &mut shutdown).await {
+            return;
+        }
+        tokio::time::sleep(relay.settle_after_wake()).await;
+    }
+}
 
 /// Sleeps until woken, until `max`, or until shutdown; true on shutdown.
 pub(crate) async fn idle(wake: &Wake, max: Duration, shutdown: &mut watch::Receiver<bool>) -> bool {

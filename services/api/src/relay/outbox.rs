@@ -34,29 +34,8 @@ pub struct OutboxRelay {
 }
 
 impl OutboxRelay {
-    pub async fn run(self, mut shutdown: watch::Receiver<bool>) {
-        let mut failures = 0u32;
-        while !*shutdown.borrow() {
-            match self.drain_once().await {
-                Ok(n) if n as i64 >= self.batch => {
-                    failures = 0;
-                    continue;
-                }
-                Ok(_) => failures = 0,
-                Err(e) => {
-                    failures += 1;
-                    tracing::warn!(error = format!("{e:#}"), "outbox relay pass failed; events stay in the outbox");
-                    tokio::select! {
-                        _ = tokio::time::sleep(super::backoff(failures)) => {}
-                        _ = shutdown.changed() => return,
-                    }
-                    continue;
-                }
-            }
-            if super::idle(&self.app.outbox_wake, self.idle, &mut shutdown).await {
-                return;
-            }
-        }
+    pub async fn run(self, shutdown: watch::Receiver<bool>) {
+        super::drive(&self, shutdown).await
     }
 
     /// One pass: claim a batch, publish it, mark what the broker confirmed.
@@ -66,6 +45,26 @@ impl OutboxRelay {
     /// another relay takes once the claim runs out (re-published under the
     /// same message id, inside the broker's duplicate window).
     pub async fn drain_once(&self) -> Result<usize> {
+        super::Pass::drain_once(self).await
+    }
+}
+
+impl super::Pass for OutboxRelay {
+    const FAILING: &'static str = "events stay in the outbox";
+
+    fn batch(&self) -> usize {
+        self.batch as usize
+    }
+
+    fn wake(&self) -> &crate::app::Wake {
+        &self.app.outbox_wake
+    }
+
+    async fn idle_for(&self) -> Duration {
+        self.idle
+    }
+
+    async fn drain_once(&self) -> Result<usize> {
         let rows = db::events::claim_unpublished(&self.app.db, self.batch, RELAY_CLAIM).await.context("claiming unpublished events")?;
         if rows.is_empty() {
             return Ok(0);
