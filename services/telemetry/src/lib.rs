@@ -95,7 +95,8 @@ pub fn filter(spec: &str) -> EnvFilter {
 /// [`Telemetry::shutdown`] (or drop it) before exiting, so the spans still
 /// queued are sent.
 pub fn init_with(service_name: &'static str) -> Result<Telemetry> {
-    let endpoint = std::env::var(OTLP_ENDPOINT_VAR).ok().filter(|e| !e.trim().is_empty());
+    let env = relay_config::Env;
+    let endpoint = env.string(OTLP_ENDPOINT_VAR);
     let export = match endpoint {
         Some(endpoint) => {
             Some(OtlpExport::start(service_name, endpoint.trim()).with_context(|| format!("{OTLP_ENDPOINT_VAR}={endpoint:?}"))?)
@@ -103,8 +104,12 @@ pub fn init_with(service_name: &'static str) -> Result<Telemetry> {
         None => None,
     };
 
-    let log_filter = filter(&std::env::var("RELAY_LOG").unwrap_or_default());
-    let json = std::env::var("RELAY_LOG_FORMAT").as_deref() == Ok("json");
+    let log_filter = filter(&env.string("RELAY_LOG").unwrap_or_default());
+    let json = match env.string_or_default("RELAY_LOG_FORMAT").trim() {
+        "text" => false,
+        "json" => true,
+        other => anyhow::bail!("RELAY_LOG_FORMAT must be text or json, got {other:?}"),
+    };
     let logs = if json { fmt::layer().json().boxed() } else { fmt::layer().boxed() };
     let spans = export.as_ref().map(OtlpExport::layer);
     tracing_subscriber::registry()
