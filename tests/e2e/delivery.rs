@@ -532,3 +532,22 @@ async fn redirects_timeouts_and_refused_connections_are_failures_with_their_caus
     assert_eq!(letters["dead_letters"].as_array().unwrap().len(), 4, "{letters}");
     stack.stop().await
 }
+
+/// Issue 10: the state column's CHECK constraint and the code's states are
+/// the same set, so a state the code writes is never refused and a stored
+/// state the code reads is always one it knows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_stored_states_are_exactly_the_states_the_code_knows() -> anyhow::Result<()> {
+    use relay_api::db::models::DeliveryState;
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let pg = stack.pg().await?;
+    let check: String =
+        sqlx::query_scalar("SELECT pg_get_constraintdef(oid) FROM pg_constraint WHERE conname = 'webhook_deliveries_state_check'")
+            .fetch_one(&pg)
+            .await?;
+    let stored: std::collections::BTreeSet<&str> = check.split('\'').skip(1).step_by(2).collect();
+    let known: std::collections::BTreeSet<&str> = DeliveryState::ALL.iter().map(|s| s.as_str()).collect();
+    assert_eq!(stored, known, "{check}");
+    pg.close().await;
+    stack.stop().await
+}
