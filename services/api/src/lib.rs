@@ -15,6 +15,7 @@ pub mod error;
 pub mod grpc;
 pub mod metrics;
 pub mod openapi;
+pub mod queue;
 pub mod relay;
 pub mod rest;
 pub mod schedule;
@@ -106,10 +107,10 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         metrics: Default::default(),
         lease_guard: Default::default(),
         direct: cfg.run_relays.then(|| app::DirectDispatch {
-            js: js.clone(),
-            names: names.clone(),
+            jobs: std::sync::Arc::new(queue::NatsJobs { js: js.clone(), names: names.clone() }),
             endpoint_cap: cfg.endpoint_in_flight_cap,
         }),
+        clock: std::sync::Arc::new(app::SystemClock),
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");

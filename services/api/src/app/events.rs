@@ -95,7 +95,7 @@ impl App {
         check_event_type(event_type)?;
         let payload = checked_payload(payload)?;
         let event_id = id.unwrap_or_else(Uuid::now_v7);
-        let occurred_at = chrono::Utc::now();
+        let occurred_at = self.clock.now();
         let envelope = serde_json::to_vec(&Envelope {
             id: event_id,
             event_type,

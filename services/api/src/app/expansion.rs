@@ -134,23 +134,18 @@ impl App {
     /// publish that did land is never sent twice.
     async fn dispatch_leased(&self, rows: &[db::deliveries::CreatedRow]) {
         let Some(direct) = &self.direct else { return };
-        let messages = rows
+        let jobs: Vec<crate::queue::Job<'_>> = rows
             .iter()
-            .map(|r| {
-                crate::relay::deliveries::job_message(
-                    &direct.names,
-                    &crate::relay::deliveries::Job {
-                        delivery_id: r.id,
-                        endpoint_id: r.endpoint_id,
-                        environment_id: r.environment_id,
-                        attempt: 1,
-                        generation: 0,
-                        trace_context: r.trace_context.as_deref(),
-                    },
-                )
+            .map(|r| crate::queue::Job {
+                delivery_id: r.id,
+                endpoint_id: r.endpoint_id,
+                environment_id: r.environment_id,
+                attempt: 1,
+                generation: 0,
+                trace_context: r.trace_context.as_deref(),
             })
             .collect();
-        let (stored, first_error) = crate::broker::publish_all(&direct.js, messages).await;
+        let (stored, first_error) = direct.jobs.publish(&jobs).await;
         let unsent: Vec<Uuid> = rows.iter().zip(stored).filter_map(|(r, ok)| (!ok).then_some(r.id)).collect();
         if unsent.is_empty() {
             return;

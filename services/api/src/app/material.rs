@@ -4,7 +4,6 @@
 use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
-use chrono::Utc;
 use uuid::Uuid;
 
 use super::{App, Timestamp, deliveries::*, state::DeliveryState};
@@ -42,7 +41,7 @@ impl App {
         let claimed = self.claim_attempts(wanted, &by_ord).await?;
         // Secrets are decrypted once per endpoint per batch, not per attempt.
         let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
-        let now = Utc::now();
+        let now = self.clock.now();
         let mut out = Vec::with_capacity(wanted.len());
         let mut switched_off: Vec<(Uuid, &'static str)> = Vec::new();
         for (ord, w) in (1..).zip(wanted) {

@@ -1,6 +1,8 @@
 //! Use-cases, free of any transport: the gRPC adapters and the relays call
-//! these. Each takes the tenant's environment as an argument resolved from a
-//! verified credential, never from the request body.
+//! these. They read and write through `crate::db`, ask `state` what a result
+//! means, hand first attempts to a `queue::JobQueue` and take the time from
+//! a `Clock`. Each takes the tenant's environment as an argument resolved
+//! from a verified credential, never from the request body.
 
 pub mod admin;
 pub mod deliveries;
@@ -57,15 +59,31 @@ pub struct App {
     /// attempts from committed rows, so two at once could both fill the same
     /// free slots and exceed the cap.
     pub lease_guard: Arc<tokio::sync::Mutex<()>>,
+    pub clock: Arc<dyn Clock>,
 }
 
 /// What handing first attempts straight to the broker needs.
 #[derive(Clone)]
 pub struct DirectDispatch {
-    pub js: async_nats::jetstream::Context,
-    pub names: relay_contracts::StreamNames,
+    pub jobs: Arc<dyn crate::queue::JobQueue>,
     /// The relay's per-endpoint cap, applied the same way.
     pub endpoint_cap: i64,
+}
+
+/// Where the use-cases get the time: the schedule and the secrets' rotation
+/// window are decided against it.
+pub trait Clock: Send + Sync + std::fmt::Debug {
+    fn now(&self) -> Timestamp;
+}
+
+/// The system's clock.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SystemClock;
+
+impl Clock for SystemClock {
+    fn now(&self) -> Timestamp {
+        chrono::Utc::now()
+    }
 }
 
 impl std::fmt::Debug for DirectDispatch {

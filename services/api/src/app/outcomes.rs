@@ -4,7 +4,6 @@
 use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
-use chrono::Utc;
 use uuid::Uuid;
 
 use super::{
@@ -55,7 +54,7 @@ impl App {
     /// including for a report repeated inside the batch.
     pub async fn record_outcomes(&self, reports: Vec<AttemptReport>) -> AppResult<Vec<AppResult<Decision>>> {
         let mut tx = self.db.begin().await?;
-        let now = Utc::now();
+        let now = self.clock.now();
         // The common case in one statement: each delivery's first report in
         // the batch is taken to be for its current attempt, decided from the
         // report alone, and applied only where that holds (pending, same

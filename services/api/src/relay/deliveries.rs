@@ -10,15 +10,15 @@
 use std::{collections::HashMap, time::Duration};
 
 use anyhow::{Context, Result};
-use async_nats::{HeaderMap, jetstream};
-use prost::Message;
-use relay_contracts::{StreamNames, relay::queue::v1::DeliveryJob};
+use async_nats::jetstream;
+use relay_contracts::StreamNames;
 use tokio::sync::watch;
 use uuid::Uuid;
 
 use crate::{
     app::{App, Timestamp},
     db::{self, deliveries::Claimed},
+    queue::{Job, job_message},
 };
 
 pub struct DeliveryRelay {
@@ -35,37 +35,6 @@ pub struct DeliveryRelay {
     /// slots, however large its backlog; its other due rows wait in Postgres
     /// and the scan passes over them to other endpoints' work.
     pub endpoint_cap: i64,
-}
-
-/// One attempt to hand to the broker.
-pub struct Job<'a> {
-    pub delivery_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub environment_id: Uuid,
-    pub attempt: i32,
-    pub generation: i32,
-    pub trace_context: Option<&'a str>,
-}
-
-/// The DELIVERIES message for an attempt: ids only, deduplicated by
-/// `<delivery>:<attempt>` (and generation), with a short span in the event's
-/// trace whose context rides in the headers to the attempt.
-pub fn job_message(names: &StreamNames, j: &Job<'_>) -> (String, HeaderMap, bytes::Bytes) {
-    let job = DeliveryJob {
-        delivery_id: j.delivery_id.to_string(),
-        endpoint_id: j.endpoint_id.to_string(),
-        environment_id: j.environment_id.to_string(),
-        attempt: j.attempt as u32,
-        generation: j.generation as u32,
-    };
-    let mut headers = HeaderMap::new();
-    let span = tracing::info_span!("delivery_relay", delivery_id = %j.delivery_id, attempt = j.attempt, generation = j.generation);
-    if let Some(tc) = j.trace_context {
-        relay_telemetry::set_parent_from_traceparent(&span, tc);
-    }
-    span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
-    headers.insert("Nats-Msg-Id", relay_contracts::AttemptKey::of(&job).to_string().as_str());
-    (names.deliveries_subject(&job.environment_id), headers, job.encode_to_vec().into())
 }
 
 /// The shortest pause between relay passes started by wake-ups (a pass that
