@@ -42,11 +42,11 @@ pub fn job_message(names: &StreamNames, j: &Job<'_>) -> (String, HeaderMap, byte
 }
 
 /// Which jobs the broker stored, in order, and the first error if any was refused.
-pub type Published = (Vec<bool>, Option<anyhow::Error>);
+pub type Stored = (Vec<bool>, Option<anyhow::Error>);
 
 /// Hands jobs to the broker.
 pub trait JobQueue: Send + Sync {
-    fn publish<'a>(&'a self, jobs: &'a [Job<'a>]) -> Pin<Box<dyn Future<Output = Published> + Send + 'a>>;
+    fn publish<'a>(&'a self, jobs: &'a [Job<'a>]) -> Pin<Box<dyn Future<Output = Stored> + Send + 'a>>;
 }
 
 /// The DELIVERIES stream of one NATS JetStream.
@@ -56,7 +56,7 @@ pub struct NatsJobs {
 }
 
 impl JobQueue for NatsJobs {
-    fn publish<'a>(&'a self, jobs: &'a [Job<'a>]) -> Pin<Box<dyn Future<Output = Published> + Send + 'a>> {
+    fn publish<'a>(&'a self, jobs: &'a [Job<'a>]) -> Pin<Box<dyn Future<Output = Stored> + Send + 'a>> {
         Box::pin(async move {
             let messages = jobs.iter().map(|j| job_message(&self.names, j)).collect();
             crate::broker::publish_all(&self.js, messages).await

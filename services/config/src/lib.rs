@@ -311,7 +311,7 @@ mod tests {
     }
 
     #[test]
-    fn the_catalogue_names_each_variable_once_and_its_defaults_parse() {
+    fn the_catalogue_names_each_variable_once_with_a_meaning_that_fits_one_cell() {
         let mut names: Vec<&str> = KNOBS.iter().map(|k| k.name).collect();
         names.sort();
         let before = names.len();

@@ -44,10 +44,6 @@ type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
 /// would otherwise be sent again once the report landed.
 type Unsettled = Arc<std::sync::Mutex<HashSet<AttemptKey>>>;
 
-fn attempt_key(job: &DeliveryJob) -> AttemptKey {
-    AttemptKey::of(job)
-}
-
 /// Jobs a lane fetches material for in one go.
 const PREFETCH: usize = 32;
 /// Material older than this is fetched again before sending: behind a slow
@@ -194,7 +190,7 @@ impl Lane {
     async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
         let mut mine = Vec::with_capacity(chunk.len());
         for (msg, job) in chunk {
-            if self.shared.unsettled.lock().expect("unpoisoned").insert(attempt_key(&job)) {
+            if self.shared.unsettled.lock().expect("unpoisoned").insert(AttemptKey::of(&job)) {
                 mine.push((msg, job));
             } else {
                 tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
@@ -218,7 +214,7 @@ impl Lane {
                 let leftover: Vec<Job> = std::iter::once((msg, job)).chain(rest.map(|(_, (j, _))| j)).collect();
                 let mut unsettled = self.shared.unsettled.lock().expect("unpoisoned");
                 for (_, job) in &leftover {
-                    unsettled.remove(&attempt_key(job));
+                    unsettled.remove(&AttemptKey::of(job));
                 }
                 return leftover;
             }
@@ -238,7 +234,7 @@ impl Lane {
                         tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), verdict = ?v, "no material for this job")
                     }
                 }
-                self.shared.unsettled.lock().expect("unpoisoned").remove(&attempt_key(&job));
+                self.shared.unsettled.lock().expect("unpoisoned").remove(&AttemptKey::of(&job));
                 return settle_by(&msg, v).await;
             }
         };
@@ -252,7 +248,7 @@ impl Lane {
         if let Some(headers) = &msg.headers {
             relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
         }
-        let key = attempt_key(&job);
+        let key = AttemptKey::of(&job);
         let event_id = material.event_id.clone();
         let outcome = async {
             let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");

@@ -9,7 +9,7 @@ use uuid::Uuid;
 use super::{
     App, Timestamp,
     deliveries::*,
-    state::{self, DeliveryState, Reported, Standing, Step},
+    state::{self, Reported, Standing, Step},
 };
 use crate::{
     db,
@@ -141,12 +141,11 @@ impl App {
         // A report for the delivery's current attempt cannot have been
         // recorded (recording moves the attempt on or ends the delivery), so
         // the attempt log is read only for the rare repeats and stragglers.
-        let is_current = |r: &AttemptReport| {
-            current.get(&r.delivery_id).is_some_and(|row| {
-                row.state == DeliveryState::Pending && row.attempt as u32 == r.attempt && row.generation as u32 == r.generation
-            })
-        };
-        let stragglers: Vec<Uuid> = reports.iter().filter(|r| !is_current(r)).map(|r| r.delivery_id).collect();
+        let stragglers: Vec<Uuid> = reports
+            .iter()
+            .filter(|r| !current.get(&r.delivery_id).is_some_and(|row| standing(row, false).awaits(&reported(r))))
+            .map(|r| r.delivery_id)
+            .collect();
         let mut recorded: HashMap<(Uuid, u32, u32), Decision> = HashMap::new();
         if !stragglers.is_empty() {
             let wanted: HashSet<(Uuid, u32, u32)> = reports.iter().map(|r| (r.delivery_id, r.generation, r.attempt)).collect();
@@ -177,15 +176,8 @@ impl App {
             };
             let status = report.http_status.map(|s| s as i32);
             let error = report_error(&report.error);
-            let standing = Standing {
-                state: row.state,
-                generation: row.generation as u32,
-                attempt: row.attempt as u32,
-                next_attempt_at: row.next_attempt_at,
-                switched_off_in_flight: switched_off.contains(&row.id),
-            };
-            let reported = Reported { generation: report.generation, attempt: report.attempt, http_status: report.http_status };
-            let step = standing.step(&reported, None, || state::decide(&self.schedule, report.attempt, report.http_status, now));
+            let standing = standing(row, switched_off.contains(&row.id));
+            let step = standing.step(&reported(&report), None, || state::decide(&self.schedule, report.attempt, report.http_status, now));
             let decision = match step {
                 Step::Answer(d) => {
                     out.push(Ok(d));
@@ -259,4 +251,19 @@ async fn write_outcome_rows(
 ) -> AppResult<()> {
     db::dead_letters::insert_exhausted(&mut *tx, dead).await?;
     db::attempts::insert(&mut *tx, log).await
+}
+
+/// A locked delivery as the state machine reads it.
+fn standing(row: &db::deliveries::OutcomeRow, switched_off_in_flight: bool) -> Standing {
+    Standing {
+        state: row.state,
+        generation: row.generation as u32,
+        attempt: row.attempt as u32,
+        next_attempt_at: row.next_attempt_at,
+        switched_off_in_flight,
+    }
+}
+
+fn reported(r: &AttemptReport) -> Reported {
+    Reported { generation: r.generation, attempt: r.attempt, http_status: r.http_status }
 }

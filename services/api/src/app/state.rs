@@ -77,6 +77,12 @@ impl Standing {
         self.attempt == r.attempt && self.generation == r.generation
     }
 
+    /// The report is for the attempt this delivery is waiting on: the one
+    /// case `step` advances, and the one case that cannot have been recorded.
+    pub fn awaits(&self, r: &Reported) -> bool {
+        self.state == DeliveryState::Pending && self.is_current(r)
+    }
+
     /// The one transition function. `recorded` is what the attempt log
     /// already holds for this exact attempt (a repeat gets its first answer);
     /// `decide` is consulted only for a report that advances the delivery.
@@ -85,7 +91,7 @@ impl Standing {
             return Step::Answer(first);
         }
         match self.state {
-            DeliveryState::Pending if self.is_current(r) => Step::Advance(decide()),
+            DeliveryState::Pending if self.awaits(r) => Step::Advance(decide()),
             DeliveryState::Dead if self.switched_off_in_flight && self.is_current(r) => {
                 Step::Settle(if is_success(r.http_status) { Decision::Delivered } else { Decision::DeadLettered })
             }
