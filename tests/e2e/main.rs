@@ -5,6 +5,7 @@
 mod delivery;
 mod edges;
 mod faults;
+mod health;
 mod security;
 mod ssrf;
 mod traces;

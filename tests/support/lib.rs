@@ -110,6 +110,11 @@ pub struct Options {
     /// The api's Postgres pool: its size and how long a call waits for a connection.
     pub db_pool_size: u32,
     pub db_acquire_timeout: Duration,
+    /// The circuit: failures that open it, and the probes' back-off (short,
+    /// so tests see probing and recovery within seconds).
+    pub circuit_open_after: u32,
+    pub probe_backoff: (Duration, Duration),
+    pub release_per_second: u32,
 }
 
 impl Default for Options {
@@ -131,6 +136,9 @@ impl Default for Options {
             relay_idle: Duration::from_millis(500),
             db_pool_size: 20,
             db_acquire_timeout: Duration::from_secs(5),
+            circuit_open_after: 5,
+            probe_backoff: (Duration::from_millis(100), Duration::from_millis(300)),
+            release_per_second: 1000,
         }
     }
 }
@@ -249,6 +257,16 @@ impl Stack {
             run_relays: true,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_millis(200),
+            health: relay_api::app::HealthSettings {
+                circuit: relay_api::app::health::CircuitPolicy {
+                    open_after: opts.circuit_open_after,
+                    first_probe: opts.probe_backoff.0,
+                    max_probe: opts.probe_backoff.1,
+                    probe_guard: (opts.attempt_timeout + opts.seam_timeout) * 2,
+                },
+                release_per_second: opts.release_per_second,
+                shortest_disable_window: Duration::from_secs(1),
+            },
         };
         api_cfg.validate()?;
         let mut stack = Self {
@@ -407,6 +425,9 @@ impl Stack {
             ("RELAY_METRICS_ADDR", "off".into()),
             ("RELAY_RETRY_TIERS", tiers.join(",")),
             ("RELAY_ENDPOINT_IN_FLIGHT_CAP", c.endpoint_in_flight_cap.to_string()),
+            ("RELAY_CIRCUIT_OPEN_AFTER", c.health.circuit.open_after.to_string()),
+            ("RELAY_PROBE_BACKOFF_MS", format!("{},{}", c.health.circuit.first_probe.as_millis(), c.health.circuit.max_probe.as_millis())),
+            ("RELAY_RELEASE_PER_SECOND", c.health.release_per_second.to_string()),
             ("RELAY_DELIVERY_LEASE_SECS", c.delivery_lease.as_secs().to_string()),
             // The dispatcher's timeouts: the api checks its lease against them.
             ("RELAY_ATTEMPT_TIMEOUT_MS", self.opts.attempt_timeout.as_millis().to_string()),
@@ -507,9 +528,24 @@ impl Stack {
 /// machine; each must find none.
 pub const INVARIANTS: &[(&str, &str)] = &[
     (
-        "a pending delivery of a disabled or deleted endpoint (it would wait forever)",
+        "a pending delivery of an endpoint nothing is sent to (it would wait forever)",
         "SELECT d.id FROM webhook_deliveries d JOIN webhook_endpoints e ON e.id = d.endpoint_id
-         WHERE d.state = 'pending' AND (NOT e.enabled OR e.deleted_at IS NOT NULL)",
+         WHERE d.state = 'pending' AND (e.deleted_at IS NOT NULL OR (NOT e.enabled AND e.disabled_reason <> 'failing'))",
+    ),
+    (
+        "a held delivery of an endpoint that is up (nothing would release it)",
+        "SELECT d.id FROM webhook_deliveries d JOIN webhook_endpoints e ON e.id = d.endpoint_id
+           JOIN endpoint_health h ON h.endpoint_id = e.id
+         WHERE d.state = 'held' AND h.circuit = 'closed' AND e.enabled AND e.deleted_at IS NULL",
+    ),
+    (
+        "a held delivery of an endpoint the tenant switched off (it should be a dead letter)",
+        "SELECT d.id FROM webhook_deliveries d JOIN webhook_endpoints e ON e.id = d.endpoint_id
+         WHERE d.state = 'held' AND (e.deleted_at IS NOT NULL OR e.disabled_reason = 'manual')",
+    ),
+    (
+        "an endpoint without its health row",
+        "SELECT e.id FROM webhook_endpoints e WHERE NOT EXISTS (SELECT 1 FROM endpoint_health h WHERE h.endpoint_id = e.id)",
     ),
     (
         "a pending delivery whose lease has no expiry after it began",
@@ -591,6 +627,8 @@ where
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reply {
     Status(u16),
+    /// A status with one header (`Retry-After`, say).
+    StatusWith(u16, &'static str, String),
     /// 302 with this `Location`.
     Redirect(String),
     /// Holds the request this long before answering 200 (past any attempt timeout).
@@ -622,6 +660,9 @@ impl Receiver {
                 use axum::response::IntoResponse;
                 match reply {
                     Reply::Status(code) => (axum::http::StatusCode::from_u16(code).expect("valid status"), "answer").into_response(),
+                    Reply::StatusWith(code, name, value) => {
+                        (axum::http::StatusCode::from_u16(code).expect("valid status"), [(name, value)], "answer").into_response()
+                    }
                     Reply::Redirect(to) => (axum::http::StatusCode::FOUND, [(axum::http::header::LOCATION, to)], "moved").into_response(),
                     Reply::Hang(d) => {
                         tokio::time::sleep(d).await;

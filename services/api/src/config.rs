@@ -6,7 +6,11 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use anyhow::{Context, Result, bail};
 use relay_netguard::Policy;
 
-use crate::{schedule::RetrySchedule, secrets::Keyring};
+use crate::{
+    app::{HealthSettings, health::CircuitPolicy},
+    schedule::RetrySchedule,
+    secrets::Keyring,
+};
 
 pub use relay_config::Deployment;
 use relay_config::{Env, timing};
@@ -54,6 +58,7 @@ pub struct ApiConfig {
     pub dead_letter_retention: Duration,
     /// How often dead letters past their retention are deleted.
     pub dead_letter_prune_every: Duration,
+    pub health: HealthSettings,
 }
 
 /// Addresses for `main`; tests pass their own listeners to `run`.
@@ -94,7 +99,23 @@ impl ApiConfig {
             Some(spec) => RetrySchedule::parse(&spec).context("RELAY_RETRY_TIERS")?,
             None => RetrySchedule::production(),
         };
+        let attempt_timeout = env.millis("RELAY_ATTEMPT_TIMEOUT_MS", 100..=120_000)?;
+        let seam_timeout = env.millis("RELAY_SEAM_TIMEOUT_MS", 100..=60_000)?;
+        let (first_probe, max_probe) = probe_backoff(&env.string_or_default("RELAY_PROBE_BACKOFF_MS"))?;
+        let health = HealthSettings {
+            circuit: CircuitPolicy {
+                open_after: env.number("RELAY_CIRCUIT_OPEN_AFTER", 1..=1000)?,
+                first_probe,
+                max_probe,
+                // A probe's result comes within an attempt and a report; twice
+                // that, and the probe is taken to be lost.
+                probe_guard: (attempt_timeout + seam_timeout) * 2,
+            },
+            release_per_second: env.number("RELAY_RELEASE_PER_SECOND", 1..=10_000)?,
+            shortest_disable_window: if deployment.is_production() { Duration::from_secs(3600) } else { Duration::from_secs(1) },
+        };
         let cfg = Self {
+            health,
             deployment,
             database_url: env.string_or_default("DATABASE_URL"),
             nats_url: env.string_or_default("RELAY_NATS_URL"),
@@ -125,11 +146,7 @@ impl ApiConfig {
         cfg.validate()?;
         // The dispatcher's timeouts, read here too, so the lease rule that
         // ties the two services together is checked where the lease is set.
-        timing::check_lease(
-            cfg.delivery_lease,
-            env.millis("RELAY_ATTEMPT_TIMEOUT_MS", 100..=120_000)?,
-            env.millis("RELAY_SEAM_TIMEOUT_MS", 100..=60_000)?,
-        )?;
+        timing::check_lease(cfg.delivery_lease, attempt_timeout, seam_timeout)?;
         Ok(cfg)
     }
 
@@ -142,6 +159,13 @@ impl ApiConfig {
             }
             if self.keyring.is_development() {
                 bail!("RELAY_SECRET_KEYS is required in production; the development key is public");
+            }
+            let c = &self.health.circuit;
+            if self.health.shortest_disable_window < Duration::from_secs(3600) {
+                bail!("a disable window under an hour is for tests; production refuses it");
+            }
+            if (c.first_probe, c.max_probe) != CircuitPolicy::PRODUCTION_PROBES {
+                bail!("RELAY_PROBE_BACKOFF_MS shortens probing for tests; production probes from 1 minute, backing off to 1 hour");
             }
             if self.schedule != RetrySchedule::production() {
                 bail!("RELAY_RETRY_TIERS shortens the retry schedule for tests; production runs the published schedule");
@@ -165,5 +189,16 @@ impl ApiConfig {
             rest: Env.addr("RELAY_REST_ADDR")?,
             internal: Env.addr("RELAY_INTERNAL_ADDR")?,
         })
+    }
+}
+
+/// `first,max` in milliseconds, the first no longer than the max.
+fn probe_backoff(spec: &str) -> Result<(Duration, Duration)> {
+    let parsed: Option<(u64, u64)> = spec.split_once(',').and_then(|(a, b)| Some((a.trim().parse().ok()?, b.trim().parse().ok()?)));
+    match parsed {
+        Some((first, max)) if (1..=86_400_000).contains(&first) && (first..=86_400_000).contains(&max) => {
+            Ok((Duration::from_millis(first), Duration::from_millis(max)))
+        }
+        _ => bail!("RELAY_PROBE_BACKOFF_MS must be `first,max` in ms (1 ≤ first ≤ max ≤ 86400000), got {spec:?}"),
     }
 }

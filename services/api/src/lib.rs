@@ -104,6 +104,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         schedule: cfg.schedule.clone(),
         outbox_wake: Default::default(),
         deliveries_wake: Default::default(),
+        probes_wake: Default::default(),
         metrics: Default::default(),
         lease_guard: Default::default(),
         direct: cfg.run_relays.then(|| app::DirectDispatch {
@@ -111,6 +112,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             endpoint_cap: cfg.endpoint_in_flight_cap,
         }),
         clock: std::sync::Arc::new(app::SystemClock),
+        health: cfg.health,
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
@@ -129,8 +131,9 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             }
             let outbox = OutboxRelay { app: app.clone(), js: js.clone(), names: names.clone(), batch, idle };
             let listen = DeliveryRelay::listen(app.clone(), rx.clone());
+            let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(1) };
             let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap };
-            tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen);
+            tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen, prober.run(rx.clone()));
             Ok(())
         });
     }

@@ -25,9 +25,10 @@ pub async fn send(sender: &Sender, material: MaterialResponse) -> OutcomeRequest
         ..Default::default()
     };
     match post(sender, material).await {
-        Ok((status, body)) => {
+        Ok(Answer { status, body, retry_after }) => {
             outcome.http_status = Some(u32::from(status));
             outcome.response_body = body;
+            outcome.retry_after_ms = retry_after.map(|d| d.as_millis().min(u128::from(u64::MAX)) as u64);
         }
         Err(error) => outcome.error = error,
     }
@@ -35,7 +36,29 @@ pub async fn send(sender: &Sender, material: MaterialResponse) -> OutcomeRequest
     outcome
 }
 
-async fn post(sender: &Sender, m: MaterialResponse) -> Result<(u16, Vec<u8>), String> {
+/// What the receiver answered.
+struct Answer {
+    status: u16,
+    body: Vec<u8>,
+    /// Its `Retry-After`, on the statuses that ask the sender to wait.
+    retry_after: Option<Duration>,
+}
+
+/// `Retry-After` on a 429 or 503: seconds, or an HTTP date (a date already
+/// past is no wait at all). Anything unreadable is ignored, as if absent.
+pub fn retry_after(status: u16, headers: &reqwest::header::HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
+    if status != 429 && status != 503 {
+        return None;
+    }
+    let value = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?.trim();
+    if let Ok(secs) = value.parse::<u64>() {
+        return Some(Duration::from_secs(secs));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+}
+
+async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
     let policy = &sender.policy;
     // The rules again, at send time: the URL may predate a rule, and an address
     // literal never reaches the resolver that checks names.
@@ -65,7 +88,8 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<(u16, Vec<u8>), St
         .await
         .map_err(describe)?;
     let status = response.status().as_u16();
-    Ok((status, read_prefix(response).await))
+    let retry_after = retry_after(status, response.headers(), std::time::SystemTime::now());
+    Ok(Answer { status, body: read_prefix(response).await, retry_after })
 }
 
 async fn read_prefix(mut response: reqwest::Response) -> Vec<u8> {
@@ -107,4 +131,33 @@ fn describe(e: reqwest::Error) -> String {
 
 fn chrono_free_unix_now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+    use reqwest::header::{HeaderMap, HeaderValue, RETRY_AFTER};
+
+    use super::retry_after;
+
+    fn with(value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(RETRY_AFTER, HeaderValue::from_str(value).unwrap());
+        h
+    }
+
+    #[test]
+    fn retry_after_reads_seconds_and_dates_on_429_and_503_only() {
+        let now = UNIX_EPOCH + Duration::from_secs(1_784_000_000);
+        assert_eq!(retry_after(429, &with("120"), now), Some(Duration::from_secs(120)));
+        assert_eq!(retry_after(503, &with(" 7 "), now), Some(Duration::from_secs(7)));
+        let later = httpdate::fmt_http_date(now + Duration::from_secs(90));
+        assert_eq!(retry_after(503, &with(&later), now), Some(Duration::from_secs(90)));
+        let past = httpdate::fmt_http_date(now - Duration::from_secs(90));
+        assert_eq!(retry_after(429, &with(&past), now), Some(Duration::ZERO));
+        assert_eq!(retry_after(500, &with("120"), now), None, "only 429 and 503 ask the sender to wait");
+        assert_eq!(retry_after(429, &with("soon"), now), None);
+        assert_eq!(retry_after(429, &HeaderMap::new(), SystemTime::now()), None);
+    }
 }

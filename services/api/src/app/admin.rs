@@ -43,6 +43,9 @@ fn check_quota(quota: u32) -> AppResult<i32> {
     Ok(quota as i32)
 }
 
+const MAX_DISABLE_WINDOW_SECS: u32 = 30 * 24 * 3600;
+const MAX_DISABLE_MIN_FAILURES: u32 = 100_000;
+
 impl App {
     pub async fn create_environment(&self, name: &str, endpoint_quota: u32) -> AppResult<Environment> {
         let name = check_name("name", name)?;
@@ -53,6 +56,31 @@ impl App {
     pub async fn set_endpoint_quota(&self, environment_id: Uuid, quota: u32) -> AppResult<Environment> {
         let quota = check_quota(quota)?;
         db::environments::set_quota(&self.db, environment_id, quota).await?.ok_or_else(|| AppError::not_found("environment"))
+    }
+
+    /// An environment's rule for disabling failing endpoints (0 for either:
+    /// the platform default). Windows shorter than an hour are for tests and
+    /// refused unless this is a development deployment.
+    pub async fn set_disable_policy(&self, environment_id: Uuid, after_secs: u32, min_failures: u32) -> AppResult<Environment> {
+        let default = super::health::DisablePolicy::default();
+        let after_secs = if after_secs == 0 { default.after.as_secs() as u32 } else { after_secs };
+        let min_failures = if min_failures == 0 { default.min_failures } else { min_failures };
+        let shortest = self.health.shortest_disable_window.as_secs().max(1) as u32;
+        if !(shortest..=MAX_DISABLE_WINDOW_SECS).contains(&after_secs) {
+            return Err(AppError::invalid(
+                "disable_window_out_of_range",
+                format!("disable_after_secs must be between {shortest} and {MAX_DISABLE_WINDOW_SECS}, got {after_secs}"),
+            ));
+        }
+        if !(1..=MAX_DISABLE_MIN_FAILURES).contains(&min_failures) {
+            return Err(AppError::invalid(
+                "disable_min_failures_out_of_range",
+                format!("disable_min_failures must be between 1 and {MAX_DISABLE_MIN_FAILURES}, got {min_failures}"),
+            ));
+        }
+        db::environments::set_disable_policy(&self.db, environment_id, after_secs as i32, min_failures as i32)
+            .await?
+            .ok_or_else(|| AppError::not_found("environment"))
     }
 
     pub async fn create_api_key(&self, environment_id: Uuid, name: &str) -> AppResult<(ApiKey, ApiKeySecret)> {

@@ -51,6 +51,8 @@ pub struct AttemptReport {
     pub error: String,
     pub latency_ms: u64,
     pub response_body: Vec<u8>,
+    /// The receiver's `Retry-After` on a 429 or 503.
+    pub retry_after: Option<std::time::Duration>,
 }
 
 /// One event to expand. `trace_context` is the traceparent its deliveries

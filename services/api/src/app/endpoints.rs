@@ -9,7 +9,7 @@ use url::Host;
 use uuid::Uuid;
 
 use super::{App, Tenant, require_nonempty};
-pub use crate::db::models::Endpoint;
+pub use crate::db::models::{DisabledReason, Endpoint};
 use crate::db::{self, deliveries::end_pending_of_endpoint};
 use crate::{
     error::{AppError, AppResult},
@@ -89,7 +89,9 @@ impl App {
         }
         let secret = mint_signing_secret();
         let (key_id, ciphertext) = self.keyring.encrypt(&secret);
-        let endpoint = db::endpoints::insert(&mut tx, tenant.environment_id, &url, &event_types, &key_id, &ciphertext).await?;
+        let id = db::endpoints::insert(&mut tx, tenant.environment_id, &url, &event_types, &key_id, &ciphertext).await?;
+        db::health::insert(&mut tx, id).await?;
+        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back a new endpoint")?;
         tx.commit().await.context("committing a new endpoint")?;
         Ok((endpoint, secret))
     }
@@ -99,7 +101,8 @@ impl App {
     }
 
     pub async fn get_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<Endpoint> {
-        db::endpoints::get(&self.db, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))
+        let mut conn = self.db.acquire().await?;
+        db::endpoints::get(&mut conn, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))
     }
 
     /// Mints a new secret; the current one becomes the previous one and keeps
@@ -107,23 +110,39 @@ impl App {
     pub async fn rotate_endpoint_secret(&self, tenant: Tenant, id: Uuid) -> AppResult<(Endpoint, SigningSecret)> {
         let secret = mint_signing_secret();
         let (key_id, ciphertext) = self.keyring.encrypt(&secret);
-        let endpoint = db::endpoints::rotate_secret(&self.db, tenant.environment_id, id, &key_id, &ciphertext)
-            .await?
-            .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
+        let mut tx = self.db.begin().await?;
+        if !db::endpoints::rotate_secret(&mut tx, tenant.environment_id, id, &key_id, &ciphertext).await? {
+            return Err(AppError::not_found("webhook endpoint"));
+        }
+        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back a rotated endpoint")?;
+        tx.commit().await.context("committing a secret rotation")?;
         Ok((endpoint, secret))
     }
 
-    /// Disabling ends every pending delivery of the endpoint as a dead letter
-    /// with reason `endpoint_disabled`: nothing already scheduled is sent,
-    /// nothing waits forever, and the tenant can replay after re-enabling.
+    /// Disabling ends every pending or held delivery of the endpoint as a
+    /// dead letter with reason `endpoint_disabled`: nothing already scheduled
+    /// is sent, nothing waits forever, and the tenant can replay after
+    /// re-enabling. Enabling releases what the endpoint held while Relay had
+    /// disabled it (throttled, oldest first) and starts its health afresh.
     pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
         let mut tx = self.db.begin().await?;
-        let endpoint = db::endpoints::set_enabled(&mut tx, tenant.environment_id, id, enabled)
+        let reason = (!enabled).then_some(DisabledReason::Manual);
+        db::endpoints::set_disabled(&mut tx, tenant.environment_id, id, reason)
             .await?
             .ok_or_else(|| AppError::not_found("webhook endpoint"))?;
-        if !enabled {
+        // The endpoint's lock first (expansions share-lock it, so none is
+        // half-way through with the old state), then the deliveries, then the
+        // health row: an outcome batch locks deliveries before health, so
+        // taking health last cannot close a circle with it.
+        if enabled {
+            if db::health::release_held(&mut tx, &[id], self.health.release_per_second).await? > 0 {
+                db::deliveries::notify_due(&mut tx).await?;
+            }
+        } else {
             end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DISABLED).await?;
         }
+        db::health::reset(&mut tx, id).await?;
+        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back an endpoint")?;
         tx.commit().await.context("committing an endpoint state change")?;
         Ok(endpoint)
     }

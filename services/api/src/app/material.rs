@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use anyhow::Context;
 use uuid::Uuid;
 
-use super::{App, Timestamp, deliveries::*, state::DeliveryState};
+use super::{App, Timestamp, deliveries::*, health::DisabledReason, state::DeliveryState};
 use crate::{
     db,
     error::{AppError, AppResult, ErrorCode},
@@ -44,6 +44,7 @@ impl App {
         let now = self.clock.now();
         let mut out = Vec::with_capacity(wanted.len());
         let mut switched_off: Vec<(Uuid, &'static str)> = Vec::new();
+        let mut to_hold: Vec<Uuid> = Vec::new();
         for (ord, w) in (1..).zip(wanted) {
             let row = match by_ord.get(&ord) {
                 Some(r) => r,
@@ -68,9 +69,12 @@ impl App {
                 )));
                 continue;
             }
-            if row.state == DeliveryState::Pending && (!row.enabled || row.deleted) {
-                switched_off
-                    .push((row.id, if row.deleted { db::dead_letters::ENDPOINT_DELETED } else { db::dead_letters::ENDPOINT_DISABLED }));
+            if row.state == DeliveryState::Pending && !accepts_attempts(row) {
+                match (row.deleted, row.disabled_reason) {
+                    (true, _) => switched_off.push((row.id, db::dead_letters::ENDPOINT_DELETED)),
+                    (false, Some(reason)) if reason.holds() => to_hold.push(row.id),
+                    _ => switched_off.push((row.id, db::dead_letters::ENDPOINT_DISABLED)),
+                }
             }
             out.push(self.material_from(row, w, now, &mut secrets_of));
         }
@@ -84,6 +88,11 @@ impl App {
                 let ended = db::deliveries::end_pending_by_id(&self.db, &ids, reason).await?;
                 tracing::warn!(ended, reason, "pending deliveries of an inactive endpoint found at material time; dead-lettered");
             }
+        }
+        // A receiver's 410 holds its endpoint's pending deliveries in the
+        // outcome's transaction; one leased at that moment is held here.
+        if !to_hold.is_empty() {
+            db::health::hold_by_id(&self.db, &to_hold).await?;
         }
         Ok(out)
     }
@@ -137,7 +146,7 @@ impl App {
                 ),
             ));
         }
-        if !row.enabled || row.deleted {
+        if !accepts_attempts(row) {
             return Err(AppError::precondition(
                 relay_contracts::reasons::ENDPOINT_INACTIVE,
                 format!("endpoint {} is disabled or deleted", row.endpoint_id),
@@ -172,4 +181,10 @@ impl App {
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
         })
     }
+}
+
+/// Whether the row's endpoint is sent to: enabled, or disabled as `failing`
+/// (its only pending delivery is then the probe).
+fn accepts_attempts(row: &db::deliveries::MaterialRow) -> bool {
+    !row.deleted && (row.enabled || row.disabled_reason == Some(DisabledReason::Failing))
 }

@@ -9,8 +9,10 @@ pub mod deliveries;
 pub mod endpoints;
 pub mod events;
 mod expansion;
+pub mod health;
 mod material;
 mod outcomes;
+mod recovery;
 pub mod state;
 
 use std::sync::Arc;
@@ -49,6 +51,9 @@ pub struct App {
     pub schedule: RetrySchedule,
     pub outbox_wake: Wake,
     pub deliveries_wake: Wake,
+    /// Wakes the prober when a circuit opens (its next probe may be sooner
+    /// than the prober's current sleep).
+    pub probes_wake: Wake,
     pub metrics: crate::metrics::Metrics,
     /// Set when this api runs the relays: first attempts created by an
     /// expansion are handed to the broker right after it commits, instead of
@@ -60,6 +65,18 @@ pub struct App {
     /// free slots and exceed the cap.
     pub lease_guard: Arc<tokio::sync::Mutex<()>>,
     pub clock: Arc<dyn Clock>,
+    pub health: HealthSettings,
+}
+
+/// The platform's endpoint-health settings.
+#[derive(Debug, Clone, Copy)]
+pub struct HealthSettings {
+    pub circuit: health::CircuitPolicy,
+    /// Held deliveries released per second per endpoint once it recovers.
+    pub release_per_second: u32,
+    /// The shortest disable window an operator may set for an environment:
+    /// an hour in production, a second in development (tests).
+    pub shortest_disable_window: std::time::Duration,
 }
 
 /// What handing first attempts straight to the broker needs.

@@ -9,6 +9,7 @@ use uuid::Uuid;
 use super::{
     App, Timestamp,
     deliveries::*,
+    health::Seen,
     state::{self, Reported, Standing, Step},
 };
 use crate::{
@@ -63,7 +64,7 @@ impl App {
         let mut candidates: Vec<(usize, Decision)> = Vec::new();
         for (i, r) in reports.iter().enumerate() {
             if first_seen.insert(r.delivery_id) {
-                candidates.push((i, state::decide(&self.schedule, r.attempt, r.http_status, now)));
+                candidates.push((i, state::decide(&self.schedule, r.attempt, r.http_status, r.retry_after, now)));
             }
         }
         // In id order, so two batches that share a delivery (a repeated
@@ -85,9 +86,12 @@ impl App {
         };
         let applied = db::deliveries::apply_current_outcomes(&mut tx, &current).await?;
         let candidate_of: HashMap<Uuid, (usize, Decision)> = candidates.iter().map(|&(i, d)| (reports[i].delivery_id, (i, d))).collect();
+        // What each recorded attempt says about its endpoint, in report order.
+        let mut seen: Vec<(usize, Uuid, Seen)> = Vec::new();
         for (id, environment_id, endpoint_id, event_id) in applied {
             let Some(&(i, decision)) = candidate_of.get(&id) else { continue };
             let r = &reports[i];
+            seen.push((i, endpoint_id, Seen::of(r.http_status)));
             let status = r.http_status.map(|s| s as i32);
             if decision == Decision::DeadLettered {
                 dead.push(id, environment_id, endpoint_id, event_id, r.attempt as i32, status, errors[i].clone());
@@ -104,13 +108,19 @@ impl App {
         // deliveries — the careful way, rows locked.
         let rest: Vec<usize> = (0..reports.len()).filter(|&i| answers[i].is_none()).collect();
         if !rest.is_empty() {
-            let (slow, slow_decisions) =
+            let (slow, slow_decisions, slow_seen) =
                 self.record_outcomes_locked(&mut tx, rest.iter().map(|&i| reports[i].clone()).collect(), now).await?;
+            seen.extend(slow_seen.into_iter().map(|(k, endpoint, s)| (rest[k], endpoint, s)));
             for (i, a) in rest.into_iter().zip(slow) {
                 answers[i] = Some(a);
             }
             decisions.extend(slow_decisions);
         }
+        // The endpoints' health, after their deliveries: an outcome batch
+        // locks deliveries before health rows (see `db::health`).
+        seen.sort_by_key(|(i, _, _)| *i);
+        let seen: Vec<(Uuid, Seen)> = seen.into_iter().map(|(_, endpoint, s)| (endpoint, s)).collect();
+        self.observe_results(&mut tx, &seen, now).await?;
         tx.commit().await.context("committing outcomes")?;
         for (decision, latency_ms) in &decisions {
             self.metrics.attempts.with_label_values(&[decision]).inc();
@@ -134,7 +144,7 @@ impl App {
         tx: &mut sqlx::PgConnection,
         reports: Vec<AttemptReport>,
         now: Timestamp,
-    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<(&'static str, i64)>)> {
+    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<(&'static str, i64)>, Vec<(usize, Uuid, Seen)>)> {
         let ids: Vec<Uuid> = reports.iter().map(|r| r.delivery_id).collect();
         let rows = db::deliveries::lock_for_outcome(&mut *tx, &ids).await?;
         let mut current: HashMap<Uuid, db::deliveries::OutcomeRow> = rows.into_iter().map(|r| (r.id, r)).collect();
@@ -161,10 +171,11 @@ impl App {
         let mut late_failures = db::dead_letters::DeadLetterRows::default();
 
         let mut out = Vec::with_capacity(reports.len());
+        let mut seen = Vec::new();
         let mut touched: Vec<Uuid> = Vec::new();
         let mut dead = db::dead_letters::DeadLetterRows::default();
         let mut log = db::attempts::AttemptRows::default();
-        for report in reports {
+        for (k, report) in reports.into_iter().enumerate() {
             let key = (report.delivery_id, report.generation, report.attempt);
             if let Some(d) = recorded.get(&key) {
                 out.push(Ok(*d));
@@ -177,7 +188,9 @@ impl App {
             let status = report.http_status.map(|s| s as i32);
             let error = report_error(&report.error);
             let standing = standing(row, switched_off.contains(&row.id));
-            let step = standing.step(&reported(&report), None, || state::decide(&self.schedule, report.attempt, report.http_status, now));
+            let step = standing.step(&reported(&report), None, || {
+                state::decide(&self.schedule, report.attempt, report.http_status, report.retry_after, now)
+            });
             let decision = match step {
                 Step::Answer(d) => {
                     out.push(Ok(d));
@@ -185,6 +198,7 @@ impl App {
                 }
                 Step::Advance(d) | Step::Settle(d) => d,
             };
+            seen.push((k, row.endpoint_id, Seen::of(report.http_status)));
             let moved = standing.after(step);
             row.state = moved.state;
             row.attempt = moved.attempt as i32;
@@ -239,7 +253,7 @@ impl App {
         db::dead_letters::complete_switch_off(&mut *tx, &late_failures).await?;
         write_outcome_rows(&mut *tx, &dead, &log).await?;
         let decisions = log.decision.iter().copied().zip(log.latency_ms.iter().copied()).collect();
-        Ok((out, decisions))
+        Ok((out, decisions, seen))
     }
 }
 

@@ -7,6 +7,9 @@
 //!   expansion ──► pending(generation g, attempt 1)
 //!   pending(a) ──2xx──────────────────────────► delivered
 //!   pending(a) ──failure, a < 7──────────────► pending(a + 1, due after the schedule's delay)
+//!   pending ──its endpoint's circuit opens / disabled gone or failing──► held (attempt and due time kept)
+//!   held ──endpoint recovers──► pending (released in due order, throttled); the first due one is the probe
+//!   held(a), attempt a sent before it was held ──result──► as pending(a) would
 //!   pending(7) ──failure─────────────────────► dead (+ dead letter, same transaction)
 //!   pending    ──endpoint disabled/deleted───► dead (+ dead letter with the reason)
 //!   dead by switch-off, attempt a in flight ──2xx──► delivered (dead letter withdrawn)
@@ -23,14 +26,29 @@ pub fn is_success(http_status: Option<u32>) -> bool {
     matches!(http_status, Some(200..=299))
 }
 
+/// The longest wait a receiver's `Retry-After` can impose on one delivery.
+pub const MAX_RETRY_AFTER: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// What an attempt's result means were it the delivery's current attempt:
 /// a 2xx delivers; otherwise the schedule says when the next attempt is due,
-/// or that the attempts have run out.
-pub fn decide(schedule: &RetrySchedule, attempt: u32, http_status: Option<u32>, now: Timestamp) -> Decision {
+/// or that the attempts have run out. A 429 or 503 with `Retry-After` puts
+/// the next attempt no earlier than it asks (at most `MAX_RETRY_AFTER`); the
+/// attempt still counts.
+pub fn decide(
+    schedule: &RetrySchedule,
+    attempt: u32,
+    http_status: Option<u32>,
+    retry_after: Option<std::time::Duration>,
+    now: Timestamp,
+) -> Decision {
     if is_success(http_status) {
         return Decision::Delivered;
     }
-    match schedule.delay_before(attempt.saturating_add(1)).and_then(|d| chrono::Duration::from_std(d).ok()) {
+    let asked = match http_status {
+        Some(429 | 503) => retry_after.map(|d| d.min(MAX_RETRY_AFTER)).unwrap_or_default(),
+        _ => std::time::Duration::ZERO,
+    };
+    match schedule.delay_before(attempt.saturating_add(1)).and_then(|d| chrono::Duration::from_std(d.max(asked)).ok()) {
         // Truncated to Postgres's microseconds, so a repeated report answers
         // with exactly the instant the first one stored.
         Some(delay) => Decision::Rescheduled { next_attempt_at: (now + delay).trunc_subsecs(6) },
@@ -79,8 +97,10 @@ impl Standing {
 
     /// The report is for the attempt this delivery is waiting on: the one
     /// case `step` advances, and the one case that cannot have been recorded.
+    /// A held delivery may be waiting on one too: it was sent while pending
+    /// and held (its endpoint's circuit opened) before the result came.
     pub fn awaits(&self, r: &Reported) -> bool {
-        self.state == DeliveryState::Pending && self.is_current(r)
+        matches!(self.state, DeliveryState::Pending | DeliveryState::Held) && self.is_current(r)
     }
 
     /// The one transition function. `recorded` is what the attempt log
@@ -91,7 +111,7 @@ impl Standing {
             return Step::Answer(first);
         }
         match self.state {
-            DeliveryState::Pending if self.awaits(r) => Step::Advance(decide()),
+            DeliveryState::Pending | DeliveryState::Held if self.awaits(r) => Step::Advance(decide()),
             DeliveryState::Dead if self.switched_off_in_flight && self.is_current(r) => {
                 Step::Settle(if is_success(r.http_status) { Decision::Delivered } else { Decision::DeadLettered })
             }
@@ -133,14 +153,29 @@ mod tests {
     }
 
     #[test]
+    fn retry_after_on_429_and_503_delays_the_next_attempt_within_an_hour() {
+        let schedule = RetrySchedule::production();
+        let now = at(0);
+        let secs = std::time::Duration::from_secs;
+        let next = |status, asked| decide(&schedule, 1, Some(status), asked, now).next_attempt_at().map(|t| (t - now).num_seconds());
+        assert_eq!(next(429, Some(secs(120))), Some(120));
+        assert_eq!(next(503, Some(secs(120))), Some(120));
+        assert_eq!(next(429, Some(secs(0))), Some(1), "never sooner than the schedule");
+        assert_eq!(next(503, Some(secs(86_400))), Some(3600), "bounded at an hour");
+        assert_eq!(next(500, Some(secs(120))), Some(1), "only 429 and 503 ask the sender to wait");
+        assert_eq!(next(429, None), Some(1));
+        assert_eq!(decide(&schedule, 7, Some(429), Some(secs(60)), now), Decision::DeadLettered, "the attempt still counts");
+    }
+
+    #[test]
     fn the_schedule_decides_the_current_attempt() {
         let schedule = RetrySchedule::production();
         let now = at(0);
         let want_delays = [1u64, 5, 30, 300, 1800, 7200];
         for attempt in 1..=7u32 {
-            assert_eq!(decide(&schedule, attempt, Some(204), now), Decision::Delivered, "attempt {attempt}");
+            assert_eq!(decide(&schedule, attempt, Some(204), None, now), Decision::Delivered, "attempt {attempt}");
             for failure in [None, Some(199), Some(300), Some(429), Some(500)] {
-                let d = decide(&schedule, attempt, failure, now);
+                let d = decide(&schedule, attempt, failure, None, now);
                 match want_delays.get(attempt as usize - 1) {
                     Some(&secs) => assert_eq!(d, Decision::Rescheduled { next_attempt_at: at(secs as i64) }, "attempt {attempt}"),
                     None => assert_eq!(d, Decision::DeadLettered, "attempt {attempt} is the last"),
@@ -148,7 +183,7 @@ mod tests {
             }
         }
         // Out-of-range attempts never panic and never reschedule forever.
-        assert_eq!(decide(&schedule, u32::MAX, Some(500), now), Decision::DeadLettered);
+        assert_eq!(decide(&schedule, u32::MAX, Some(500), None, now), Decision::DeadLettered);
     }
 
     #[test]
@@ -252,6 +287,6 @@ mod tests {
         assert_eq!(Decision::from_log("rescheduled", None), None, "a reschedule without its instant is not one");
         assert_eq!(Decision::from_log("dead", None), None);
         let spelled: Vec<&str> = DeliveryState::ALL.iter().map(|s| s.as_str()).collect();
-        assert_eq!(spelled, ["pending", "delivered", "dead"]);
+        assert_eq!(spelled, ["pending", "held", "delivered", "dead"]);
     }
 }

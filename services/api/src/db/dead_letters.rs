@@ -128,10 +128,12 @@ pub async fn complete_switch_off(tx: &mut PgConnection, rows: &DeadLetterRows) -
 }
 
 /// A dead letter to replay: its delivery, its endpoint, and whether that
-/// endpoint is active. `environment` scopes the lookup (`None`: any).
+/// endpoint takes deliveries (enabled, or disabled by Relay, which holds
+/// them: a replay then waits, held, with the rest). `environment` scopes
+/// the lookup (`None`: any).
 pub async fn find_for_replay(tx: &mut PgConnection, id: Uuid, environment: Option<Uuid>) -> AppResult<Option<(Uuid, Uuid, bool)>> {
     Ok(sqlx::query!(
-        r#"SELECT l.delivery_id, l.endpoint_id, e.enabled AND e.deleted_at IS NULL AS "active!"
+        r#"SELECT l.delivery_id, l.endpoint_id, (e.enabled OR e.disabled_reason IN ('gone', 'failing')) AND e.deleted_at IS NULL AS "active!"
          FROM webhook_dead_letters l JOIN webhook_endpoints e ON e.id = l.endpoint_id
          WHERE l.id = $1 AND ($2::uuid IS NULL OR l.environment_id = $2)"#,
         id,

@@ -7,7 +7,7 @@ use std::{collections::HashSet, time::Duration};
 use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
 use uuid::Uuid;
 
-use super::models::{DeliveryState, Timestamp};
+use super::models::{DeliveryState, DisabledReason, Timestamp};
 use crate::error::AppResult;
 
 /// The Postgres channel that says "deliveries are due now". Every api
@@ -20,7 +20,7 @@ pub async fn notify_due(tx: &mut PgConnection) -> AppResult<()> {
     Ok(())
 }
 
-/// Every pending delivery of an endpoint being disabled or deleted, in the
+/// Every pending or held delivery of an endpoint being disabled or deleted, in the
 /// caller's transaction (the one that switches the endpoint off): each ends
 /// as a dead letter with `reason` (why it will not be attempted again), the
 /// update and the dead letters in one statement. `attempts` counts the
@@ -29,7 +29,7 @@ pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Uuid, r
     Ok(sqlx::query!(
         "WITH ended AS (
            UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
-           WHERE state = 'pending' AND endpoint_id = $1
+           WHERE state IN ('pending', 'held') AND endpoint_id = $1
            RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
          INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
          SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
@@ -75,6 +75,8 @@ pub struct CreatedRow {
     pub trace_context: Option<String>,
     /// Written already leased: this api hands it to the broker itself.
     pub leased: bool,
+    /// Written held: its endpoint is down.
+    pub held: bool,
 }
 
 /// One delivery per subscribed, active endpoint of each event, first
@@ -94,23 +96,33 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                  -- re-reads the endpoint as disabled. Either way no pending
                  -- delivery of an inactive endpoint is ever committed.
                  live AS (
-                   SELECT e.id, e.environment_id, e.event_types FROM webhook_endpoints e
-                   WHERE e.environment_id = ANY ($1::uuid[]) AND e.event_types && $3::text[] AND e.enabled AND e.deleted_at IS NULL
-                   ORDER BY e.id FOR SHARE),
+                   SELECT e.id, e.environment_id, e.event_types,
+                          h.circuit <> 'closed' OR e.disabled_reason IS NOT NULL AS holding
+                   FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
+                   WHERE e.environment_id = ANY ($1::uuid[]) AND e.event_types && $3::text[] AND e.deleted_at IS NULL
+                     AND (e.enabled OR e.disabled_reason IN ('gone', 'failing'))
+                   -- KEY SHARE on the health row: a change of circuit (FOR
+                   -- UPDATE) waits for this expansion, or this expansion for
+                   -- it, so a row is never written pending behind an open
+                   -- circuit or held behind a closed one unseen.
+                   ORDER BY e.id FOR SHARE OF e FOR KEY SHARE OF h),
                  matched AS (
-                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context,
+                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, e.holding,
                           row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
                    FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[])
                           WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, ord)
                    JOIN live e ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id),
                  marked AS (
-                   SELECT m.*, m.rn + coalesce(b.n, 0) <= $5 AS leased FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
-                 INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, dispatched_at, next_attempt_at)
-                 SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context,
+                   SELECT m.*, NOT m.holding AND m.rn + coalesce(b.n, 0) <= $5 AS leased
+                   FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
+                 -- An endpoint that is down gets its deliveries held: no
+                 -- relay pass looks at them until it recovers.
+                 INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at)
+                 SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
                         CASE WHEN leased THEN now() END, CASE WHEN leased THEN now() + $6::interval ELSE now() END
                  FROM marked
                  ON CONFLICT (event_id, endpoint_id) DO NOTHING
-                 RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS "leased!""#,
+                 RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS "leased!", state = 'held' AS "held!""#,
         &events.environment_id,
         &events.event_id,
         &events.event_type,
@@ -149,6 +161,7 @@ pub struct MaterialRow {
     pub state: DeliveryState,
     pub url: String,
     pub enabled: bool,
+    pub disabled_reason: Option<DisabledReason>,
     pub deleted: bool,
     pub secret_key_id: String,
     pub secret_ciphertext: Vec<u8>,
@@ -173,11 +186,11 @@ pub async fn read_material(
         MaterialRow,
         r#"WITH asked AS (
            SELECT w.ord, d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
-                  e.url, e.enabled, e.deleted_at IS NOT NULL AS deleted,
+                  e.url, e.enabled, e.disabled_reason, e.deleted_at IS NOT NULL AS deleted,
                   e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
                   e.secret_rotated_at, v.envelope,
                   d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
-                    AND e.enabled AND e.deleted_at IS NULL AS servable
+                    AND (e.enabled OR e.disabled_reason = 'failing') AND e.deleted_at IS NULL AS servable
            FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
            JOIN webhook_deliveries d ON d.id = w.id
            JOIN webhook_endpoints e ON e.id = d.endpoint_id
@@ -188,7 +201,8 @@ pub async fn read_material(
            FROM asked)
          SELECT ord AS "ord!", servable AS "servable!", id AS "id!", environment_id AS "environment_id!",
                 endpoint_id AS "endpoint_id!", event_id AS "event_id!", attempt AS "attempt!", generation AS "generation!",
-                state AS "state!: DeliveryState", url AS "url!", enabled AS "enabled!", deleted AS "deleted!",
+                state AS "state!: DeliveryState", url AS "url!", enabled AS "enabled!",
+                disabled_reason AS "disabled_reason?: DisabledReason", deleted AS "deleted!",
                 secret_key_id AS "secret_key_id!", secret_ciphertext AS "secret_ciphertext!",
                 previous_secret_key_id AS "previous_secret_key_id?", previous_secret_ciphertext AS "previous_secret_ciphertext?",
                 secret_rotated_at AS "secret_rotated_at?",
@@ -260,7 +274,7 @@ pub struct CurrentOutcomes {
 }
 
 /// Applies each outcome only where it is for the current attempt (pending,
-/// same generation and attempt), in one statement; returns the deliveries
+/// or held since it was sent; same generation and attempt), in one statement; returns the deliveries
 /// it applied to as (id, environment, endpoint, event).
 pub async fn apply_current_outcomes(tx: &mut PgConnection, o: &CurrentOutcomes) -> AppResult<Vec<(Uuid, Uuid, Uuid, Uuid)>> {
     let states: Vec<&str> = o.state.iter().map(|s| s.as_str()).collect();
@@ -269,7 +283,7 @@ pub async fn apply_current_outcomes(tx: &mut PgConnection, o: &CurrentOutcomes) 
            dispatched_at = NULL, last_status = u.status, last_error = u.error, updated_at = now()
          FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[])
            AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error)
-         WHERE d.id = u.id AND d.state = 'pending' AND d.generation = u.generation AND d.attempt = u.attempt
+         WHERE d.id = u.id AND d.state IN ('pending', 'held') AND d.generation = u.generation AND d.attempt = u.attempt
          RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id",
         &o.id,
         &o.generation,

@@ -4,7 +4,7 @@
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::models::Endpoint;
+use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, Timestamp};
 use crate::error::AppResult;
 
 /// The environment's endpoint quota, its row locked: concurrent creates
@@ -24,6 +24,51 @@ pub async fn count_live(tx: &mut PgConnection, environment_id: Uuid) -> AppResul
     .await?)
 }
 
+/// An endpoint as every read selects it: the row, its health, and how many
+/// deliveries it holds (counted on the held index).
+struct EndpointRow {
+    id: Uuid,
+    url: String,
+    event_types: Vec<String>,
+    enabled: bool,
+    disabled_reason: Option<DisabledReason>,
+    created_at: Timestamp,
+    secret_rotated_at: Option<Timestamp>,
+    circuit: Circuit,
+    consecutive_failures: i32,
+    failing_since: Option<Timestamp>,
+    last_success_at: Option<Timestamp>,
+    last_failure_at: Option<Timestamp>,
+    next_probe_at: Option<Timestamp>,
+    probe_interval_ms: i64,
+    held: i64,
+}
+
+impl From<EndpointRow> for Endpoint {
+    fn from(r: EndpointRow) -> Self {
+        Endpoint {
+            id: r.id,
+            url: r.url,
+            event_types: r.event_types,
+            enabled: r.enabled,
+            disabled_reason: r.disabled_reason,
+            created_at: r.created_at,
+            secret_rotated_at: r.secret_rotated_at,
+            health: EndpointHealth {
+                circuit: r.circuit,
+                consecutive_failures: r.consecutive_failures,
+                failing_since: r.failing_since,
+                last_success_at: r.last_success_at,
+                last_failure_at: r.last_failure_at,
+                next_probe_at: r.next_probe_at,
+                probe_interval_ms: r.probe_interval_ms,
+            },
+            held: r.held,
+        }
+    }
+}
+
+/// The new endpoint's id.
 pub async fn insert(
     tx: &mut PgConnection,
     environment_id: Uuid,
@@ -31,11 +76,10 @@ pub async fn insert(
     event_types: &[String],
     secret_key_id: &str,
     secret_ciphertext: &[u8],
-) -> AppResult<Endpoint> {
-    Ok(sqlx::query_as!(
-        Endpoint,
+) -> AppResult<Uuid> {
+    Ok(sqlx::query_scalar!(
         "INSERT INTO webhook_endpoints (id, environment_id, url, event_types, secret_key_id, secret_ciphertext)
-         VALUES ($1, $2, $3, $4, $5, $6) RETURNING id, url, event_types, enabled, created_at, secret_rotated_at",
+         VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
         Uuid::now_v7(),
         environment_id,
         url,
@@ -47,60 +91,87 @@ pub async fn insert(
     .await?)
 }
 
-pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<Endpoint>> {
+/// The live endpoints of an environment (`id` = `None`), or one of them.
+async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>) -> AppResult<Vec<Endpoint>> {
     Ok(sqlx::query_as!(
-        Endpoint,
-        "SELECT id, url, event_types, enabled, created_at, secret_rotated_at FROM webhook_endpoints
-         WHERE environment_id = $1 AND deleted_at IS NULL ORDER BY created_at, id",
+        EndpointRow,
+        r#"SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason AS "disabled_reason?: DisabledReason", e.created_at,
+                  e.secret_rotated_at, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
+                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms,
+                  (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!"
+           FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
+           WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
+           ORDER BY e.created_at, e.id"#,
         environment_id,
+        id,
     )
-    .fetch_all(db)
-    .await?)
+    .fetch_all(&mut *conn)
+    .await?
+    .into_iter()
+    .map(Endpoint::from)
+    .collect())
 }
 
-pub async fn get(db: &PgPool, environment_id: Uuid, id: Uuid) -> AppResult<Option<Endpoint>> {
-    Ok(sqlx::query_as!(
-        Endpoint,
-        "SELECT id, url, event_types, enabled, created_at, secret_rotated_at
-         FROM webhook_endpoints WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL",
-        id,
-        environment_id,
-    )
-    .fetch_optional(db)
-    .await?)
+pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<Endpoint>> {
+    select(&mut *db.acquire().await?, environment_id, None).await
+}
+
+pub async fn get(conn: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<Option<Endpoint>> {
+    Ok(select(conn, environment_id, Some(id)).await?.pop())
 }
 
 /// The new secret becomes current; the current one becomes the previous one.
-pub async fn rotate_secret(db: &PgPool, environment_id: Uuid, id: Uuid, key_id: &str, ciphertext: &[u8]) -> AppResult<Option<Endpoint>> {
-    Ok(sqlx::query_as!(
-        Endpoint,
+/// False when there is no such live endpoint.
+pub async fn rotate_secret(tx: &mut PgConnection, environment_id: Uuid, id: Uuid, key_id: &str, ciphertext: &[u8]) -> AppResult<bool> {
+    Ok(sqlx::query!(
         "UPDATE webhook_endpoints SET
            previous_secret_key_id = secret_key_id,
            previous_secret_ciphertext = secret_ciphertext,
            secret_key_id = $3, secret_ciphertext = $4, secret_rotated_at = now()
-         WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL
-         RETURNING id, url, event_types, enabled, created_at, secret_rotated_at",
+         WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL",
         id,
         environment_id,
         key_id,
         ciphertext,
     )
-    .fetch_optional(db)
-    .await?)
+    .execute(&mut *tx)
+    .await?
+    .rows_affected()
+        == 1)
 }
 
-pub async fn set_enabled(tx: &mut PgConnection, environment_id: Uuid, id: Uuid, enabled: bool) -> AppResult<Option<Endpoint>> {
-    Ok(sqlx::query_as!(
-        Endpoint,
-        "UPDATE webhook_endpoints SET enabled = $3
-         WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL
-         RETURNING id, url, event_types, enabled, created_at, secret_rotated_at",
+/// Enables (`reason` = `None`) or disables a live endpoint; returns why it
+/// was disabled before, or `None` when there is no such endpoint.
+pub async fn set_disabled(
+    tx: &mut PgConnection,
+    environment_id: Uuid,
+    id: Uuid,
+    reason: Option<DisabledReason>,
+) -> AppResult<Option<Option<DisabledReason>>> {
+    Ok(sqlx::query_scalar!(
+        r#"UPDATE webhook_endpoints e SET enabled = $3::text IS NULL, disabled_reason = $3
+           FROM (SELECT id, disabled_reason FROM webhook_endpoints WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL FOR UPDATE) old
+           WHERE e.id = old.id
+           RETURNING old.disabled_reason AS "before?: DisabledReason""#,
         id,
         environment_id,
-        enabled,
+        reason.map(|r| r.as_str()),
     )
     .fetch_optional(&mut *tx)
     .await?)
+}
+
+/// Relay's own disable or re-enable of endpoints (health rules), whatever
+/// their environment.
+pub async fn set_disabled_by_health(tx: &mut PgConnection, ids: &[Uuid], reason: Option<DisabledReason>) -> AppResult<()> {
+    sqlx::query!(
+        "UPDATE webhook_endpoints SET enabled = $2::text IS NULL, disabled_reason = $2 WHERE id = ANY ($1) AND deleted_at IS NULL",
+        ids,
+        reason.map(|r| r.as_str()),
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// Soft: the row stays so its dead letters can. False when there was no

@@ -51,6 +51,7 @@ pub mod depths;
 pub mod endpoints;
 pub mod environments;
 pub mod events;
+pub mod health;
 pub mod keys;
 pub mod models;
 

@@ -15,6 +15,10 @@ pub type Timestamp = DateTime<Utc>;
 pub enum DeliveryState {
     /// Due at `next_attempt_at`, or leased to the broker for its current attempt.
     Pending,
+    /// Waiting for its endpoint to recover (circuit open, or disabled as
+    /// `gone` or `failing`): no relay pass looks at it. Released to pending
+    /// in order when the endpoint recovers; the oldest is sent as the probe.
+    Held,
     /// An attempt got a 2xx. Final.
     Delivered,
     /// The attempts ran out, or the endpoint was switched off; a dead letter
@@ -23,11 +27,12 @@ pub enum DeliveryState {
 }
 
 impl DeliveryState {
-    pub const ALL: [Self; 3] = [Self::Pending, Self::Delivered, Self::Dead];
+    pub const ALL: [Self; 4] = [Self::Pending, Self::Held, Self::Delivered, Self::Dead];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
+            Self::Held => "held",
             Self::Delivered => "delivered",
             Self::Dead => "dead",
         }
@@ -93,7 +98,7 @@ impl Decision {
         match state {
             DeliveryState::Delivered => Self::Delivered,
             DeliveryState::Dead => Self::DeadLettered,
-            DeliveryState::Pending => Self::Rescheduled { next_attempt_at },
+            DeliveryState::Pending | DeliveryState::Held => Self::Rescheduled { next_attempt_at },
         }
     }
 }
@@ -147,8 +152,81 @@ pub struct Endpoint {
     pub url: String,
     pub event_types: Vec<String>,
     pub enabled: bool,
+    /// Why it is disabled; `None` exactly when enabled.
+    pub disabled_reason: Option<DisabledReason>,
     pub created_at: Timestamp,
     pub secret_rotated_at: Option<Timestamp>,
+    pub health: EndpointHealth,
+    /// Deliveries held for this endpoint's recovery.
+    pub held: i64,
+}
+
+/// Why an endpoint is disabled (`webhook_endpoints.disabled_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
+#[sqlx(type_name = "text", rename_all = "lowercase")]
+pub enum DisabledReason {
+    /// The tenant disabled it: its pending deliveries became dead letters
+    /// and new events are not delivered to it.
+    Manual,
+    /// The receiver answered 410 Gone: matching deliveries are held, and no
+    /// probe is sent; enabling it releases them.
+    Gone,
+    /// Every attempt failed for the environment's window: matching
+    /// deliveries are held and probed; the first success re-enables it.
+    Failing,
+}
+
+impl DisabledReason {
+    pub const ALL: [Self; 3] = [Self::Manual, Self::Gone, Self::Failing];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Manual => "manual",
+            Self::Gone => "gone",
+            Self::Failing => "failing",
+        }
+    }
+
+    /// Disabled by Relay, not the tenant: matching deliveries are held.
+    pub fn holds(self) -> bool {
+        matches!(self, Self::Gone | Self::Failing)
+    }
+}
+
+/// An endpoint's circuit (`endpoint_health.circuit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, sqlx::Type)]
+#[sqlx(type_name = "text", rename_all = "snake_case")]
+pub enum Circuit {
+    /// Attempts flow, up to the endpoint's in-flight cap.
+    Closed,
+    /// Failing: deliveries are held; one is sent as a probe at `next_probe_at`.
+    Open,
+    /// A probe is on its way; its result closes or re-opens the circuit.
+    HalfOpen,
+}
+
+impl Circuit {
+    pub const ALL: [Self; 3] = [Self::Closed, Self::Open, Self::HalfOpen];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Open => "open",
+            Self::HalfOpen => "half_open",
+        }
+    }
+}
+
+/// An endpoint's health: its circuit and the run of results behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndpointHealth {
+    pub circuit: Circuit,
+    pub consecutive_failures: i32,
+    pub failing_since: Option<Timestamp>,
+    pub last_success_at: Option<Timestamp>,
+    pub last_failure_at: Option<Timestamp>,
+    pub next_probe_at: Option<Timestamp>,
+    pub probe_interval_ms: i64,
 }
 
 #[derive(Debug, Clone)]
@@ -157,6 +235,8 @@ pub struct Environment {
     pub name: String,
     pub endpoint_quota: i32,
     pub created_at: Timestamp,
+    pub disable_after_secs: i32,
+    pub disable_min_failures: i32,
 }
 
 #[derive(Debug, Clone)]

@@ -19,7 +19,14 @@ pub struct AdminApi {
 }
 
 fn environment(e: Environment) -> pb::Environment {
-    pb::Environment { id: e.id.to_string(), name: e.name, endpoint_quota: e.endpoint_quota as u32, created_at: Some(ts(e.created_at)) }
+    pb::Environment {
+        id: e.id.to_string(),
+        name: e.name,
+        endpoint_quota: e.endpoint_quota as u32,
+        created_at: Some(ts(e.created_at)),
+        disable_after_secs: e.disable_after_secs.max(0) as u32,
+        disable_min_failures: e.disable_min_failures.max(0) as u32,
+    }
 }
 
 fn api_key(k: ApiKey) -> pb::ApiKey {
@@ -62,6 +69,19 @@ impl AdminService for AdminApi {
         let r = req.into_inner();
         let env = self.app.set_endpoint_quota(id("environment_id", &r.environment_id)?, r.endpoint_quota).await.map_err(status)?;
         Ok(Response::new(pb::SetEndpointQuotaResponse { environment: Some(environment(env)) }))
+    }
+
+    async fn set_disable_policy(
+        &self,
+        req: Request<pb::SetDisablePolicyRequest>,
+    ) -> Result<Response<pb::SetDisablePolicyResponse>, Status> {
+        let r = req.into_inner();
+        let env = self
+            .app
+            .set_disable_policy(id("environment_id", &r.environment_id)?, r.disable_after_secs, r.disable_min_failures)
+            .await
+            .map_err(status)?;
+        Ok(Response::new(pb::SetDisablePolicyResponse { environment: Some(environment(env)) }))
     }
 
     async fn get_queue_depths(&self, _req: Request<pb::GetQueueDepthsRequest>) -> Result<Response<pb::GetQueueDepthsResponse>, Status> {

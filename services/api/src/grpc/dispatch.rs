@@ -114,6 +114,7 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
         error: r.error,
         latency_ms: r.latency_ms,
         response_body: r.response_body,
+        retry_after: r.retry_after_ms.map(std::time::Duration::from_millis),
     })
 }
 
@@ -291,6 +292,7 @@ mod tests {
             http_status in proptest::option::of(any::<u32>()),
             error_len in 0usize..70_000,
             latency_ms in any::<u64>(),
+            retry_after_ms in proptest::option::of(any::<u64>()),
         ) {
             let r = pb::OutcomeRequest {
                 delivery_id: id.clone(),
@@ -300,6 +302,7 @@ mod tests {
                 error: "e".repeat(error_len),
                 latency_ms,
                 response_body: Vec::new(),
+                retry_after_ms,
             };
             let valid = uuid::Uuid::parse_str(id.trim()).is_ok()
                 && (1..=MAX_ATTEMPT).contains(&attempt)

@@ -18,6 +18,7 @@ use crate::{
         state::DeliveryState,
     },
     auth,
+    db::health::HeldRow,
     error::AppError,
 };
 
@@ -34,12 +35,56 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         enabled: e.enabled,
         created_at: Some(ts(e.created_at)),
         secret_rotated_at: e.secret_rotated_at.map(ts),
+        disabled_reason: e.disabled_reason.map(|r| r.as_str().to_owned()),
+        health: Some(pb::EndpointHealth {
+            state: e.health.circuit.as_str().to_owned(),
+            consecutive_failures: e.health.consecutive_failures.max(0) as u32,
+            last_success_at: e.health.last_success_at.map(ts),
+            last_failure_at: e.health.last_failure_at.map(ts),
+            next_probe_at: e.health.next_probe_at.map(ts),
+        }),
+        held_deliveries: e.held.max(0) as u64,
+    }
+}
+
+fn held_delivery(endpoint_id: uuid::Uuid, h: HeldRow) -> pb::Delivery {
+    pb::Delivery {
+        id: h.id.to_string(),
+        event_id: h.event_id.to_string(),
+        endpoint_id: endpoint_id.to_string(),
+        state: pb::DeliveryState::Held as i32,
+        attempt: h.attempt as u32,
+        next_attempt_at: Some(ts(h.next_attempt_at)),
+        created_at: Some(ts(h.created_at)),
+        last_status: h.last_status.map(|s| s as u32),
+        last_error: h.last_error.unwrap_or_default(),
+        generation: 0,
+        attempts: Vec::new(),
+    }
+}
+
+/// A page cursor for held deliveries: the last one's due time (µs) and id.
+fn held_cursor(h: &HeldRow) -> String {
+    format!("{}_{}", h.next_attempt_at.timestamp_micros(), h.id)
+}
+
+fn parse_held_cursor(cursor: &str) -> Result<Option<(crate::app::Timestamp, uuid::Uuid)>, Status> {
+    if cursor.is_empty() {
+        return Ok(None);
+    }
+    let parsed = cursor
+        .split_once('_')
+        .and_then(|(micros, id)| Some((chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?, uuid::Uuid::parse_str(id).ok()?)));
+    match parsed {
+        Some(c) => Ok(Some(c)),
+        None => Err(status(AppError::invalid("invalid_cursor", "cursor must be the next_cursor of a previous page"))),
     }
 }
 
 pub(crate) fn delivery(d: Delivery) -> pb::Delivery {
     let state = match d.state {
         DeliveryState::Pending => pb::DeliveryState::Pending,
+        DeliveryState::Held => pb::DeliveryState::Held,
         DeliveryState::Delivered => pb::DeliveryState::Delivered,
         DeliveryState::Dead => pb::DeliveryState::Dead,
     };
@@ -49,7 +94,7 @@ pub(crate) fn delivery(d: Delivery) -> pb::Delivery {
         endpoint_id: d.endpoint_id.to_string(),
         state: state as i32,
         attempt: d.attempt as u32,
-        next_attempt_at: (state == pb::DeliveryState::Pending).then(|| ts(d.next_attempt_at)),
+        next_attempt_at: matches!(state, pb::DeliveryState::Pending | pb::DeliveryState::Held).then(|| ts(d.next_attempt_at)),
         created_at: Some(ts(d.created_at)),
         last_status: d.last_status.map(|s| s as u32),
         last_error: d.last_error.unwrap_or_default(),
@@ -122,6 +167,23 @@ impl WebhookEndpointService for TenantApi {
         let tenant = auth::tenant(&self.app, &req).await?;
         let (e, secret) = self.app.rotate_endpoint_secret(tenant, id("id", &req.get_ref().id)?).await.map_err(status)?;
         Ok(Response::new(pb::RotateWebhookEndpointSecretResponse { endpoint: Some(endpoint(e)), secret: secret.expose().to_owned() }))
+    }
+
+    async fn list_held_deliveries(
+        &self,
+        req: Request<pb::ListHeldDeliveriesRequest>,
+    ) -> Result<Response<pb::ListHeldDeliveriesResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let r = req.get_ref();
+        let endpoint_id = id("id", &r.id)?;
+        let after = parse_held_cursor(&r.cursor)?;
+        let limit = if r.limit == 0 { 100 } else { i64::from(r.limit) };
+        let page = self.app.list_held(tenant, endpoint_id, after, limit).await.map_err(status)?;
+        let next_cursor = if page.len() as i64 == limit { page.last().map(held_cursor).unwrap_or_default() } else { String::new() };
+        Ok(Response::new(pb::ListHeldDeliveriesResponse {
+            deliveries: page.into_iter().map(|h| held_delivery(endpoint_id, h)).collect(),
+            next_cursor,
+        }))
     }
 
     async fn enable_webhook_endpoint(

@@ -1,4 +1,5 @@
-//! The two relays: Postgres → NATS for work the platform owes itself.
+//! The relays: Postgres → NATS for work the platform owes itself, and the
+//! prober, which puts held deliveries of open circuits back in their way.
 //!
 //! Cheap commits: writes whose loss in a Postgres crash costs nothing but a
 //! repeat the system already absorbs (a relay's claim or lease, a
@@ -16,6 +17,7 @@
 
 pub mod deliveries;
 pub mod outbox;
+pub mod prober;
 
 use std::time::Duration;
 

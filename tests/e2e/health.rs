@@ -1,0 +1,281 @@
+//! Endpoint health: a failing endpoint's circuit opens and its work is held
+//! where no relay pass looks; a probe brings it back and the held work is
+//! released in order, throttled; a 410 disables at once; Retry-After is
+//! honoured; an endpoint failing for its environment's window is disabled,
+//! probed and re-enabled by its first success; nothing is lost on the way.
+
+use std::time::{Duration, SystemTime};
+
+use relay_contracts::relay::admin::v1::SetDisablePolicyRequest;
+use relay_tests::{Options, Receiver, Reply, Rest, Stack, eventually};
+use serde_json::{Value, json};
+
+/// A proto3-JSON 64-bit number (a string) or 32-bit one (a number).
+fn num(v: &Value) -> u64 {
+    v.as_u64().or_else(|| v.as_str().and_then(|s| s.parse().ok())).unwrap_or_else(|| panic!("not a number: {v}"))
+}
+
+async fn endpoint_where(rest: &Rest, id: &str, within: Duration, what: &str, ok: impl Fn(&Value) -> bool) -> Value {
+    let path = format!("/v1/webhooks/{id}");
+    let found = eventually(within, || async { rest.get(&path).await.ok().filter(|e| ok(e)) }).await;
+    match found {
+        Some(e) => e,
+        None => panic!("endpoint never {what}: {}", rest.get(&path).await.unwrap_or_default()),
+    }
+}
+
+async fn counts(pg: &sqlx::PgPool, endpoint: &str) -> anyhow::Result<(i64, i64)> {
+    Ok(sqlx::query_as(
+        "SELECT count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'held')
+         FROM webhook_deliveries WHERE endpoint_id = $1::uuid",
+    )
+    .bind(endpoint)
+    .fetch_one(pg)
+    .await?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_endpoint_is_held_where_no_pass_looks_then_a_probe_brings_it_back_and_the_rest_follow_in_order_throttled()
+-> anyhow::Result<()> {
+    let opts = Options { probe_backoff: (Duration::from_secs(5), Duration::from_secs(10)), release_per_second: 5, ..Options::default() };
+    let stack = Stack::start(opts).await?;
+    let tenant = stack.tenant("circuit").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/down", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/down"), &["t"]).await?;
+    let first = rest.publish("t", json!({"n": 0})).await?;
+
+    // Five failures in a row open the circuit.
+    assert_eq!(receiver.wait_at("/down", 5, Duration::from_secs(20)).await.len(), 5);
+    let ep = endpoint_where(&rest, &endpoint, Duration::from_secs(5), "opened", |e| e["health"]["state"] == "open").await;
+    assert_eq!(ep["health"]["consecutive_failures"], 5, "{ep}");
+    assert!(ep["health"]["next_probe_at"].is_string() && ep["health"]["last_failure_at"].is_string(), "{ep}");
+    assert!(ep["health"]["last_success_at"].is_null(), "{ep}");
+    assert_eq!((ep["enabled"].as_bool(), ep["disabled_reason"].is_null()), (Some(true), true), "an open circuit is not a disable");
+
+    let mut later = Vec::new();
+    for n in 1..=10 {
+        later.push(rest.publish("t", json!({"n": n})).await?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Held, not pending: the due scan never meets them, however many.
+    let pg = stack.pg().await?;
+    let held = eventually(Duration::from_secs(5), || async { counts(&pg, &endpoint).await.ok().filter(|c| *c == (0, 11)) }).await;
+    assert_eq!(held, Some((0, 11)), "all eleven held, none pending: {:?}", counts(&pg, &endpoint).await?);
+    assert_eq!(receiver.at("/down").len(), 5, "nothing is sent while the circuit is open and no probe is due");
+    let ep = rest.get(&format!("/v1/webhooks/{endpoint}")).await?;
+    assert_eq!(num(&ep["held_deliveries"]), 11, "{ep}");
+    let one = rest.deliveries(&later[0]).await?;
+    assert_eq!(one[0]["state"], "DELIVERY_STATE_HELD", "{one:?}");
+
+    // The tenant sees them, a page at a time, in the order they fall due:
+    // the first event's next attempt (its 6th) first, then the rest.
+    let (mut listed, mut cursor) = (Vec::new(), String::new());
+    for _ in 0..10 {
+        let page = rest.get(&format!("/v1/webhooks/{endpoint}/held?limit=4&cursor={cursor}")).await?;
+        let items = page["deliveries"].as_array().cloned().unwrap_or_default();
+        assert!(items.len() <= 4, "{page}");
+        listed.extend(items);
+        cursor = page["next_cursor"].as_str().unwrap_or_default().to_owned();
+        if cursor.is_empty() {
+            break;
+        }
+    }
+    let listed_events: Vec<String> = listed.iter().map(|d| d["event_id"].as_str().unwrap().to_owned()).collect();
+    let mut sorted = listed_events.clone();
+    sorted.sort();
+    let mut want: Vec<String> = later.iter().chain([&first]).cloned().collect();
+    want.sort();
+    assert_eq!(sorted, want, "every held delivery is listed once");
+    let due: Vec<&str> = listed.iter().map(|d| d["next_attempt_at"].as_str().unwrap()).collect();
+    assert!(due.windows(2).all(|w| w[0] <= w[1]), "listed in the order they fall due: {due:?}");
+    assert!(listed.iter().all(|d| d["state"] == "DELIVERY_STATE_HELD"));
+    let first_held = listed.iter().find(|d| d["event_id"] == first.as_str()).unwrap();
+    assert_eq!(first_held["attempt"], 6, "holding keeps the attempt count: {first_held}");
+    let later_held: Vec<&String> = listed_events.iter().filter(|e| **e != first).collect();
+    assert_eq!(later_held, later.iter().collect::<Vec<_>>(), "events held in the order they were published");
+    let (status, body) = rest.call(reqwest::Method::GET, &format!("/v1/webhooks/{endpoint}/held?cursor=nonsense"), None).await?;
+    assert_eq!((status, body["reason"].as_str()), (400, Some("invalid_cursor")), "{body}");
+
+    // The receiver recovers; the probe (the first held delivery) finds it up.
+    receiver.reply("/down", Reply::Status(204));
+    let all = receiver.wait_at("/down", 16, Duration::from_secs(30)).await;
+    assert_eq!(all.len(), 16, "every held delivery arrives once");
+    let order: Vec<String> = all[5..].iter().map(|r| r.header("relay-webhook-id")).collect();
+    assert_eq!(order[0], listed_events[0], "the probe is the first held delivery");
+    assert_eq!(order[1..], listed_events[1..], "the rest are released in the order they fell due");
+    // Ten released at 5 a second: the last is not due until 1.8 s after the first.
+    let spread = all[15].at - all[5].at;
+    assert!(spread >= Duration::from_millis(1500), "released throttled, got them all within {spread:?}");
+
+    let ep = endpoint_where(&rest, &endpoint, Duration::from_secs(5), "closed", |e| e["health"]["state"] == "closed").await;
+    assert_eq!(ep["health"]["consecutive_failures"], 0, "{ep}");
+    assert!(ep["health"]["last_success_at"].is_string() && ep["health"]["next_probe_at"].is_null(), "{ep}");
+    assert_eq!(num(&ep["held_deliveries"]), 0, "{ep}");
+    pg.close().await;
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_410_disables_at_once_holds_what_follows_without_probing_and_enabling_releases_it() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("gone").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/gone", Reply::Status(410));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/gone"), &["t"]).await?;
+    let e1 = rest.publish("t", json!({"n": 1})).await?;
+    assert_eq!(receiver.wait_at("/gone", 1, Duration::from_secs(20)).await.len(), 1);
+    let ep = endpoint_where(&rest, &endpoint, Duration::from_secs(5), "disabled as gone", |e| e["disabled_reason"] == "gone").await;
+    assert_eq!(ep["enabled"], false, "{ep}");
+    assert!(ep["health"]["next_probe_at"].is_null(), "a receiver that said 410 is not probed: {ep}");
+
+    let e2 = rest.publish("t", json!({"n": 2})).await?;
+    let e3 = rest.publish("t", json!({"n": 3})).await?;
+    let pg = stack.pg().await?;
+    let held = eventually(Duration::from_secs(5), || async { counts(&pg, &endpoint).await.ok().filter(|c| *c == (0, 3)) }).await;
+    assert_eq!(held, Some((0, 3)), "events after the 410 are held, not dropped: {:?}", counts(&pg, &endpoint).await?);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(receiver.at("/gone").len(), 1, "one attempt, then nothing");
+    let d1 = rest.deliveries(&e1).await?;
+    assert_eq!((d1[0]["state"].as_str(), &d1[0]["attempt"]), (Some("DELIVERY_STATE_HELD"), &json!(2)), "{d1:?}");
+    assert_eq!(d1[0]["attempts"][0]["http_status"], 410, "{d1:?}");
+
+    receiver.reply("/gone", Reply::Status(204));
+    let (status, body) = rest.post(&format!("/v1/webhooks/{endpoint}/enable"), json!({})).await?;
+    assert_eq!((status, body["enabled"].as_bool(), body["disabled_reason"].is_null()), (200, Some(true), true), "{body}");
+    let got = receiver.wait_at("/gone", 4, Duration::from_secs(20)).await;
+    let mut ids: Vec<String> = got[1..].iter().map(|r| r.header("relay-webhook-id")).collect();
+    ids.sort();
+    let mut want = vec![e1, e2, e3];
+    want.sort();
+    assert_eq!(ids, want, "enabling releases every held delivery, once each");
+    let ep = endpoint_where(&rest, &endpoint, Duration::from_secs(5), "emptied", |e| num(&e["held_deliveries"]) == 0).await;
+    assert_eq!(ep["health"]["state"], "closed", "{ep}");
+    pg.close().await;
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn disabling_an_endpoint_that_holds_deliveries_makes_them_dead_letters() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("gone-then-off").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/gone", Reply::Status(410));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/gone"), &["t"]).await?;
+    rest.publish("t", json!({"n": 1})).await?;
+    endpoint_where(&rest, &endpoint, Duration::from_secs(20), "disabled as gone", |e| e["disabled_reason"] == "gone").await;
+    rest.publish("t", json!({"n": 2})).await?;
+    endpoint_where(&rest, &endpoint, Duration::from_secs(5), "holding two", |e| num(&e["held_deliveries"]) == 2).await;
+
+    let (status, body) = rest.post(&format!("/v1/webhooks/{endpoint}/disable"), json!({})).await?;
+    assert_eq!((status, body["disabled_reason"].as_str(), num(&body["held_deliveries"])), (200, Some("manual"), 0), "{body}");
+    let letters = rest.get("/v1/dead-letters").await?;
+    let reasons: Vec<&str> = letters["dead_letters"].as_array().unwrap().iter().map(|l| l["reason"].as_str().unwrap()).collect();
+    assert_eq!(reasons, ["endpoint_disabled", "endpoint_disabled"], "{letters}");
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retry_after_on_429_and_503_puts_the_next_attempt_no_earlier_than_asked() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("busy").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/busy", Reply::StatusWith(429, "retry-after", "2".into()));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/busy"), &["t"]).await?;
+    let event = rest.publish("t", json!({})).await?;
+    assert_eq!(receiver.wait_at("/busy", 1, Duration::from_secs(20)).await.len(), 1);
+    // The second answer asks with an HTTP date, four seconds on.
+    let date = httpdate::fmt_http_date(SystemTime::now() + Duration::from_secs(4));
+    receiver.reply("/busy", Reply::StatusWith(503, "retry-after", date));
+    assert_eq!(receiver.wait_at("/busy", 2, Duration::from_secs(20)).await.len(), 2);
+    receiver.reply("/busy", Reply::Status(204));
+    let got = receiver.wait_at("/busy", 3, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 3);
+    let (gap1, gap2) = (got[1].at - got[0].at, got[2].at - got[1].at);
+    assert!(gap1 >= Duration::from_secs(2) && gap1 < Duration::from_secs(10), "Retry-After: 2 was honoured: {gap1:?}");
+    // A date has whole seconds: at least 4 s after it was written, less the
+    // second it may have been truncated by and the 2 s already spent.
+    assert!(gap2 >= Duration::from_millis(900), "Retry-After as a date was honoured: {gap2:?}");
+    let d = eventually(Duration::from_secs(5), || async {
+        rest.deliveries(&event).await.ok().filter(|d| d.first().is_some_and(|d| d["state"] == "DELIVERY_STATE_DELIVERED"))
+    })
+    .await;
+    let d = d.unwrap_or_else(|| panic!("never recorded as delivered"));
+    let statuses: Vec<u64> = d[0]["attempts"].as_array().unwrap().iter().map(|a| num(&a["http_status"])).collect();
+    assert_eq!(statuses, [429, 503, 204], "each asked-for wait still counted as an attempt");
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_failing_for_its_window_is_disabled_its_events_held_and_its_first_successful_probe_re_enables_it() -> anyhow::Result<()>
+{
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("failing").await?;
+    let mut admin = stack.admin().await?;
+    let policy = |after, min| SetDisablePolicyRequest {
+        environment_id: tenant.environment_id.clone(),
+        disable_after_secs: after,
+        disable_min_failures: min,
+    };
+    for (after, min, reason) in [(2_592_001, 3, "disable_window_out_of_range"), (1, 100_001, "disable_min_failures_out_of_range")] {
+        let err = admin.set_disable_policy(policy(after, min)).await.expect_err("out of range");
+        assert_eq!(err.code(), tonic::Code::InvalidArgument);
+        let said = err.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok());
+        assert_eq!(said, Some(reason), "{err:?}");
+        assert!(err.message().contains(&after.max(min).to_string()), "the message names the number: {err:?}");
+    }
+    let env = admin.set_disable_policy(policy(1, 3)).await?.into_inner().environment.unwrap();
+    assert_eq!((env.disable_after_secs, env.disable_min_failures), (1, 3));
+
+    let receiver = Receiver::start().await?;
+    receiver.reply("/flaky", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/flaky"), &["t"]).await?;
+    // Events keep coming while it fails, so probes keep failing too.
+    let mut events = Vec::new();
+    let mut disabled = None;
+    for n in 0..100 {
+        events.push(rest.publish("t", json!({"n": n})).await?);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let ep = rest.get(&format!("/v1/webhooks/{endpoint}")).await?;
+        if ep["disabled_reason"] == "failing" {
+            disabled = Some(ep);
+            break;
+        }
+    }
+    let ep = disabled.expect("disabled as failing within 10 s of failures");
+    assert_eq!(ep["enabled"], false, "{ep}");
+    assert!(ep["health"]["next_probe_at"].is_string(), "a failing endpoint is probed: {ep}");
+    let after = rest.publish("t", json!({"after": true})).await?;
+    events.push(after.clone());
+    let held = eventually(Duration::from_secs(5), || async {
+        let d = rest.deliveries(&after).await.ok()?;
+        (d.first()?["state"] == "DELIVERY_STATE_HELD").then_some(())
+    })
+    .await;
+    assert!(held.is_some(), "an event for an endpoint disabled as failing is held: {:?}", rest.deliveries(&after).await?);
+
+    receiver.reply("/flaky", Reply::Status(204));
+    let ep = endpoint_where(&rest, &endpoint, Duration::from_secs(20), "re-enabled", |e| e["enabled"] == true).await;
+    assert!(ep["disabled_reason"].is_null(), "{ep}");
+    // Nothing lost: every event is delivered, or dead after its seven attempts.
+    for id in &events {
+        let settled = eventually(Duration::from_secs(20), || async {
+            let d = rest.deliveries(id).await.ok()?;
+            let state = d.first()?["state"].as_str()?.to_owned();
+            (state == "DELIVERY_STATE_DELIVERED" || state == "DELIVERY_STATE_DEAD").then_some((state, d[0]["attempt"].clone()))
+        })
+        .await;
+        match settled {
+            Some((state, attempt)) => assert!(state == "DELIVERY_STATE_DELIVERED" || attempt == 7, "{id}: {state} at {attempt}"),
+            None => panic!("{id} never settled: {:?}", rest.deliveries(id).await?),
+        }
+    }
+    let delivered: std::collections::HashSet<String> = receiver.at("/flaky").iter().map(|r| r.header("relay-webhook-id")).collect();
+    assert!(delivered.contains(&after), "the event held while disabled arrives after recovery");
+    stack.stop().await
+}
