@@ -279,3 +279,116 @@ async fn an_endpoint_failing_for_its_window_is_disabled_its_events_held_and_its_
     assert!(delivered.contains(&after), "the event held while disabled arrives after recovery");
     stack.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_an_api_restart() -> anyhow::Result<()> {
+    use relay_contracts::relay::admin::v1::RecoverEndpointRequest;
+    // No circuit here: each delivery dies after its own seven attempts.
+    let opts = Options { circuit_open_after: 1000, release_per_second: 2, ..Options::default() };
+    let mut stack = Stack::start(opts).await?;
+    let tenant = stack.tenant("recover").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/r", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/r"), &["t"]).await?;
+    let publish = async |n: usize| -> anyhow::Result<Vec<String>> {
+        let mut ids = Vec::new();
+        for i in 0..n {
+            ids.push(rest.publish("t", json!({"i": i})).await?);
+        }
+        Ok(ids)
+    };
+    let before = publish(2).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let since = chrono::Utc::now();
+    let inside = publish(8).await?;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let until = chrono::Utc::now();
+    let after = publish(2).await?;
+    assert_eq!(receiver.wait_at("/r", 12 * 7, Duration::from_secs(30)).await.len(), 12 * 7, "every attempt of every event failed");
+    let all_dead = eventually(Duration::from_secs(10), || async {
+        let letters = rest.get("/v1/dead-letters").await.ok()?;
+        (letters["dead_letters"].as_array()?.len() == 12).then_some(())
+    })
+    .await;
+    assert!(all_dead.is_some(), "twelve dead letters");
+
+    let path = format!("/v1/webhooks/{endpoint}/recover");
+    let range = |dry: bool| json!({"since": since.to_rfc3339(), "until": until.to_rfc3339(), "dry_run": dry});
+    let (status, body) = rest.post(&path, range(true)).await?;
+    assert_eq!((status, body["would_recover"].as_u64()), (200, Some(8)), "a dry run counts the range: {body}");
+    assert!(body["operation_id"].is_null(), "{body}");
+    let mut admin = stack.admin().await?;
+    let by_operator = admin
+        .recover_endpoint(RecoverEndpointRequest {
+            endpoint_id: endpoint.clone(),
+            since: Some(prost_types::Timestamp { seconds: since.timestamp(), nanos: since.timestamp_subsec_nanos() as i32 }),
+            until: Some(prost_types::Timestamp { seconds: until.timestamp(), nanos: until.timestamp_subsec_nanos() as i32 }),
+            dry_run: true,
+        })
+        .await?
+        .into_inner();
+    assert_eq!(by_operator.would_recover, Some(8), "the operator's dry run over gRPC agrees");
+    let backwards = json!({"since": until.to_rfc3339(), "until": since.to_rfc3339()});
+    let (status, body) = rest.post(&path, backwards).await?;
+    assert_eq!((status, body["reason"].as_str()), (400, Some("invalid_range")), "{body}");
+    let (status, body) = rest.post(&path, json!({"until": until.to_rfc3339()})).await?;
+    assert_eq!((status, body["reason"].as_str()), (400, Some("missing_field")), "{body}");
+
+    receiver.reply("/r", Reply::Status(204));
+    let (status, body) = rest.post(&path, range(false)).await?;
+    assert_eq!(status, 202, "{body}");
+    let op = body["operation_id"].as_str().expect("an operation id").to_owned();
+    // The same range again while the first runs: it must send nothing twice.
+    let (status, again) = rest.post(&path, range(false)).await?;
+    assert_eq!(status, 202, "{again}");
+    let op2 = again["operation_id"].as_str().unwrap().to_owned();
+
+    // Two a second: stop the api after the first pass, start it again, and
+    // the operation goes on from where it was.
+    let first_pass = eventually(Duration::from_secs(10), || async {
+        let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
+        (num(&o["completed"]) >= 2).then_some(o)
+    })
+    .await
+    .expect("the first pass ran");
+    assert_eq!((first_pass["state"].as_str(), num(&first_pass["total"])), (Some("running"), 8), "{first_pass}");
+    stack.stop_api().await?;
+    let pg = stack.pg().await?;
+    let (state, completed): (String, i32) =
+        sqlx::query_as("SELECT state, completed FROM recover_operations WHERE id = $1::uuid").bind(&op).fetch_one(&pg).await?;
+    assert!(state == "running" && completed < 8, "stopped part-way: {state} {completed}");
+    stack.start_api().await?;
+    let done = eventually(Duration::from_secs(20), || async {
+        let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
+        (o["state"] == "done").then_some(o)
+    })
+    .await
+    .expect("the operation finishes after the restart");
+    assert_eq!(num(&done["completed"]), 8, "{done}");
+    let second = eventually(Duration::from_secs(20), || async {
+        let o = rest.get(&format!("/v1/operations/{op2}")).await.ok()?;
+        (o["state"] == "done").then_some(o)
+    })
+    .await
+    .expect("the overlapping operation finishes");
+    assert_eq!(num(&second["completed"]), 0, "the overlapping request found nothing left to send: {second}");
+
+    let got = receiver.wait_at("/r", 12 * 7 + 8, Duration::from_secs(20)).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got_after: Vec<String> = receiver.at("/r")[12 * 7..].iter().map(|r| r.header("relay-webhook-id")).collect();
+    assert_eq!(got.len(), 12 * 7 + 8);
+    let mut sorted = got_after.clone();
+    sorted.sort();
+    let mut want = inside.clone();
+    want.sort();
+    assert_eq!(sorted, want, "exactly the range, each once; not {before:?} or {after:?}");
+    let spread = receiver.at("/r")[12 * 7 + 7].at - receiver.at("/r")[12 * 7].at;
+    assert!(spread >= Duration::from_millis(1500), "throttled at two a second: eight arrived within {spread:?}");
+    let (status, _) = Rest::new(&stack.rest_url, Some(&stack.tenant("other").await?.api_key))
+        .call(reqwest::Method::GET, &format!("/v1/operations/{op}"), None)
+        .await?;
+    assert_eq!(status, 404, "another tenant's operation does not exist for it");
+    pg.close().await;
+    stack.stop().await
+}

@@ -449,6 +449,9 @@ fn seed_value(name: &str, ty: &str, rng: &mut Rng, world: &World) -> Option<Stri
         "event_types" => r#"["fz.created"]"#.into(),
         "type" => r#""fz""#.into(),
         "payload" => format!(r#"{{"n": {}, "s": "fuzz"}}"#, rng.below(1000)),
+        // A recovery's range: timestamps, and since before until.
+        "since" => r#""2026-01-01T00:00:00Z""#.into(),
+        "until" => r#""2036-01-01T00:00:00Z""#.into(),
         "id" => match rng.below(3) {
             0 => return None,
             1 => json_string(&rng.uuid()),

@@ -105,6 +105,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         outbox_wake: Default::default(),
         deliveries_wake: Default::default(),
         probes_wake: Default::default(),
+        recover_wake: Default::default(),
         metrics: Default::default(),
         lease_guard: Default::default(),
         direct: cfg.run_relays.then(|| app::DirectDispatch {
@@ -132,8 +133,14 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             let outbox = OutboxRelay { app: app.clone(), js: js.clone(), names: names.clone(), batch, idle };
             let listen = DeliveryRelay::listen(app.clone(), rx.clone());
             let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(1) };
+            let recoverer = relay::recover::Recoverer {
+                app: app.clone(),
+                per_pass: i64::from(app.health.release_per_second),
+                every: std::time::Duration::from_secs(1),
+                last: Default::default(),
+            };
             let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap };
-            tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen, prober.run(rx.clone()));
+            tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen, prober.run(rx.clone()), recoverer.run(rx.clone()));
             Ok(())
         });
     }

@@ -16,6 +16,11 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// facade copies it into the JSON error body.
 pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
 
+/// Response metadata by which a tenant method tells the REST facade its
+/// success status when that depends on the request (a dry run's 200 where
+/// the real call is 202); absent, the method's declared status holds.
+pub const HTTP_STATUS_METADATA: &str = "relay-http-status";
+
 pub mod reasons {
     //! The reasons the api gives on the internal seam (in the
     //! `relay-error-reason` metadata of a status, or an `ItemError`), one

@@ -12,6 +12,7 @@ mod expansion;
 pub mod health;
 mod material;
 mod outcomes;
+pub mod recover;
 mod recovery;
 pub mod state;
 
@@ -54,6 +55,8 @@ pub struct App {
     /// Wakes the prober when a circuit opens (its next probe may be sooner
     /// than the prober's current sleep).
     pub probes_wake: Wake,
+    /// Wakes the recovery pass when a recovery starts.
+    pub recover_wake: Wake,
     pub metrics: crate::metrics::Metrics,
     /// Set when this api runs the relays: first attempts created by an
     /// expansion are handed to the broker right after it commits, instead of

@@ -225,3 +225,11 @@ pub async fn store_secrets(tx: &mut PgConnection, id: Uuid, current: (&str, &[u8
     .await?;
     Ok(())
 }
+
+/// The environment a live endpoint belongs to (an operator's call names
+/// only the endpoint).
+pub async fn environment_of(db: &PgPool, id: Uuid) -> AppResult<Option<Uuid>> {
+    Ok(sqlx::query_scalar!("SELECT environment_id FROM webhook_endpoints WHERE id = $1 AND deleted_at IS NULL", id)
+        .fetch_optional(db)
+        .await?)
+}

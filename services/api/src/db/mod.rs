@@ -54,6 +54,7 @@ pub mod events;
 pub mod health;
 pub mod keys;
 pub mod models;
+pub mod operations;
 
 /// Whether Postgres answers a query now (readiness).
 pub async fn answers(db: &PgPool) -> bool {

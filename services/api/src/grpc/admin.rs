@@ -84,6 +84,18 @@ impl AdminService for AdminApi {
         Ok(Response::new(pb::SetDisablePolicyResponse { environment: Some(environment(env)) }))
     }
 
+    async fn recover_endpoint(&self, req: Request<pb::RecoverEndpointRequest>) -> Result<Response<pb::RecoverEndpointResponse>, Status> {
+        let r = req.get_ref();
+        let (would_recover, operation_id, _) =
+            super::recover(&self.app, None, &r.endpoint_id, r.since.as_ref(), r.until.as_ref(), r.dry_run).await?;
+        Ok(Response::new(pb::RecoverEndpointResponse { would_recover, operation_id }))
+    }
+
+    async fn get_operation(&self, req: Request<pb::GetOperationRequest>) -> Result<Response<pb::GetOperationResponse>, Status> {
+        let op = self.app.operation(None, id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::GetOperationResponse { operation: Some(super::operation(op)) }))
+    }
+
     async fn get_queue_depths(&self, _req: Request<pb::GetQueueDepthsRequest>) -> Result<Response<pb::GetQueueDepthsResponse>, Status> {
         let d = self.app.queue_depths().await.map_err(status)?;
         Ok(Response::new(pb::GetQueueDepthsResponse {

@@ -49,3 +49,47 @@ pub fn ts(t: Timestamp) -> prost_types::Timestamp {
 pub fn id(field: &'static str, raw: &str) -> Result<Uuid, Status> {
     parse_id(field, raw).map_err(status)
 }
+
+/// A required timestamp field, as the use-cases take it.
+pub fn time(field: &'static str, raw: Option<&prost_types::Timestamp>) -> Result<Timestamp, Status> {
+    let Some(t) = raw else {
+        return Err(status(crate::error::AppError::invalid("missing_field", format!("{field} is required"))));
+    };
+    chrono::DateTime::from_timestamp(t.seconds, u32::try_from(t.nanos).unwrap_or(u32::MAX)).ok_or_else(|| {
+        status(crate::error::AppError::invalid("invalid_timestamp", format!("{field} is out of range: {}s {}ns", t.seconds, t.nanos)))
+    })
+}
+
+/// A recovery request as both adapters (tenant, operator) read it, and the
+/// answer: a dry run's count or the started operation's id, and whether the
+/// REST facade should say 200 (a dry run) instead of 202.
+pub(crate) async fn recover(
+    app: &crate::app::App,
+    tenant: Option<crate::app::Tenant>,
+    endpoint_id: &str,
+    since: Option<&prost_types::Timestamp>,
+    until: Option<&prost_types::Timestamp>,
+    dry_run: bool,
+) -> Result<(Option<u32>, Option<String>, tonic::metadata::MetadataMap), Status> {
+    use crate::app::recover::Recovery;
+    let endpoint_id = id("id", endpoint_id)?;
+    let (since, until) = (time("since", since)?, time("until", until)?);
+    let mut meta = tonic::metadata::MetadataMap::new();
+    match app.recover_endpoint(tenant, endpoint_id, since, until, dry_run).await.map_err(status)? {
+        Recovery::WouldRecover(n) => {
+            meta.insert(relay_contracts::HTTP_STATUS_METADATA, tonic::metadata::MetadataValue::from_static("200"));
+            Ok((Some(n), None, meta))
+        }
+        Recovery::Started(op) => Ok((None, Some(op.id.to_string()), meta)),
+    }
+}
+
+pub(crate) fn operation(op: crate::db::operations::Operation) -> relay_contracts::relay::tenant::v1::Operation {
+    relay_contracts::relay::tenant::v1::Operation {
+        id: op.id.to_string(),
+        state: op.state,
+        total: op.total.max(0) as u32,
+        completed: op.completed.max(0) as u32,
+        error: op.error.unwrap_or_default(),
+    }
+}

@@ -186,6 +186,25 @@ impl WebhookEndpointService for TenantApi {
         }))
     }
 
+    async fn recover_webhook_endpoint(
+        &self,
+        req: Request<pb::RecoverWebhookEndpointRequest>,
+    ) -> Result<Response<pb::RecoverWebhookEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let r = req.get_ref();
+        let (would_recover, operation_id, meta) =
+            super::recover(&self.app, Some(tenant), &r.id, r.since.as_ref(), r.until.as_ref(), r.dry_run).await?;
+        let mut resp = Response::new(pb::RecoverWebhookEndpointResponse { would_recover, operation_id });
+        *resp.metadata_mut() = meta;
+        Ok(resp)
+    }
+
+    async fn get_operation(&self, req: Request<pb::GetOperationRequest>) -> Result<Response<pb::GetOperationResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let op = self.app.operation(Some(tenant), id("id", &req.get_ref().id)?).await.map_err(status)?;
+        Ok(Response::new(pb::GetOperationResponse { operation: Some(super::operation(op)) }))
+    }
+
     async fn enable_webhook_endpoint(
         &self,
         req: Request<pb::EnableWebhookEndpointRequest>,

@@ -18,6 +18,7 @@
 pub mod deliveries;
 pub mod outbox;
 pub mod prober;
+pub mod recover;
 
 use std::time::Duration;
 

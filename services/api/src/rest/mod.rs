@@ -365,6 +365,15 @@ async fn transcode(
     let req = req.body(Full::new(frame.freeze())).map_err(|e| internal(anyhow::Error::new(e)))?;
     let resp = grpc.oneshot(req).await.map_err(|e: std::convert::Infallible| match e {})?;
     let head_status = Status::from_header_map(resp.headers());
+    // A method whose success status depends on the request (a dry run is
+    // 200 where the real thing is 202) says so in its response metadata.
+    let success = resp
+        .headers()
+        .get(relay_contracts::HTTP_STATUS_METADATA)
+        .and_then(|v| v.to_str().ok()?.parse::<u16>().ok())
+        .and_then(|code| StatusCode::from_u16(code).ok())
+        .filter(StatusCode::is_success)
+        .unwrap_or(b.success);
     let collected = resp.into_body().collect().await.map_err(|e| internal(anyhow::anyhow!("{e}")))?;
     let status = head_status.or_else(|| collected.trailers().and_then(Status::from_header_map));
     match status {
@@ -381,7 +390,7 @@ async fn transcode(
     let reply = DynamicMessage::decode(b.output.clone(), data.slice(..len.min(data.len())))
         .map_err(|e| internal(anyhow::Error::new(e).context("decoding an in-process reply")))?;
 
-    if b.success == StatusCode::NO_CONTENT {
+    if success == StatusCode::NO_CONTENT {
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
     let options = SerializeOptions::new().use_proto_field_name(true).skip_default_fields(false);
@@ -395,7 +404,7 @@ async fn transcode(
         None => reply.serialize_with_options(&mut ser, &options),
     };
     written.map_err(|e| internal(anyhow::Error::new(e).context("printing a reply as JSON")))?;
-    Ok((b.success, [(header::CONTENT_TYPE, "application/json")], Body::from(out)).into_response())
+    Ok((success, [(header::CONTENT_TYPE, "application/json")], Body::from(out)).into_response())
 }
 
 #[cfg(test)]

@@ -1,0 +1,149 @@
+//! `recover_operations`, and the statements a recovery pass runs.
+
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use super::models::Timestamp;
+use crate::error::AppResult;
+
+/// A recovery as stored.
+#[derive(Debug, Clone)]
+pub struct Operation {
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub endpoint_id: Uuid,
+    pub since: Timestamp,
+    pub until: Timestamp,
+    pub state: String,
+    pub total: i32,
+    pub completed: i32,
+    pub cursor_at: Option<Timestamp>,
+    pub cursor_id: Option<Uuid>,
+    pub error: Option<String>,
+}
+
+/// Dead deliveries (still with their dead letter) and held ones of an
+/// endpoint created in `[since, until)`: what a recovery would send again.
+pub async fn count_recoverable(db: &PgPool, endpoint_id: Uuid, since: Timestamp, until: Timestamp) -> AppResult<i64> {
+    Ok(sqlx::query_scalar!(
+        r#"SELECT count(*) AS "n!" FROM webhook_deliveries d
+           WHERE d.endpoint_id = $1 AND d.state IN ('dead', 'held') AND d.created_at >= $2 AND d.created_at < $3
+             AND (d.state = 'held' OR EXISTS (SELECT 1 FROM webhook_dead_letters l WHERE l.delivery_id = d.id))"#,
+        endpoint_id,
+        since,
+        until,
+    )
+    .fetch_one(db)
+    .await?)
+}
+
+pub async fn insert(
+    db: &PgPool,
+    environment_id: Uuid,
+    endpoint_id: Uuid,
+    since: Timestamp,
+    until: Timestamp,
+    total: i32,
+) -> AppResult<Operation> {
+    Ok(sqlx::query_as!(
+        Operation,
+        "INSERT INTO recover_operations (id, environment_id, endpoint_id, since, until, total) VALUES ($1, $2, $3, $4, $5, $6)
+         RETURNING id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id, error",
+        Uuid::now_v7(),
+        environment_id,
+        endpoint_id,
+        since,
+        until,
+        total,
+    )
+    .fetch_one(db)
+    .await?)
+}
+
+/// An operation of the environment (`None`: any).
+pub async fn get(db: &PgPool, id: Uuid, environment_id: Option<Uuid>) -> AppResult<Option<Operation>> {
+    Ok(sqlx::query_as!(
+        Operation,
+        "SELECT id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id, error
+         FROM recover_operations WHERE id = $1 AND ($2::uuid IS NULL OR environment_id = $2)",
+        id,
+        environment_id,
+    )
+    .fetch_optional(db)
+    .await?)
+}
+
+/// The oldest running operation of each endpoint, locked; one another pass
+/// holds is skipped. One at a time per endpoint keeps the throttle per
+/// endpoint, and a later overlapping request finds the earlier one's work done.
+pub async fn lock_running(tx: &mut PgConnection) -> AppResult<Vec<Operation>> {
+    Ok(sqlx::query_as!(
+        Operation,
+        "SELECT id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id, error
+         FROM recover_operations
+         WHERE id IN (SELECT DISTINCT ON (endpoint_id) id FROM recover_operations WHERE state = 'running' ORDER BY endpoint_id, created_at)
+         ORDER BY created_at LIMIT 100 FOR UPDATE SKIP LOCKED",
+    )
+    .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// A delivery a recovery pass takes.
+pub struct Recoverable {
+    pub id: Uuid,
+    pub created_at: Timestamp,
+}
+
+/// The next `limit` recoverable deliveries after the operation's cursor,
+/// locked, sent again in the same statement: a dead one is replayed (attempt
+/// 1 of a new generation), a held one released; both due now.
+pub async fn recover_next(tx: &mut PgConnection, op: &Operation, limit: i64) -> AppResult<Vec<Recoverable>> {
+    Ok(sqlx::query_as!(
+        Recoverable,
+        r#"WITH next AS (
+             SELECT d.id, d.created_at, d.state FROM webhook_deliveries d
+             WHERE d.endpoint_id = $1 AND d.state IN ('dead', 'held') AND d.created_at >= $2 AND d.created_at < $3
+               AND ($4::timestamptz IS NULL OR (d.created_at, d.id) > ($4, $5))
+               AND (d.state = 'held' OR EXISTS (SELECT 1 FROM webhook_dead_letters l WHERE l.delivery_id = d.id))
+             ORDER BY d.created_at, d.id LIMIT $6 FOR UPDATE)
+           UPDATE webhook_deliveries d
+           SET state = 'pending', dispatched_at = NULL, next_attempt_at = now(), updated_at = now(),
+               attempt = CASE WHEN next.state = 'dead' THEN 1 ELSE d.attempt END,
+               generation = CASE WHEN next.state = 'dead' THEN d.generation + 1 ELSE d.generation END
+           FROM next WHERE d.id = next.id
+           RETURNING d.id, d.created_at"#,
+        op.endpoint_id,
+        op.since,
+        op.until,
+        op.cursor_at,
+        op.cursor_id,
+        limit,
+    )
+    .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// Progress after a pass: the cursor moved to the last delivery handled.
+pub async fn advance(tx: &mut PgConnection, id: Uuid, done: i32, cursor: Option<(Timestamp, Uuid)>, finished: bool) -> AppResult<()> {
+    let (at, cursor_id) = cursor.unzip();
+    sqlx::query!(
+        "UPDATE recover_operations SET completed = completed + $2, cursor_at = coalesce($3, cursor_at), cursor_id = coalesce($4, cursor_id),
+           state = CASE WHEN $5 THEN 'done' ELSE state END, updated_at = now()
+         WHERE id = $1",
+        id,
+        done,
+        at,
+        cursor_id,
+        finished,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+pub async fn fail(tx: &mut PgConnection, id: Uuid, error: &str) -> AppResult<()> {
+    sqlx::query!("UPDATE recover_operations SET state = 'failed', error = $2, updated_at = now() WHERE id = $1", id, error)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}
