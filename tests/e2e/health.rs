@@ -392,3 +392,97 @@ async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_a
     pg.close().await;
     stack.stop().await
 }
+
+/// The operational events that reached `path`, as (type, payload), first attempts only.
+fn ops_events(receiver: &Receiver, path: &str) -> Vec<(String, Value)> {
+    let mut seen = std::collections::HashSet::new();
+    receiver
+        .at(path)
+        .into_iter()
+        .filter(|r| seen.insert(r.header("relay-webhook-id")))
+        .map(|r| {
+            let v = r.json();
+            (v["type"].as_str().unwrap_or_default().to_owned(), v["payload"].clone())
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_operations_endpoint_hears_that_an_endpoint_is_failing_recovered_and_gone() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("ops").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/bad", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (ops, _) = rest.endpoint(&receiver.url("/ops"), &["nothing.here"]).await?;
+    let (bad, _) = rest.endpoint(&receiver.url("/bad"), &["t"]).await?;
+    let (status, body) = rest.call(reqwest::Method::PUT, "/v1/operations-endpoint", Some(json!({"endpoint_id": ops}))).await?;
+    assert_eq!((status, body["endpoint_id"].as_str()), (200, Some(ops.as_str())), "{body}");
+    assert_eq!(rest.get("/v1/operations-endpoint").await?["endpoint_id"], ops.as_str());
+    let other = Rest::new(&stack.rest_url, Some(&stack.tenant("other").await?.api_key));
+    let (status, _) = other.call(reqwest::Method::PUT, "/v1/operations-endpoint", Some(json!({"endpoint_id": ops}))).await?;
+    assert_eq!(status, 404, "another tenant's endpoint cannot be named");
+
+    rest.publish("t", json!({"n": 1})).await?;
+    let failing =
+        eventually(Duration::from_secs(20), || async { ops_events(&receiver, "/ops").into_iter().find(|(t, _)| t == "endpoint.failing") })
+            .await
+            .expect("endpoint.failing announced");
+    assert_eq!((failing.1["endpoint_id"].as_str(), &failing.1["consecutive_failures"]), (Some(bad.as_str()), &json!(5)), "{failing:?}");
+
+    receiver.reply("/bad", Reply::Status(204));
+    let recovered = eventually(Duration::from_secs(20), || async {
+        ops_events(&receiver, "/ops").into_iter().find(|(t, _)| t == "endpoint.recovered")
+    })
+    .await
+    .expect("endpoint.recovered announced after the probe succeeded");
+    assert_eq!(recovered.1["endpoint_id"], bad.as_str());
+
+    receiver.reply("/bad", Reply::Status(410));
+    rest.publish("t", json!({"n": 2})).await?;
+    let gone =
+        eventually(Duration::from_secs(20), || async { ops_events(&receiver, "/ops").into_iter().find(|(t, _)| t == "endpoint.disabled") })
+            .await
+            .expect("endpoint.disabled announced");
+    assert_eq!((gone.1["endpoint_id"].as_str(), gone.1["reason"].as_str()), (Some(bad.as_str()), Some("gone")), "{gone:?}");
+    // Signed like any webhook, with the operations endpoint's secret.
+    let first = &receiver.at("/ops")[0];
+    assert!(first.header("relay-webhook-signature").starts_with("v1="), "signed");
+    assert!(receiver.at("/bad").iter().all(|r| r.json()["type"] == "t"), "the failing endpoint itself hears nothing operational");
+    stack.stop().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_announced_together_and_an_operations_endpoint_never_hears_about_itself() -> anyhow::Result<()> {
+    // No circuit: each delivery dies after its own seven quick attempts.
+    let opts = Options { circuit_open_after: 1000, ..Options::default() }.tiers("0,10,10,10,10,10,10");
+    let stack = Stack::start(opts).await?;
+    let tenant = stack.tenant("ops-dead").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/dead", Reply::Status(500));
+    // The operations endpoint fails too: its own dead letter must not be
+    // announced to it.
+    receiver.reply("/ops", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (ops, _) = rest.endpoint(&receiver.url("/ops"), &["nothing.here"]).await?;
+    let (dead, _) = rest.endpoint(&receiver.url("/dead"), &["t"]).await?;
+    assert_eq!(rest.call(reqwest::Method::PUT, "/v1/operations-endpoint", Some(json!({"endpoint_id": ops}))).await?.0, 200);
+    for n in 0..3 {
+        rest.publish("t", json!({"n": n})).await?;
+    }
+    // One announcement, with the count, tried seven times at the failing
+    // operations endpoint.
+    let got = receiver.wait_at("/ops", 7, Duration::from_secs(20)).await;
+    assert_eq!(got.len(), 7, "the announcement's seven attempts");
+    let events = ops_events(&receiver, "/ops");
+    assert_eq!(events.len(), 1, "{events:?}");
+    let (kind, payload) = &events[0];
+    assert_eq!(
+        (kind.as_str(), payload["endpoint_id"].as_str(), &payload["count"]),
+        ("delivery.dead_lettered", Some(dead.as_str()), &json!(3))
+    );
+    // Its own dead letter is counted, and never sent to it.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    assert_eq!(receiver.at("/ops").len(), 7, "the operations endpoint heard nothing about itself");
+    stack.stop().await
+}

@@ -145,6 +145,24 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         });
     }
 
+    if cfg.run_relays {
+        // Dead letters are announced to operations endpoints in batches.
+        let (app, mut stop) = (app.clone(), stop_rx.clone());
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => {
+                        if let Err(e) = app.announce_dead_letters().await {
+                            tracing::warn!(error = ?e, "announcing dead letters failed; they stay counted");
+                        }
+                    }
+                    _ = stop.changed() => return Ok(()),
+                }
+            }
+        });
+    }
+
     {
         let (app, mut stop) = (app.clone(), stop_rx.clone());
         let (every, retention) = (cfg.dead_letter_prune_every, cfg.dead_letter_retention);

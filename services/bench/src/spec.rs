@@ -21,6 +21,22 @@ pub struct Workload {
     /// (`bodies`): bodies without a key, bodies declared past the limit, and
     /// bodies that stream past it. The api's peak memory is the figure.
     pub hostile: bool,
+    /// Other environments publishing beside the measured one (W4, W5); the
+    /// figures are the measured environment's alone.
+    pub neighbours: Option<Neighbours>,
+}
+
+/// Environments beside the measured one, each with its own endpoints.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Neighbours {
+    pub environments: usize,
+    pub healthy_each: usize,
+    pub hanging_each: usize,
+    pub failing_each: usize,
+    /// Events published across them, round robin.
+    pub events: usize,
+    /// Events per second across them; `None`: as fast as accepted (a burst).
+    pub rate: Option<f64>,
 }
 
 impl Workload {
@@ -44,18 +60,57 @@ impl Workload {
             payload_bytes: 1024,
             rate,
             hostile: false,
+            neighbours: None,
         };
+        // The measured environment of W4 and W5 publishes at a steady rate
+        // unless the name says otherwise.
+        let paced = |default: f64| Some(rate.unwrap_or(default));
         Ok(match base {
             "w1" => w(2_000, 32, 10, 0, 0, 0),
             "w2" => w(500, 32, 10, 10, 10, 0),
             "w2b" => w(1_500, 32, 10, 10, 10, 0),
+            // W2b's healthy endpoints alone: the baseline its p99 is held to.
+            "w2b-solo" => w(1_500, 32, 10, 0, 0, 0),
+            // 1,000 failing or hanging endpoints over 50 environments, which
+            // publish 50 events/s between them, beside one healthy
+            // environment publishing at 100 events/s to 2 endpoints.
+            "w4" => Workload {
+                rate: paced(100.0),
+                neighbours: Some(Neighbours {
+                    environments: 50,
+                    healthy_each: 0,
+                    hanging_each: 10,
+                    failing_each: 10,
+                    events: 1_500,
+                    rate: Some(50.0),
+                }),
+                ..w(3_000, 16, 2, 0, 0, 0)
+            },
+            "w4-solo" => Workload { rate: paced(100.0), ..w(3_000, 16, 2, 0, 0, 0) },
+            // One environment bursts 20,000 events to 10 endpoints while the
+            // measured one publishes 50 events/s to 2.
+            "w5" => Workload {
+                rate: paced(50.0),
+                neighbours: Some(Neighbours {
+                    environments: 1,
+                    healthy_each: 10,
+                    hanging_each: 0,
+                    failing_each: 0,
+                    events: 20_000,
+                    rate: None,
+                }),
+                ..w(1_500, 16, 2, 0, 0, 0)
+            },
+            "w5-solo" => Workload { rate: paced(50.0), ..w(1_500, 16, 2, 0, 0, 0) },
             "w3" => w(2_000, 32, 10, 0, 0, 1_000_000),
             // 200 publishes of 250 KiB at once beside 600 hostile bodies of
             // 1–1.9 MiB: what the api's memory does under that.
             "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
-            other => bail!("unknown workload {other:?}: w1, w2, w2b, w3, bodies or smoke, optionally paced as <name>@<events per second>"),
+            other => bail!(
+                "unknown workload {other:?}: w1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies or smoke, optionally paced as <name>@<events per second>"
+            ),
         })
     }
 

@@ -136,6 +136,10 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
     if w.backlog > 0 {
         seed_backlog(&db_url, &environment.id, w.backlog).await?;
     }
+    let neighbour_keys = match &w.neighbours {
+        Some(n) => neighbours(&mut admin, &http, &rest_url, &receiver, n).await?,
+        None => Vec::new(),
+    };
 
     // Measure from here.
     let targets = vec![Target::Pid(api_pid), Target::Pid(dispatcher_pid), Target::Named("postgres")];
@@ -181,6 +185,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
         }));
     }
     let hostile = w.hostile.then(|| tokio::spawn(hostile_bodies(rest, key.clone())));
+    let beside = w.neighbours.clone().map(|n| tokio::spawn(publish_beside(http.clone(), rest_url.clone(), neighbour_keys, n)));
     let mut published_at: HashMap<String, Instant> = HashMap::with_capacity(w.events);
     for p in publishers {
         for (i, at) in p.await?? {
@@ -210,6 +215,11 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    if let Some(b) = beside {
+        // Whatever the neighbours have not published by now does not matter:
+        // the measured environment is done.
+        b.abort();
+    }
     let cpu_after: Vec<f64> = targets.iter().map(Target::cpu).collect();
     let peaks = sampler.finish().await;
 
@@ -221,6 +231,69 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
     delete_streams(&env.nats_url, &prefix).await;
     let _ = std::fs::remove_dir_all(&work);
     Ok(report)
+}
+
+/// The neighbour environments and their endpoints (paths outside `/ok/`,
+/// so the measured figures never count them); returns their API keys.
+async fn neighbours(
+    admin: &mut AdminServiceClient<Channel>,
+    http: &reqwest::Client,
+    rest_url: &str,
+    receiver: &Receiver,
+    n: &crate::spec::Neighbours,
+) -> Result<Vec<String>> {
+    let mut keys = Vec::with_capacity(n.environments);
+    for e in 0..n.environments {
+        let quota = (n.healthy_each + n.hanging_each + n.failing_each) as u32;
+        let env = admin
+            .create_environment(CreateEnvironmentRequest { name: format!("neighbour-{e}"), endpoint_quota: quota.max(1) })
+            .await?
+            .into_inner()
+            .environment
+            .context("no environment")?;
+        let key = admin.create_api_key(CreateApiKeyRequest { environment_id: env.id, name: "bench".into() }).await?.into_inner().key;
+        let paths = (0..n.healthy_each)
+            .map(|i| format!("/nb/{e}/{i}"))
+            .chain((0..n.hanging_each).map(|i| format!("/hang/600/nb{e}-{i}")))
+            .chain((0..n.failing_each).map(|i| format!("/status/500/nb{e}-{i}")));
+        for p in paths {
+            let resp = http
+                .post(format!("{rest_url}/v1/webhooks"))
+                .bearer_auth(&key)
+                .json(&serde_json::json!({"url": receiver.url(&p), "event_types": ["bench.event"]}))
+                .send()
+                .await?;
+            anyhow::ensure!(resp.status().as_u16() == 201, "creating a neighbour's endpoint: {} {}", resp.status(), resp.text().await?);
+        }
+        keys.push(key);
+    }
+    Ok(keys)
+}
+
+/// The neighbours' events, round robin over their environments, 16 at a
+/// time, paced or as fast as they are accepted.
+async fn publish_beside(http: reqwest::Client, rest_url: String, keys: Vec<String>, n: crate::spec::Neighbours) -> Result<()> {
+    let (keys, next, started) = (Arc::new(keys), Arc::new(AtomicUsize::new(0)), Instant::now());
+    let workers = (0..16).map(|_| {
+        let (http, rest_url, keys, next) = (http.clone(), rest_url.clone(), keys.clone(), next.clone());
+        async move {
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= n.events {
+                    return anyhow::Ok(());
+                }
+                if let Some(rate) = n.rate {
+                    tokio::time::sleep_until((started + Duration::from_secs_f64(i as f64 / rate)).into()).await;
+                }
+                let body = serde_json::json!({"type": "bench.event", "payload": {"n": i, "neighbour": true}});
+                // A refusal under load is the neighbour's problem, not the
+                // measurement's: it is not retried.
+                let _ = http.post(format!("{rest_url}/v1/events")).bearer_auth(&keys[i % keys.len()]).json(&body).send().await;
+            }
+        }
+    });
+    futures::future::try_join_all(workers).await?;
+    Ok(())
 }
 
 /// 200 each, all at once, over raw connections: 1 MiB chunked without a key

@@ -122,9 +122,17 @@ fn decode_event(body: &[u8]) -> Option<ExpandRequest> {
         #[serde(rename = "type")]
         event_type: String,
         environment_id: String,
+        #[serde(default)]
+        target_endpoint_id: Option<String>,
     }
     let h: Head = serde_json::from_slice(body).ok()?;
-    Some(ExpandRequest { event_id: h.id, environment_id: h.environment_id, r#type: h.event_type, traceparent: String::new() })
+    Some(ExpandRequest {
+        event_id: h.id,
+        environment_id: h.environment_id,
+        r#type: h.event_type,
+        traceparent: String::new(),
+        target_endpoint_id: h.target_endpoint_id.unwrap_or_default(),
+    })
 }
 
 /// Deliveries: each job goes to its endpoint's lane (see `lanes`).

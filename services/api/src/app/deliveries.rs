@@ -63,6 +63,8 @@ pub struct ExpandItem {
     pub environment_id: Uuid,
     pub event_type: String,
     pub trace_context: Option<String>,
+    /// An operational event's one recipient.
+    pub target: Option<Uuid>,
 }
 
 /// One attempt of one delivery, as the dispatcher names it.

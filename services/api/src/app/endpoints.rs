@@ -155,6 +155,7 @@ impl App {
             return Err(AppError::not_found("webhook endpoint"));
         }
         end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DELETED).await?;
+        db::environments::forget_operations_endpoint(&mut tx, id).await?;
         tx.commit().await.context("committing an endpoint deletion")?;
         Ok(())
     }

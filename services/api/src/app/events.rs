@@ -5,7 +5,7 @@ use serde::Serialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;
 
-use super::{App, Tenant, endpoints::check_event_type, require_nonempty};
+use super::{App, Tenant, Timestamp, endpoints::check_event_type, require_nonempty};
 pub use crate::db::models::{Attempt, Delivery};
 use crate::{
     db,
@@ -82,6 +82,19 @@ pub fn checked_payload(text: &str) -> AppResult<&RawValue> {
     serde_json::from_str::<&RawValue>(text).map_err(|e| AppError::invalid("invalid_payload", format!("payload is not valid JSON: {e}")))
 }
 
+/// The bytes every attempt of an event sends: its envelope around the
+/// payload text, which is kept exactly as given.
+pub(super) fn envelope(id: Uuid, event_type: &str, environment_id: Uuid, occurred_at: Timestamp, payload: &RawValue) -> AppResult<Vec<u8>> {
+    Ok(serde_json::to_vec(&Envelope {
+        id,
+        event_type,
+        environment_id,
+        occurred_at: occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
+        payload,
+    })
+    .context("serialising an envelope")?)
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct Published {
     pub event_id: Uuid,
@@ -96,14 +109,7 @@ impl App {
         let payload = checked_payload(payload)?;
         let event_id = id.unwrap_or_else(Uuid::now_v7);
         let occurred_at = self.clock.now();
-        let envelope = serde_json::to_vec(&Envelope {
-            id: event_id,
-            event_type,
-            environment_id: tenant.environment_id,
-            occurred_at: occurred_at.to_rfc3339_opts(chrono::SecondsFormat::Millis, true),
-            payload,
-        })
-        .context("serialising an envelope")?;
+        let envelope = envelope(event_id, event_type, tenant.environment_id, occurred_at, payload)?;
         if envelope.len() > MAX_ENVELOPE_BYTES {
             return Err(AppError::invalid(
                 "payload_too_large",

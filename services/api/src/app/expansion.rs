@@ -89,6 +89,7 @@ impl App {
                 event_id: fresh.iter().map(|&i| items[i].event_id).collect(),
                 event_type: fresh.iter().map(|&i| items[i].event_type.clone()).collect(),
                 trace_context: fresh.iter().map(|&i| items[i].trace_context.clone()).collect(),
+                target: fresh.iter().map(|&i| items[i].target).collect(),
             };
             // Subscribers are share-locked by the insert: a disable or delete
             // of one waits for this expansion to commit (and then ends the

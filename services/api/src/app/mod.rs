@@ -11,6 +11,7 @@ pub mod events;
 mod expansion;
 pub mod health;
 mod material;
+pub mod operational;
 mod outcomes;
 pub mod recover;
 mod recovery;

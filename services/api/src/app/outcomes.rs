@@ -264,6 +264,10 @@ async fn write_outcome_rows(
     log: &db::attempts::AttemptRows,
 ) -> AppResult<()> {
     db::dead_letters::insert_exhausted(&mut *tx, dead).await?;
+    // Counted for the tenant's operations endpoint, announced in a batch.
+    if !dead.id.is_empty() {
+        db::events::count_dead_letter_notices(&mut *tx, &dead.endpoint_id, &dead.environment_id).await?;
+    }
     db::attempts::insert(&mut *tx, log).await
 }
 

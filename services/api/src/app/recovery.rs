@@ -12,6 +12,7 @@ use uuid::Uuid;
 use super::{
     App, Tenant, Timestamp,
     health::{Circuit, DisablePolicy, DisabledReason, Seen, Standing},
+    operational::Happened,
 };
 use crate::{
     db::{self, health::HealthRow},
@@ -74,6 +75,7 @@ impl App {
         let mut stored = Vec::new();
         let (mut hold, mut release, mut enable) = (Vec::new(), Vec::new(), Vec::new());
         let mut disable: HashMap<DisabledReason, Vec<Uuid>> = HashMap::new();
+        let mut announce = Vec::new();
         for row in db::health::lock(&mut *tx, &changing).await? {
             let before = standing(&row);
             let (after, effects) = before.observe(&by_endpoint[&row.endpoint_id], &self.health.circuit, &disable_policy(&row));
@@ -85,7 +87,14 @@ impl App {
             if after.health != before.health {
                 stored.push((id, after.health));
             }
+            let opened = before.health.circuit == Circuit::Closed && after.health.circuit != Circuit::Closed && after.disabled.is_none();
+            if opened {
+                let h = after.health;
+                let failing = Happened::Failing { consecutive_failures: h.consecutive_failures, since: h.failing_since };
+                announce.push((row.environment_id, id, failing));
+            }
             if let Some(reason) = effects.disable {
+                announce.push((row.environment_id, id, Happened::Disabled(reason)));
                 tracing::warn!(endpoint_id = %id, reason = reason.as_str(), "endpoint disabled by Relay; its deliveries are held");
                 disable.entry(reason).or_default().push(id);
             }
@@ -98,6 +107,9 @@ impl App {
             }
             if effects.release {
                 release.push(id);
+            }
+            if effects.enable || effects.release {
+                announce.push((row.environment_id, id, Happened::Recovered));
             }
         }
         for (reason, ids) in &disable {
@@ -115,6 +127,7 @@ impl App {
         if released > 0 {
             db::deliveries::notify_due(&mut *tx).await?;
         }
+        self.announce(&mut *tx, &announce).await?;
         if stored.iter().any(|(_, h)| h.circuit != Circuit::Closed) {
             self.probes_wake.wake();
         }

@@ -64,6 +64,8 @@ pub struct ToExpand {
     pub event_id: Vec<Uuid>,
     pub event_type: Vec<String>,
     pub trace_context: Vec<Option<String>>,
+    /// An operational event's one recipient (`None`: its subscribers).
+    pub target: Vec<Option<Uuid>>,
 }
 
 /// A delivery row an expansion created.
@@ -99,7 +101,8 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                    SELECT e.id, e.environment_id, e.event_types,
                           h.circuit <> 'closed' OR e.disabled_reason IS NOT NULL AS holding
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
-                   WHERE e.environment_id = ANY ($1::uuid[]) AND e.event_types && $3::text[] AND e.deleted_at IS NULL
+                   WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($7::uuid[]))
+                     AND e.deleted_at IS NULL
                      AND (e.enabled OR e.disabled_reason IN ('gone', 'failing'))
                    -- KEY SHARE on the health row: a change of circuit (FOR
                    -- UPDATE) waits for this expansion, or this expansion for
@@ -109,9 +112,12 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                  matched AS (
                    SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, e.holding,
                           row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
-                   FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[])
-                          WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, ord)
-                   JOIN live e ON e.event_types @> ARRAY[c.event_type] AND e.environment_id = c.environment_id),
+                   FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $7::uuid[])
+                          WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, target, ord)
+                   -- An operational event goes to its target alone; a
+                   -- tenant's event to its subscribers.
+                   JOIN live e ON e.environment_id = c.environment_id
+                     AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END),
                  marked AS (
                    SELECT m.*, NOT m.holding AND m.rn + coalesce(b.n, 0) <= $5 AS leased
                    FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
@@ -129,6 +135,7 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
         &events.trace_context as &[Option<String>],
         cap,
         lease,
+        &events.target as &[Option<Uuid>],
     )
     .fetch_all(&mut *tx)
     .await?)

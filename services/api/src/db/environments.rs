@@ -47,3 +47,27 @@ pub async fn set_disable_policy(db: &PgPool, id: Uuid, after_secs: i32, min_fail
     .fetch_optional(db)
     .await?)
 }
+
+/// Names (or clears) the environment's operations endpoint; `None` when
+/// there is no such environment, else what it is now.
+pub async fn set_operations_endpoint(db: &PgPool, id: Uuid, endpoint_id: Option<Uuid>) -> AppResult<Option<Option<Uuid>>> {
+    Ok(sqlx::query_scalar!(
+        "UPDATE environments SET operations_endpoint_id = $2 WHERE id = $1 RETURNING operations_endpoint_id",
+        id,
+        endpoint_id,
+    )
+    .fetch_optional(db)
+    .await?)
+}
+
+pub async fn operations_endpoint(db: &PgPool, id: Uuid) -> AppResult<Option<Option<Uuid>>> {
+    Ok(sqlx::query_scalar!("SELECT operations_endpoint_id FROM environments WHERE id = $1", id).fetch_optional(db).await?)
+}
+
+/// An endpoint being deleted stops being any environment's operations endpoint.
+pub async fn forget_operations_endpoint(tx: &mut sqlx::PgConnection, endpoint_id: Uuid) -> AppResult<()> {
+    sqlx::query!("UPDATE environments SET operations_endpoint_id = NULL WHERE operations_endpoint_id = $1", endpoint_id)
+        .execute(&mut *tx)
+        .await?;
+    Ok(())
+}

@@ -47,8 +47,8 @@ pub async fn mark_consumed(tx: &mut PgConnection, consumer: &str, environments: 
 }
 
 /// An unpublished event as the outbox relay claims it:
-/// (seq, id, environment, type, trace context).
-pub type OutboxRow = (i64, Uuid, Uuid, String, Option<String>);
+/// (seq, id, environment, type, trace context, target endpoint of an operational event).
+pub type OutboxRow = (i64, Uuid, Uuid, String, Option<String>, Option<Uuid>);
 
 /// Claims up to `limit` unpublished events nobody holds, oldest first, for
 /// `claim`, in one statement (committed without waiting for the disk: a
@@ -61,14 +61,14 @@ pub async fn claim_unpublished(db: &PgPool, limit: i64, claim: Duration) -> AppR
          WHERE seq IN (SELECT seq FROM events
                        WHERE published_at IS NULL AND (relay_claim_until IS NULL OR relay_claim_until < now())
                        ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
-         RETURNING seq, id, environment_id, event_type, trace_context",
+         RETURNING seq, id, environment_id, event_type, trace_context, target_endpoint_id",
         limit,
         claim,
     )
     .fetch_all(db)
     .await?
     .into_iter()
-    .map(|r| (r.seq, r.id, r.environment_id, r.event_type, r.trace_context))
+    .map(|r| (r.seq, r.id, r.environment_id, r.event_type, r.trace_context, r.target_endpoint_id))
     .collect())
 }
 
@@ -156,4 +156,83 @@ pub async fn deliveries_of(tx: &mut PgConnection, environment_id: Uuid, event_id
         attempts: Vec::new(),
     })
     .collect())
+}
+
+/// Operational events to write, column by column: the environment, the
+/// endpoint the event is about, its id, type and envelope.
+#[derive(Default)]
+pub struct Operational {
+    pub environment_id: Vec<Uuid>,
+    pub subject: Vec<Uuid>,
+    pub id: Vec<Uuid>,
+    pub event_type: Vec<String>,
+    pub envelope: Vec<Vec<u8>>,
+}
+
+/// Writes operational events for the environments that name an operations
+/// endpoint, each addressed to it, except an event about that endpoint
+/// itself (it is not told about its own failures). Returns how many.
+pub async fn insert_operational(tx: &mut PgConnection, o: &Operational) -> AppResult<u64> {
+    if o.id.is_empty() {
+        return Ok(0);
+    }
+    Ok(sqlx::query!(
+        "INSERT INTO events (id, environment_id, event_type, envelope, target_endpoint_id)
+         SELECT u.id, u.environment_id, u.event_type, u.envelope, v.operations_endpoint_id
+         FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::text[], $5::bytea[]) AS u(environment_id, subject, id, event_type, envelope)
+         JOIN environments v ON v.id = u.environment_id
+         WHERE v.operations_endpoint_id IS NOT NULL AND v.operations_endpoint_id <> u.subject",
+        &o.environment_id,
+        &o.subject,
+        &o.id,
+        &o.event_type as &[String],
+        &o.envelope,
+    )
+    .execute(&mut *tx)
+    .await?
+    .rows_affected())
+}
+
+/// Dead letters to announce, counted per endpoint (in the transaction that
+/// wrote them).
+pub async fn count_dead_letter_notices(tx: &mut PgConnection, endpoint_ids: &[Uuid], environment_ids: &[Uuid]) -> AppResult<()> {
+    sqlx::query!(
+        "INSERT INTO dead_letter_notices AS n (endpoint_id, environment_id, pending, first_at)
+         SELECT endpoint_id, environment_id, count(*), now() FROM UNNEST($1::uuid[], $2::uuid[]) AS u(endpoint_id, environment_id)
+         GROUP BY endpoint_id, environment_id
+         ON CONFLICT (endpoint_id) DO UPDATE SET pending = n.pending + excluded.pending, first_at = coalesce(n.first_at, excluded.first_at)",
+        endpoint_ids,
+        environment_ids,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Counted dead letters ready to announce: gathered for `gather` since the
+/// first, and the endpoint's last announcement at least `every` ago. Taken
+/// (reset) in the same statement; the caller writes the events in the same
+/// transaction.
+pub struct Notice {
+    pub endpoint_id: Uuid,
+    pub environment_id: Uuid,
+    pub count: i32,
+    pub since: Timestamp,
+}
+
+pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: PgInterval, every: PgInterval) -> AppResult<Vec<Notice>> {
+    Ok(sqlx::query_as!(
+        Notice,
+        r#"UPDATE dead_letter_notices n SET pending = 0, first_at = NULL, last_sent_at = now()
+           FROM (SELECT endpoint_id, pending, first_at FROM dead_letter_notices
+                 WHERE pending > 0 AND first_at <= now() - $1::interval
+                   AND (last_sent_at IS NULL OR last_sent_at <= now() - $2::interval)
+                 ORDER BY first_at LIMIT 500 FOR UPDATE SKIP LOCKED) due
+           WHERE n.endpoint_id = due.endpoint_id
+           RETURNING n.endpoint_id, n.environment_id, due.pending AS count, due.first_at AS "since!""#,
+        gather,
+        every,
+    )
+    .fetch_all(&mut *tx)
+    .await?)
 }

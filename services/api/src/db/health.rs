@@ -19,6 +19,7 @@ use crate::error::AppResult;
 /// An endpoint's health with what the rules need beside it.
 pub struct HealthRow {
     pub endpoint_id: Uuid,
+    pub environment_id: Uuid,
     pub circuit: Circuit,
     pub consecutive_failures: i32,
     pub failing_since: Option<Timestamp>,
@@ -50,7 +51,7 @@ impl HealthRow {
 pub async fn read(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec<HealthRow>> {
     Ok(sqlx::query_as!(
         HealthRow,
-        r#"SELECT h.endpoint_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
+        r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
@@ -66,7 +67,7 @@ pub async fn read(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
 pub async fn lock(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec<HealthRow>> {
     Ok(sqlx::query_as!(
         HealthRow,
-        r#"SELECT h.endpoint_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
+        r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
@@ -82,7 +83,7 @@ pub async fn lock(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
 pub async fn lock_due_probes(tx: &mut PgConnection, limit: i64) -> AppResult<Vec<HealthRow>> {
     Ok(sqlx::query_as!(
         HealthRow,
-        r#"SELECT h.endpoint_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
+        r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id

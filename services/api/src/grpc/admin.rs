@@ -96,6 +96,18 @@ impl AdminService for AdminApi {
         Ok(Response::new(pb::GetOperationResponse { operation: Some(super::operation(op)) }))
     }
 
+    async fn set_operations_endpoint(
+        &self,
+        req: Request<pb::SetOperationsEndpointRequest>,
+    ) -> Result<Response<pb::SetOperationsEndpointResponse>, Status> {
+        let r = req.get_ref();
+        let tenant = self.app.environment_scope(id("environment_id", &r.environment_id)?).await.map_err(status)?;
+        let raw = r.endpoint_id.trim();
+        let endpoint = if raw.is_empty() { None } else { Some(id("endpoint_id", raw)?) };
+        let now = self.app.set_operations_endpoint(tenant, endpoint).await.map_err(status)?;
+        Ok(Response::new(pb::SetOperationsEndpointResponse { endpoint_id: now.map(|e| e.to_string()).unwrap_or_default() }))
+    }
+
     async fn get_queue_depths(&self, _req: Request<pb::GetQueueDepthsRequest>) -> Result<Response<pb::GetQueueDepthsResponse>, Status> {
         let d = self.app.queue_depths().await.map_err(status)?;
         Ok(Response::new(pb::GetQueueDepthsResponse {

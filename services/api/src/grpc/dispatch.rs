@@ -138,11 +138,12 @@ pub(crate) fn attempt_ref(r: &pb::MaterialRequest) -> Result<AttemptRef, AppErro
 
 /// An expand item's fields, checked; the traceparent is dropped if it is
 /// not one (tracing is best effort, never a reason to refuse an event).
-fn expand_fields(r: &pb::ExpandRequest) -> Result<(uuid::Uuid, uuid::Uuid), AppError> {
+fn expand_fields(r: &pb::ExpandRequest) -> Result<(uuid::Uuid, uuid::Uuid, Option<uuid::Uuid>), AppError> {
     let event_id = parse_id("event_id", &r.event_id)?;
     let environment_id = parse_id("environment_id", &r.environment_id)?;
     crate::app::endpoints::check_event_type(&r.r#type)?;
-    Ok((event_id, environment_id))
+    let target = if r.target_endpoint_id.is_empty() { None } else { Some(parse_id("target_endpoint_id", &r.target_endpoint_id)?) };
+    Ok((event_id, environment_id, target))
 }
 
 #[derive(Debug, Clone)]
@@ -162,7 +163,7 @@ impl DispatchApi {
         let mut spans = Vec::with_capacity(items.len());
         let mut parsed = Vec::with_capacity(items.len());
         for r in items {
-            let (event_id, environment_id) = match expand_fields(&r) {
+            let (event_id, environment_id, target) = match expand_fields(&r) {
                 Ok(ids) => ids,
                 Err(e) => {
                     answers.push(Some(Err(e)));
@@ -181,6 +182,7 @@ impl DispatchApi {
                 environment_id,
                 event_type: r.r#type,
                 trace_context: span.in_scope(relay_telemetry::current_traceparent),
+                target,
             });
             spans.push(span);
             answers.push(None);

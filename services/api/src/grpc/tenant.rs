@@ -205,6 +205,26 @@ impl WebhookEndpointService for TenantApi {
         Ok(Response::new(pb::GetOperationResponse { operation: Some(super::operation(op)) }))
     }
 
+    async fn set_operations_endpoint(
+        &self,
+        req: Request<pb::SetOperationsEndpointRequest>,
+    ) -> Result<Response<pb::SetOperationsEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let raw = req.get_ref().endpoint_id.trim();
+        let endpoint = if raw.is_empty() { None } else { Some(id("endpoint_id", raw)?) };
+        let now = self.app.set_operations_endpoint(tenant, endpoint).await.map_err(status)?;
+        Ok(Response::new(pb::SetOperationsEndpointResponse { endpoint_id: now.map(|e| e.to_string()).unwrap_or_default() }))
+    }
+
+    async fn get_operations_endpoint(
+        &self,
+        req: Request<pb::GetOperationsEndpointRequest>,
+    ) -> Result<Response<pb::GetOperationsEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let now = self.app.operations_endpoint(tenant).await.map_err(status)?;
+        Ok(Response::new(pb::GetOperationsEndpointResponse { endpoint_id: now.map(|e| e.to_string()).unwrap_or_default() }))
+    }
+
     async fn enable_webhook_endpoint(
         &self,
         req: Request<pb::EnableWebhookEndpointRequest>,

@@ -23,6 +23,9 @@ struct EventHead<'a> {
     #[serde(rename = "type")]
     event_type: &'a str,
     environment_id: Uuid,
+    /// An operational event's one recipient (see `app::operational`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    target_endpoint_id: Option<Uuid>,
 }
 
 pub struct OutboxRelay {
@@ -71,7 +74,7 @@ impl super::Pass for OutboxRelay {
         }
         let mut seqs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
-        for (seq, id, env, event_type, trace_context) in rows {
+        for (seq, id, env, event_type, trace_context, target) in rows {
             let mut headers = HeaderMap::new();
             // One short span per event, in the event's trace; its context
             // rides in the message headers to the dispatcher.
@@ -84,8 +87,8 @@ impl super::Pass for OutboxRelay {
             headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
             headers.insert(event_headers::EVENT_TYPE, event_type.as_str());
             seqs.push(seq);
-            let head =
-                serde_json::to_vec(&EventHead { id, event_type: &event_type, environment_id: env }).context("serialising an event head")?;
+            let head = serde_json::to_vec(&EventHead { id, event_type: &event_type, environment_id: env, target_endpoint_id: target })
+                .context("serialising an event head")?;
             messages.push((self.names.events_subject(&env.to_string()), headers, head.into()));
         }
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
