@@ -284,7 +284,7 @@ async fn an_endpoint_failing_for_its_window_is_disabled_its_events_held_and_its_
 async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_an_api_restart() -> anyhow::Result<()> {
     use relay_contracts::relay::admin::v1::RecoverEndpointRequest;
     // No circuit here: each delivery dies after its own seven attempts.
-    let opts = Options { circuit_open_after: 1000, release_per_second: 2, ..Options::default() };
+    let opts = Options { circuit_open_after: 1000, release_per_second: 1, ..Options::default() };
     let mut stack = Stack::start(opts).await?;
     let tenant = stack.tenant("recover").await?;
     let receiver = Receiver::start().await?;
@@ -344,11 +344,11 @@ async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_a
     assert_eq!(status, 202, "{again}");
     let op2 = again["operation_id"].as_str().unwrap().to_owned();
 
-    // Two a second: stop the api after the first pass, start it again, and
+    // One a second: stop the api after the first pass, start it again, and
     // the operation goes on from where it was.
     let first_pass = eventually(Duration::from_secs(10), || async {
         let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
-        (num(&o["completed"]) >= 2).then_some(o)
+        (num(&o["completed"]) >= 1).then_some(o)
     })
     .await
     .expect("the first pass ran");
@@ -359,7 +359,7 @@ async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_a
         sqlx::query_as("SELECT state, completed FROM recover_operations WHERE id = $1::uuid").bind(&op).fetch_one(&pg).await?;
     assert!(state == "running" && completed < 8, "stopped part-way: {state} {completed}");
     stack.start_api().await?;
-    let done = eventually(Duration::from_secs(20), || async {
+    let done = eventually(Duration::from_secs(30), || async {
         let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
         (o["state"] == "done").then_some(o)
     })
@@ -383,8 +383,10 @@ async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_a
     let mut want = inside.clone();
     want.sort();
     assert_eq!(sorted, want, "exactly the range, each once; not {before:?} or {after:?}");
+    // Eight at one a second is seven seconds of passes; while the api was
+    // down the dispatcher could not send, so the first two may arrive together.
     let spread = receiver.at("/r")[12 * 7 + 7].at - receiver.at("/r")[12 * 7].at;
-    assert!(spread >= Duration::from_millis(1500), "throttled at two a second: eight arrived within {spread:?}");
+    assert!(spread >= Duration::from_secs(4), "throttled at one a second: eight arrived within {spread:?}");
     let (status, _) = Rest::new(&stack.rest_url, Some(&stack.tenant("other").await?.api_key))
         .call(reqwest::Method::GET, &format!("/v1/operations/{op}"), None)
         .await?;

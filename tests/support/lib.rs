@@ -250,6 +250,7 @@ impl Stack {
             delivery_lease: Duration::from_secs(60),
             relay_idle: opts.relay_idle,
             relay_batch: 200,
+            events_backlog: 256,
             pool_size: opts.db_pool_size,
             db_acquire_timeout: opts.db_acquire_timeout,
             endpoint_in_flight_cap: opts.endpoint_cap,

@@ -44,6 +44,8 @@ pub struct ApiConfig {
     /// How long a relay sleeps when nothing wakes it.
     pub relay_idle: Duration,
     pub relay_batch: i64,
+    /// Events in the EVENTS stream not yet taken for expansion, at most.
+    pub events_backlog: u64,
     /// Postgres connections this api may hold (`RELAY_DB_POOL_SIZE`).
     pub pool_size: u32,
     /// How long a call waits for a free connection before it is answered
@@ -132,6 +134,7 @@ impl ApiConfig {
             delivery_lease: env.secs("RELAY_DELIVERY_LEASE_SECS", 5..=3600)?,
             relay_idle: Duration::from_millis(500),
             relay_batch: env.number("RELAY_RELAY_BATCH", 1..=10_000)?,
+            events_backlog: env.number("RELAY_EVENTS_BACKLOG", 1..=1_000_000)?,
             db_acquire_timeout: Duration::from_secs(5),
             pool_size: env.number("RELAY_DB_POOL_SIZE", 2..=1000)?,
             // Little's law: an endpoint's throughput is at most its cap over

@@ -125,12 +125,21 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     if cfg.run_relays {
         let (js, names, app, rx) = (js.clone(), names.clone(), app.clone(), stop_rx.clone());
         let (batch, idle, lease, endpoint_cap) = (cfg.relay_batch, cfg.relay_idle, cfg.delivery_lease, cfg.endpoint_in_flight_cap);
+        let events_backlog = cfg.events_backlog;
         tasks.spawn(async move {
             let mut rx2 = rx.clone();
             if !ensure_streams_until_ready(&js, &names, &mut rx2).await {
                 return Ok(());
             }
-            let outbox = OutboxRelay { app: app.clone(), js: js.clone(), names: names.clone(), batch, idle };
+            let outbox = OutboxRelay {
+                app: app.clone(),
+                js: js.clone(),
+                names: names.clone(),
+                batch,
+                idle,
+                stream_backlog: events_backlog,
+                held_back: Default::default(),
+            };
             let listen = DeliveryRelay::listen(app.clone(), rx.clone());
             let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(1) };
             let recoverer = relay::recover::Recoverer {

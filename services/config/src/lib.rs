@@ -99,6 +99,12 @@ pub const KNOBS: &[Knob] = &[
     ),
     knob("RELAY_RELAY_BATCH", Api, "500", "rows one relay pass claims (1–10000)"),
     knob(
+        "RELAY_EVENTS_BACKLOG",
+        Api,
+        "256",
+        "events published to EVENTS and not yet taken for expansion, at most (1–1000000); the rest wait in the outbox, where every environment gets its turn",
+    ),
+    knob(
         "RELAY_CIRCUIT_OPEN_AFTER",
         Api,
         "5",

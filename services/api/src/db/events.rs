@@ -50,17 +50,33 @@ pub async fn mark_consumed(tx: &mut PgConnection, consumer: &str, environments: 
 /// (seq, id, environment, type, trace context, target endpoint of an operational event).
 pub type OutboxRow = (i64, Uuid, Uuid, String, Option<String>, Option<Uuid>);
 
-/// Claims up to `limit` unpublished events nobody holds, oldest first, for
-/// `claim`, in one statement (committed without waiting for the disk: a
-/// claim lost to a crash is a re-publish the broker drops).
+/// Claims up to `limit` unpublished events nobody holds for `claim`, in one
+/// statement (committed without waiting for the disk: a claim lost to a
+/// crash is a re-publish the broker drops). Fair across environments: each
+/// environment's oldest first, round robin (every environment's first, then
+/// every environment's second, ...), so a burst in one environment takes
+/// its turn beside the others instead of ahead of them.
 pub async fn claim_unpublished(db: &PgPool, limit: i64, claim: Duration) -> AppResult<Vec<OutboxRow>> {
     let claim = PgInterval::try_from(claim).map_err(|e| anyhow::anyhow!("a claim of {claim:?} is not an interval: {e}"))?;
     Ok(sqlx::query!(
-        "UPDATE events SET relay_claim_until = now() + $2
+        "WITH RECURSIVE environments(environment_id) AS (
+           (SELECT environment_id FROM events WHERE published_at IS NULL ORDER BY environment_id LIMIT 1)
+           UNION ALL
+           SELECT (SELECT v.environment_id FROM events v
+                   WHERE v.published_at IS NULL AND v.environment_id > p.environment_id ORDER BY v.environment_id LIMIT 1)
+           FROM environments p WHERE p.environment_id IS NOT NULL),
+         turns AS (
+           SELECT c.seq, c.turn FROM environments p
+           CROSS JOIN LATERAL (
+             SELECT v.seq, row_number() OVER (ORDER BY v.seq) AS turn FROM events v
+             WHERE v.environment_id = p.environment_id AND v.published_at IS NULL
+               AND (v.relay_claim_until IS NULL OR v.relay_claim_until < now())
+             ORDER BY v.seq LIMIT $1) c
+           WHERE p.environment_id IS NOT NULL
+           ORDER BY c.turn, c.seq LIMIT $1)
+         UPDATE events SET relay_claim_until = now() + $2
          FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
-         WHERE seq IN (SELECT seq FROM events
-                       WHERE published_at IS NULL AND (relay_claim_until IS NULL OR relay_claim_until < now())
-                       ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+         WHERE seq IN (SELECT seq FROM events WHERE seq IN (SELECT seq FROM turns) FOR UPDATE SKIP LOCKED)
          RETURNING seq, id, environment_id, event_type, trace_context, target_endpoint_id",
         limit,
         claim,

@@ -34,6 +34,28 @@ pub struct OutboxRelay {
     pub names: StreamNames,
     pub batch: i64,
     pub idle: Duration,
+    /// At most this many events published and not yet taken for expansion
+    /// (the EVENTS consumer's pending and unacknowledged messages). Beyond
+    /// it the rest wait in the outbox, where each pass takes every
+    /// environment's turn: a queue in the broker could only be first-come.
+    pub stream_backlog: u64,
+    /// The last pass stopped at `stream_backlog`: look again soon.
+    pub held_back: std::sync::atomic::AtomicBool,
+}
+
+/// How long a relay held back by the stream's backlog waits before looking again.
+const HELD_BACK_RECHECK: Duration = Duration::from_millis(10);
+
+impl OutboxRelay {
+    /// How many more events the stream may take now; `None` when the
+    /// consumer cannot be read (not created yet, or the broker is away):
+    /// then a whole batch is tried, and the publish finds out.
+    async fn room(&self) -> Option<u64> {
+        let consumer: jetstream::consumer::PullConsumer =
+            self.js.get_consumer_from_stream(self.names.expand_durable(), self.names.events_stream()).await.ok()?;
+        let info = consumer.cached_info();
+        Some(self.stream_backlog.saturating_sub(info.num_pending + info.num_ack_pending as u64))
+    }
 }
 
 impl OutboxRelay {
@@ -64,14 +86,33 @@ impl super::Pass for OutboxRelay {
     }
 
     async fn idle_for(&self) -> Duration {
-        self.idle
+        if self.held_back.load(std::sync::atomic::Ordering::Relaxed) { HELD_BACK_RECHECK } else { self.idle }
     }
 
     async fn drain_once(&self) -> Result<usize> {
-        let rows = db::events::claim_unpublished(&self.app.db, self.batch, RELAY_CLAIM).await.context("claiming unpublished events")?;
+        let limit = self.room().await.map_or(self.batch, |room| self.batch.min(room as i64));
+        self.held_back.store(limit < self.batch, std::sync::atomic::Ordering::Relaxed);
+        if limit == 0 {
+            return Ok(0);
+        }
+        let mut rows = db::events::claim_unpublished(&self.app.db, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
         if rows.is_empty() {
             return Ok(0);
         }
+        // Published in turns too: each environment's first, then each one's
+        // second, so no environment's events wait behind another's in the stream.
+        let mut turn_of: std::collections::HashMap<Uuid, usize> = std::collections::HashMap::new();
+        rows.sort_by_key(|r| r.0);
+        let mut keyed: Vec<(usize, i64, db::events::OutboxRow)> = rows
+            .drain(..)
+            .map(|r| {
+                let turn = turn_of.entry(r.2).or_insert(0);
+                *turn += 1;
+                (*turn, r.0, r)
+            })
+            .collect();
+        keyed.sort_by_key(|(turn, seq, _)| (*turn, *seq));
+        let rows: Vec<db::events::OutboxRow> = keyed.into_iter().map(|(_, _, r)| r).collect();
         let mut seqs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
         for (seq, id, env, event_type, trace_context, target) in rows {
