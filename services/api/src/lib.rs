@@ -139,6 +139,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 idle,
                 stream_backlog: events_backlog,
                 held_back: Default::default(),
+                backlog_bound: std::sync::atomic::AtomicU64::new(u64::MAX),
             };
             let listen = DeliveryRelay::listen(app.clone(), rx.clone());
             let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(1) };

@@ -3,7 +3,7 @@
 //! re-publish after a crash is dropped by the broker inside its duplicate
 //! window.
 
-use std::time::Duration;
+use std::{sync::atomic::Ordering, time::Duration};
 
 use anyhow::{Context, Result};
 use async_nats::{HeaderMap, jetstream};
@@ -41,6 +41,9 @@ pub struct OutboxRelay {
     pub stream_backlog: u64,
     /// The last pass stopped at `stream_backlog`: look again soon.
     pub held_back: std::sync::atomic::AtomicBool,
+    /// An upper bound on the stream's backlog (see `room`); `u64::MAX`
+    /// until first measured.
+    pub backlog_bound: std::sync::atomic::AtomicU64,
 }
 
 /// How long a relay held back by the stream's backlog waits before looking again.
@@ -50,11 +53,27 @@ impl OutboxRelay {
     /// How many more events the stream may take now; `None` when the
     /// consumer cannot be read (not created yet, or the broker is away):
     /// then a whole batch is tried, and the publish finds out.
+    ///
+    /// The broker is asked only when the running bound says the stream may
+    /// be full: the bound is the last measured backlog plus everything
+    /// published since (consumption only lowers the truth), so while it is
+    /// under the limit the room it leaves is certainly there, and a quiet
+    /// system asks once per `stream_backlog` events, not once per pass.
     async fn room(&self) -> Option<u64> {
+        let bound = self.backlog_bound.load(Ordering::Relaxed);
+        if bound < self.stream_backlog {
+            return Some(self.stream_backlog - bound);
+        }
         let consumer: jetstream::consumer::PullConsumer =
             self.js.get_consumer_from_stream(self.names.expand_durable(), self.names.events_stream()).await.ok()?;
         let info = consumer.cached_info();
-        Some(self.stream_backlog.saturating_sub(info.num_pending + info.num_ack_pending as u64))
+        let measured = info.num_pending + info.num_ack_pending as u64;
+        self.backlog_bound.store(measured, Ordering::Relaxed);
+        Some(self.stream_backlog.saturating_sub(measured))
+    }
+
+    fn published(&self, n: usize) {
+        let _ = self.backlog_bound.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(b.saturating_add(n as u64)));
     }
 }
 
@@ -86,16 +105,18 @@ impl super::Pass for OutboxRelay {
     }
 
     async fn idle_for(&self) -> Duration {
-        if self.held_back.load(std::sync::atomic::Ordering::Relaxed) { HELD_BACK_RECHECK } else { self.idle }
+        if self.held_back.load(Ordering::Relaxed) { HELD_BACK_RECHECK } else { self.idle }
     }
 
     async fn drain_once(&self) -> Result<usize> {
         let limit = self.room().await.map_or(self.batch, |room| self.batch.min(room as i64));
-        self.held_back.store(limit < self.batch, std::sync::atomic::Ordering::Relaxed);
+        // Held back: the stream's room, not the outbox, ended the pass.
+        self.held_back.store(limit == 0, Ordering::Relaxed);
         if limit == 0 {
             return Ok(0);
         }
         let mut rows = db::events::claim_unpublished(&self.app.db, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
+        self.held_back.store(limit < self.batch && rows.len() as i64 >= limit, Ordering::Relaxed);
         if rows.is_empty() {
             return Ok(0);
         }
@@ -137,6 +158,7 @@ impl super::Pass for OutboxRelay {
         for (seq, ok) in seqs.into_iter().zip(stored) {
             if ok { published.push(seq) } else { refused.push(seq) }
         }
+        self.published(published.len());
         if !published.is_empty() {
             // Lost to a Postgres crash, this is a second publish that the
             // broker or the expansion ledger drops (see cheap commits in `super`).
