@@ -61,7 +61,7 @@ pub enum Seen {
 impl Seen {
     pub fn of(http_status: Option<u32>) -> Self {
         match http_status {
-            Some(200..=299) => Self::Success,
+            _ if super::state::is_success(http_status) => Self::Success,
             Some(410) => Self::Gone,
             _ => Self::Failure,
         }

@@ -41,11 +41,10 @@ fn disable_policy(row: &HealthRow) -> DisablePolicy {
 impl App {
     /// Applies the results of an outcome batch (endpoint, result, in the
     /// order reported) to the endpoints' health, inside the batch's
-    /// transaction and after its deliveries are written. Returns whether
-    /// deliveries were released (the relay should look).
-    pub(super) async fn observe_results(&self, tx: &mut PgConnection, seen: &[(Uuid, Seen)], now: Timestamp) -> AppResult<bool> {
+    /// transaction and after its deliveries are written.
+    pub(super) async fn observe_results(&self, tx: &mut PgConnection, seen: &[(Uuid, Seen)], now: Timestamp) -> AppResult<()> {
         if seen.is_empty() {
-            return Ok(false);
+            return Ok(());
         }
         let mut by_endpoint: BTreeMap<Uuid, Vec<(Seen, Timestamp)>> = BTreeMap::new();
         for &(endpoint, s) in seen {
@@ -70,7 +69,7 @@ impl App {
             db::health::touch_success(&mut *tx, &stamp, now).await?;
         }
         if changing.is_empty() {
-            return Ok(false);
+            return Ok(());
         }
         let mut stored = Vec::new();
         let (mut hold, mut release, mut enable) = (Vec::new(), Vec::new(), Vec::new());
@@ -131,7 +130,7 @@ impl App {
         if stored.iter().any(|(_, h)| h.circuit != Circuit::Closed) {
             self.probes_wake.wake();
         }
-        Ok(released > 0)
+        Ok(())
     }
 
     /// One pass of the prober: for each open circuit whose probe is due, the

@@ -73,11 +73,16 @@ pub async fn claim_unpublished(db: &PgPool, limit: i64, claim: Duration) -> AppR
                AND (v.relay_claim_until IS NULL OR v.relay_claim_until < now())
              ORDER BY v.seq LIMIT $1) c
            WHERE p.environment_id IS NOT NULL
-           ORDER BY c.turn, c.seq LIMIT $1)
-         UPDATE events SET relay_claim_until = now() + $2
-         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
-         WHERE seq IN (SELECT seq FROM events WHERE seq IN (SELECT seq FROM turns) FOR UPDATE SKIP LOCKED)
-         RETURNING seq, id, environment_id, event_type, trace_context, target_endpoint_id",
+           ORDER BY c.turn, c.seq LIMIT $1),
+         claimed AS (
+           UPDATE events SET relay_claim_until = now() + $2
+           FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+           WHERE seq IN (SELECT seq FROM events WHERE seq IN (SELECT seq FROM turns) FOR UPDATE SKIP LOCKED)
+           RETURNING seq, id, environment_id, event_type, trace_context, target_endpoint_id)
+         -- In turns, so they are published in turns too.
+         SELECT c.seq AS \"seq!\", c.id AS \"id!\", c.environment_id AS \"environment_id!\", c.event_type AS \"event_type!\",
+                c.trace_context, c.target_endpoint_id
+         FROM claimed c JOIN turns t USING (seq) ORDER BY t.turn, t.seq",
         limit,
         claim,
     )

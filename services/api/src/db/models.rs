@@ -177,8 +177,6 @@ pub enum DisabledReason {
 }
 
 impl DisabledReason {
-    pub const ALL: [Self; 3] = [Self::Manual, Self::Gone, Self::Failing];
-
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Manual => "manual",
@@ -206,8 +204,6 @@ pub enum Circuit {
 }
 
 impl Circuit {
-    pub const ALL: [Self; 3] = [Self::Closed, Self::Open, Self::HalfOpen];
-
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Closed => "closed",

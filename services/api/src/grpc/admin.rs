@@ -102,9 +102,7 @@ impl AdminService for AdminApi {
     ) -> Result<Response<pb::SetOperationsEndpointResponse>, Status> {
         let r = req.get_ref();
         let tenant = self.app.environment_scope(id("environment_id", &r.environment_id)?).await.map_err(status)?;
-        let raw = r.endpoint_id.trim();
-        let endpoint = if raw.is_empty() { None } else { Some(id("endpoint_id", raw)?) };
-        let now = self.app.set_operations_endpoint(tenant, endpoint).await.map_err(status)?;
+        let now = self.app.set_operations_endpoint(tenant, super::optional_id("endpoint_id", &r.endpoint_id)?).await.map_err(status)?;
         Ok(Response::new(pb::SetOperationsEndpointResponse { endpoint_id: now.map(|e| e.to_string()).unwrap_or_default() }))
     }
 

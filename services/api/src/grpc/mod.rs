@@ -50,6 +50,12 @@ pub fn id(field: &'static str, raw: &str) -> Result<Uuid, Status> {
     parse_id(field, raw).map_err(status)
 }
 
+/// An id field where empty means none.
+pub fn optional_id(field: &'static str, raw: &str) -> Result<Option<Uuid>, Status> {
+    let raw = raw.trim();
+    if raw.is_empty() { Ok(None) } else { id(field, raw).map(Some) }
+}
+
 /// A required timestamp field, as the use-cases take it.
 pub fn time(field: &'static str, raw: Option<&prost_types::Timestamp>) -> Result<Timestamp, Status> {
     let Some(t) = raw else {

@@ -210,8 +210,7 @@ impl WebhookEndpointService for TenantApi {
         req: Request<pb::SetOperationsEndpointRequest>,
     ) -> Result<Response<pb::SetOperationsEndpointResponse>, Status> {
         let tenant = auth::tenant(&self.app, &req).await?;
-        let raw = req.get_ref().endpoint_id.trim();
-        let endpoint = if raw.is_empty() { None } else { Some(id("endpoint_id", raw)?) };
+        let endpoint = super::optional_id("endpoint_id", &req.get_ref().endpoint_id)?;
         let now = self.app.set_operations_endpoint(tenant, endpoint).await.map_err(status)?;
         Ok(Response::new(pb::SetOperationsEndpointResponse { endpoint_id: now.map(|e| e.to_string()).unwrap_or_default() }))
     }

@@ -115,25 +115,13 @@ impl super::Pass for OutboxRelay {
         if limit == 0 {
             return Ok(0);
         }
-        let mut rows = db::events::claim_unpublished(&self.app.db, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
+        let rows = db::events::claim_unpublished(&self.app.db, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
         self.held_back.store(limit < self.batch && rows.len() as i64 >= limit, Ordering::Relaxed);
         if rows.is_empty() {
             return Ok(0);
         }
-        // Published in turns too: each environment's first, then each one's
-        // second, so no environment's events wait behind another's in the stream.
-        let mut turn_of: std::collections::HashMap<Uuid, usize> = std::collections::HashMap::new();
-        rows.sort_by_key(|r| r.0);
-        let mut keyed: Vec<(usize, i64, db::events::OutboxRow)> = rows
-            .drain(..)
-            .map(|r| {
-                let turn = turn_of.entry(r.2).or_insert(0);
-                *turn += 1;
-                (*turn, r.0, r)
-            })
-            .collect();
-        keyed.sort_by_key(|(turn, seq, _)| (*turn, *seq));
-        let rows: Vec<db::events::OutboxRow> = keyed.into_iter().map(|(_, _, r)| r).collect();
+        // In the claim's turns (each environment's first, then each one's
+        // second, ...), so no environment's events wait behind another's in the stream.
         let mut seqs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
         for (seq, id, env, event_type, trace_context, target) in rows {
