@@ -178,6 +178,68 @@ async fn disabling_an_endpoint_that_holds_deliveries_makes_them_dead_letters() -
     stack.stop().await
 }
 
+/// Attempts of an endpoint handed to the broker and not yet reported.
+async fn handed_out(pg: &sqlx::PgPool, endpoint: &str) -> anyhow::Result<i64> {
+    Ok(sqlx::query_scalar(
+        "SELECT count(*) FROM webhook_deliveries WHERE endpoint_id = $1::uuid AND state = 'pending' AND dispatched_at IS NOT NULL",
+    )
+    .bind(endpoint)
+    .fetch_one(pg)
+    .await?)
+}
+
+/// An endpoint whose last attempt failed is handed one attempt at a time
+/// (its backlog waits in Postgres, not in the broker behind a receiver that
+/// may be timing out); its first success gives it its whole cap back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endpoint_whose_last_attempt_failed_is_handed_one_attempt_at_a_time_until_it_succeeds() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { endpoint_cap: 16, attempt_timeout: Duration::from_secs(10), ..Options::default() }).await?;
+    let tenant = stack.tenant("wobbly").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/wobbly", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/wobbly"), &["t"]).await?;
+    let mut events = vec![rest.publish("t", json!({"n": 0})).await?];
+    endpoint_where(&rest, &endpoint, Duration::from_secs(20), "failed once", |e| e["health"]["consecutive_failures"] == 1).await;
+
+    // Slow but answering: each request is held 2 s, then answered 200.
+    receiver.reply("/wobbly", Reply::Hang(Duration::from_secs(2)));
+    for n in 1..=8 {
+        events.push(rest.publish("t", json!({"n": n})).await?);
+    }
+    let pg = stack.pg().await?;
+    let (mut most, mut waiting) = (0, 0);
+    for _ in 0..15 {
+        most = most.max(handed_out(&pg, &endpoint).await?);
+        let (pending, _) = counts(&pg, &endpoint).await?;
+        waiting = waiting.max(pending);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(waiting, 9, "all nine deliveries were pending while the first slow attempt ran");
+    assert_eq!(most, 1, "one attempt handed out at a time while the last attempt had failed");
+
+    // The slow attempt succeeds: the whole cap is back, and the rest are
+    // handed out together (the dispatcher still sends one at a time).
+    let mut most_after = 0;
+    for _ in 0..40 {
+        most_after = most_after.max(handed_out(&pg, &endpoint).await?);
+        if most_after >= 4 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(most_after >= 4, "after a success more than one attempt is handed out again, saw at most {most_after}");
+    receiver.reply("/wobbly", Reply::Status(204));
+    let got = receiver.wait_at("/wobbly", 10, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 10, "one failure, then each of the nine events once");
+    let mut ids: Vec<String> = got[1..].iter().map(|r| r.header("relay-webhook-id")).collect();
+    ids.sort();
+    events.sort();
+    assert_eq!(ids, events, "every event delivered once");
+    pg.close().await;
+    stack.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_on_429_and_503_puts_the_next_attempt_no_earlier_than_asked() -> anyhow::Result<()> {
     let stack = Stack::start(Options::default()).await?;

@@ -139,7 +139,7 @@ impl super::Pass for DeliveryRelay {
                 }
                 let n = taken.entry(r.endpoint_id).or_insert(r.outstanding);
                 *n += 1;
-                *n <= self.endpoint_cap
+                *n <= r.cap
             })
             .map(|r| r.id)
             .collect();
