@@ -17,17 +17,33 @@ fn one<'a>(spans: &'a [CollectedSpan], name: &str) -> &'a CollectedSpan {
     found[0]
 }
 
+/// At the log level the services run with when nothing is set, as
+/// `deploy/local/up` runs them: export must not depend on the log filter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn one_events_path_arrives_at_the_collector_as_one_trace() -> anyhow::Result<()> {
+async fn one_events_path_arrives_at_the_collector_as_one_trace_at_the_default_log_level() -> anyhow::Result<()> {
+    one_events_path_arrives_as_one_trace(None).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_events_path_arrives_at_the_collector_as_one_trace_with_verbose_logs() -> anyhow::Result<()> {
+    one_events_path_arrives_as_one_trace(Some("debug")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_events_path_arrives_at_the_collector_as_one_trace_with_quiet_logs() -> anyhow::Result<()> {
+    one_events_path_arrives_as_one_trace(Some("warn")).await
+}
+
+async fn one_events_path_arrives_as_one_trace(log: Option<&str>) -> anyhow::Result<()> {
     let collector = Collector::start().await?;
     let stack = Stack::start(Options { api: false, dispatcher: false, ..Options::default() }).await?;
     let with_otlp = |mut env: Vec<(&'static str, String)>| {
         env.push(("RELAY_OTLP_ENDPOINT", collector.endpoint()));
         env
     };
-    let api = Process::spawn("relay-api", &with_otlp(stack.api_env()))?;
+    let api = Process::spawn_logging("relay-api", &with_otlp(stack.api_env()), log)?;
     stack.wait_for_api().await?;
-    let dispatcher = Process::spawn("relay-dispatcher", &with_otlp(stack.dispatcher_env()))?;
+    let dispatcher = Process::spawn_logging("relay-dispatcher", &with_otlp(stack.dispatcher_env()), log)?;
     let tenant = stack.tenant("traced").await?;
     let receiver = Receiver::start().await?;
     receiver.reply("/fails", Reply::Status(500));

@@ -848,6 +848,23 @@ impl Process {
         Ok(Self { child: cmd.spawn().with_context(|| format!("starting {name}"))? })
     }
 
+    /// Like [`Process::spawn`], but with `RELAY_LOG` as given (`None`: unset,
+    /// the service's own default) and the logs discarded: for checks of what
+    /// the services do at a log level other than the quiet one tests use.
+    pub fn spawn_logging(name: &str, env: &[(&'static str, String)], log: Option<&str>) -> Result<Self> {
+        let mut cmd = tokio::process::Command::new(binary(name)?);
+        cmd.envs(env.iter().filter(|(k, _)| *k != "RELAY_LOG").map(|(k, v)| (*k, v.as_str())))
+            .env_remove("RELAY_LOG")
+            .kill_on_drop(true)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null());
+        if let Some(log) = log {
+            cmd.env("RELAY_LOG", log);
+        }
+        Ok(Self { child: cmd.spawn().with_context(|| format!("starting {name}"))? })
+    }
+
     /// SIGKILL: no shutdown path runs.
     pub async fn kill9(mut self) -> Result<()> {
         self.child.start_kill()?;

@@ -16,8 +16,12 @@ use opentelemetry_sdk::{
     Resource,
     trace::{BatchConfigBuilder, BatchSpanProcessor, SdkTracerProvider},
 };
-use tracing::{Level, Metadata, Subscriber};
-use tracing_subscriber::{Layer, filter::filter_fn, registry::LookupSpan};
+use tracing::{Level, Metadata, Subscriber, subscriber::Interest};
+use tracing_subscriber::{
+    Layer,
+    layer::{Context, Filter},
+    registry::LookupSpan,
+};
 
 /// How long spans wait in the batch queue before they are sent.
 const SCHEDULED_DELAY: Duration = Duration::from_millis(500);
@@ -123,7 +127,28 @@ where
     T: opentelemetry::trace::Tracer + Send + Sync + 'static,
     T::Span: Send + Sync,
 {
-    tracing_opentelemetry::layer().with_tracer(tracer).with_threads(false).with_filter(filter_fn(exported))
+    tracing_opentelemetry::layer().with_tracer(tracer).with_threads(false).with_filter(ExportFilter)
+}
+
+/// [`exported`] as a per-layer filter that never lets a callsite's interest
+/// be cached as `always`. With two per-layer filters on one registry (this
+/// one and the log filter), a callsite that both call `always` skips
+/// `enabled()`, and the registry then decides from a per-layer verdict left
+/// behind by the last dynamic `enabled()` call on the thread (sqlx's query
+/// logger makes one after every query): spans went missing from export at
+/// the default log level and a trace fell apart (tokio-rs/tracing#2704,
+/// #2519). `sometimes` keeps the verdict fresh at the cost of one call per
+/// span; the log level no longer decides what is exported.
+struct ExportFilter;
+
+impl<S> Filter<S> for ExportFilter {
+    fn enabled(&self, meta: &Metadata<'_>, _: &Context<'_, S>) -> bool {
+        exported(meta)
+    }
+
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> Interest {
+        if exported(meta) { Interest::sometimes() } else { Interest::never() }
+    }
 }
 
 /// Spans (never events) at INFO or above, outside the transport crates.
