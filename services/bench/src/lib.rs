@@ -1,8 +1,10 @@
 //! The Relay benchmark: drives the real api and dispatcher (as processes)
 //! through the REST facade, receives on its own loopback server, and reports
 //! throughput, publish→arrival latency, missing and duplicate deliveries, and
-//! the CPU and memory of api, dispatcher and Postgres.
+//! the CPU and memory of api, dispatcher and Postgres, with Postgres's
+//! statements, WAL and commits per delivery.
 
+pub mod pgstats;
 pub mod procs;
 pub mod receiver;
 pub mod report;

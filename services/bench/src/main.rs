@@ -1,4 +1,4 @@
-//! `relay-bench [w1|w2|w2b|w3|smoke ...] [--out DIR]`: runs each workload
+//! `relay-bench [w1|w1@150|w2|w2b|w3|idle|smoke ...] [--out DIR]`: runs each workload
 //! against api and dispatcher binaries found next to this one, with Postgres
 //! and NATS on 127.0.0.1, and writes `<out>/<workload>.json` plus a markdown
 //! table (`<out>/results.md`). Exits non-zero if any delivery is missing or
@@ -24,7 +24,7 @@ async fn main() -> Result<()> {
         }
     }
     if names.is_empty() {
-        names = ["w1", "w1@500", "w2", "w2b", "w3"].map(String::from).to_vec();
+        names = ["w1", "w1@150", "w1@400", "w2", "w2b", "w3", "idle"].map(String::from).to_vec();
     }
     let exe = std::env::current_exe()?;
     let env = Env {

@@ -7,7 +7,7 @@ use std::{
 
 use serde::Serialize;
 
-use crate::{receiver::Receiver, spec::Workload};
+use crate::{pgstats::PgCounters, receiver::Receiver, spec::Workload};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -22,6 +22,33 @@ pub struct Report {
     pub latency_ms: Latency,
     pub cpu_seconds: Resources<f64>,
     pub peak_rss_mib: Resources<f64>,
+    /// From the first publish (or the start of an idle wait) to the last
+    /// healthy arrival: the window the CPU seconds were taken over.
+    pub window_secs: f64,
+    /// api + dispatcher + Postgres CPU over the window, in percent of one core.
+    pub cpu_percent_of_a_core: f64,
+    /// Postgres's counters over the run (statements need pg_stat_statements).
+    pub postgres: PgCounters,
+    /// CPU, statements, WAL and commits divided by the healthy deliveries
+    /// made (`None` for a run that made none).
+    pub per_delivery: Option<PerDelivery>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct PerDelivery {
+    pub cpu_ms: f64,
+    pub statements: Option<f64>,
+    pub wal_bytes: Option<f64>,
+    pub commits: Option<f64>,
+}
+
+/// What the run read off the processes and Postgres.
+pub struct Measured<'a> {
+    pub cpu_before: &'a [f64],
+    pub cpu_after: &'a [f64],
+    pub peaks: &'a [u64],
+    pub window: Duration,
+    pub pg: PgCounters,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -67,10 +94,9 @@ impl Report {
         healthy_paths: &[String],
         started: Instant,
         publish_done: Instant,
-        cpu_before: &[f64],
-        cpu_after: &[f64],
-        peaks: &[u64],
+        m: Measured<'_>,
     ) -> Self {
+        let Measured { cpu_before, cpu_after, peaks, window, pg } = m;
         let arrivals = receiver.arrivals.lock().expect("not poisoned");
         let mut latencies = Vec::new();
         let (mut distinct, mut duplicates, mut last) = (0usize, 0usize, started);
@@ -90,6 +116,15 @@ impl Report {
         let expected = w.events * w.healthy;
         let cpu = |i: usize| ((cpu_after.get(i).unwrap_or(&0.0) - cpu_before.get(i).unwrap_or(&0.0)) * 100.0).round() / 100.0;
         let mib = |i: usize| ((*peaks.get(i).unwrap_or(&0) as f64 / 1_048_576.0) * 10.0).round() / 10.0;
+        let cpu_total = cpu(0) + cpu(1) + cpu(2);
+        let round = |x: f64, places: i32| (x * 10f64.powi(places)).round() / 10f64.powi(places);
+        let per = |total: Option<i64>| total.map(|t| round(t as f64 / distinct as f64, 2));
+        let per_delivery = (distinct > 0).then(|| PerDelivery {
+            cpu_ms: round(cpu_total * 1000.0 / distinct as f64, 3),
+            statements: per(pg.statements),
+            wal_bytes: per(pg.wal_bytes).map(f64::round),
+            commits: per(pg.commits),
+        });
         Self {
             workload: w.clone(),
             machine: machine(),
@@ -102,15 +137,25 @@ impl Report {
             latency_ms: Latency { p50: pct(0.50), p95: pct(0.95), p99: pct(0.99), max: pct(1.0) },
             cpu_seconds: Resources { api: cpu(0), dispatcher: cpu(1), postgres: cpu(2) },
             peak_rss_mib: Resources { api: mib(0), dispatcher: mib(1), postgres: mib(2) },
+            window_secs: round(window.as_secs_f64(), 2),
+            cpu_percent_of_a_core: round(cpu_total * 100.0 / window.as_secs_f64().max(1e-9), 1),
+            postgres: pg,
+            per_delivery,
         }
     }
 
-    pub const MARKDOWN_HEADER: &str = "| workload | events | endpoints (ok/hang/500) | events/s accepted | deliveries/s | p50 ms | p95 ms | p99 ms | max ms | missing | duplicates | CPU s api/disp/pg | peak memory (PSS) MiB api/disp/pg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
+    fn per_delivery_cell(&self) -> String {
+        let Some(p) = &self.per_delivery else { return "–".into() };
+        let or_dash = |v: Option<f64>| v.map_or("–".to_owned(), |v| v.to_string());
+        format!("{} / {} / {} / {}", p.cpu_ms, or_dash(p.statements), or_dash(p.wal_bytes), or_dash(p.commits))
+    }
+
+    pub const MARKDOWN_HEADER: &str = "| workload | events | endpoints (ok/hang/500) | events/s accepted | deliveries/s | p50 ms | p95 ms | p99 ms | max ms | missing | duplicates | CPU s api/disp/pg | CPU % of a core | per delivery: CPU ms / statements / WAL bytes / commits | peak memory (PSS) MiB api/disp/pg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
     pub fn markdown_row(&self) -> String {
         let w = &self.workload;
         format!(
-            "| {} | {} | {}/{}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{}/{} | {}/{}/{} |",
+            "| {} | {} | {}/{}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {}/{}/{} | {} | {} | {}/{}/{} |",
             w.name,
             w.events,
             w.healthy,
@@ -127,6 +172,8 @@ impl Report {
             self.cpu_seconds.api,
             self.cpu_seconds.dispatcher,
             self.cpu_seconds.postgres,
+            self.cpu_percent_of_a_core,
+            self.per_delivery_cell(),
             self.peak_rss_mib.api,
             self.peak_rss_mib.dispatcher,
             self.peak_rss_mib.postgres,

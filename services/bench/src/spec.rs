@@ -24,6 +24,9 @@ pub struct Workload {
     /// Other environments publishing beside the measured one (W4, W5); the
     /// figures are the measured environment's alone.
     pub neighbours: Option<Neighbours>,
+    /// No traffic: the system sits this long with its endpoints registered
+    /// and the run measures what it costs to do nothing (`idle`).
+    pub idle_secs: u64,
 }
 
 /// Environments beside the measured one, each with its own endpoints.
@@ -61,6 +64,7 @@ impl Workload {
             rate,
             hostile: false,
             neighbours: None,
+            idle_secs: 0,
         };
         // The measured environment of W4 and W5 publishes at a steady rate
         // unless the name says otherwise.
@@ -106,10 +110,12 @@ impl Workload {
             // 200 publishes of 250 KiB at once beside 600 hostile bodies of
             // 1–1.9 MiB: what the api's memory does under that.
             "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
+            // Ten endpoints, no traffic, 10 s: the cost of standing by.
+            "idle" => Workload { idle_secs: 10, ..w(0, 0, 10, 0, 0, 0) },
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
             other => bail!(
-                "unknown workload {other:?}: w1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies or smoke, optionally paced as <name>@<events per second>"
+                "unknown workload {other:?}: w1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally paced as <name>@<events per second>"
             ),
         })
     }

@@ -142,6 +142,8 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
     };
 
     // Measure from here.
+    crate::pgstats::prepare(&mut admin_conn).await;
+    let pg_before = crate::pgstats::read(&mut admin_conn, &tag).await;
     let targets = vec![Target::Pid(api_pid), Target::Pid(dispatcher_pid), Target::Named("postgres")];
     let cpu_before: Vec<f64> = targets.iter().map(Target::cpu).collect();
     // Reading smaps of every Postgres backend is not free: sample often
@@ -151,6 +153,9 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
     let filler = "x".repeat(w.payload_bytes.saturating_sub(120));
     let next = Arc::new(AtomicUsize::new(0));
     let started = Instant::now();
+    if w.idle_secs > 0 {
+        tokio::time::sleep(Duration::from_secs(w.idle_secs)).await;
+    }
     let mut publishers = Vec::new();
     for _ in 0..w.publishers {
         let (http, ids, next, key, url, filler) = (http.clone(), ids.clone(), next.clone(), key.clone(), rest_url.clone(), filler.clone());
@@ -221,9 +226,14 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
         b.abort();
     }
     let cpu_after: Vec<f64> = targets.iter().map(Target::cpu).collect();
+    let window = started.elapsed();
     let peaks = sampler.finish().await;
+    // Backends publish their WAL and commit counts within a second.
+    tokio::time::sleep(Duration::from_millis(1100)).await;
+    let pg = crate::pgstats::read(&mut admin_conn, &tag).await.since(&pg_before);
 
-    let report = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, &cpu_before, &cpu_after, &peaks);
+    let measured = crate::report::Measured { cpu_before: &cpu_before, cpu_after: &cpu_after, peaks: &peaks, window, pg };
+    let report = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, measured);
     drop(dispatcher);
     drop(api);
     tokio::time::sleep(Duration::from_millis(200)).await;
