@@ -308,6 +308,38 @@ fn bind_body(b: &Binding, body: &[u8]) -> Result<DynamicMessage, Response> {
     Ok(msg)
 }
 
+/// A message as one uncompressed gRPC frame: flag, length, bytes.
+fn grpc_frame(msg: &DynamicMessage) -> anyhow::Result<BytesMut> {
+    let len = msg.encoded_len();
+    let mut frame = BytesMut::with_capacity(5 + len);
+    frame.put_u8(0);
+    frame.put_u32(u32::try_from(len).map_err(|_| anyhow::anyhow!("a message of {len} bytes does not fit a gRPC frame"))?);
+    msg.encode(&mut frame).map_err(|e| anyhow::Error::new(e).context("encoding an in-process call"))?;
+    Ok(frame)
+}
+
+/// The request side of one REST rule on its own (a JSON body bound to the
+/// method's input and framed as the in-process call), so the micro
+/// benchmarks can time the transcoder without a server.
+pub struct BodyTranscoder(Binding);
+
+impl BodyTranscoder {
+    /// The rule for `method path` as the contracts declare it (`POST`, `/v1/events`).
+    pub fn for_rule(method: &str, path: &str) -> anyhow::Result<Self> {
+        rest_methods()?
+            .into_iter()
+            .find(|(m, p, _)| m.as_str() == method && p == path)
+            .map(|(_, _, b)| Self(b))
+            .ok_or_else(|| anyhow::anyhow!("no REST rule {method} {path}"))
+    }
+
+    /// The framed call a body becomes; an error names the refusal's status.
+    pub fn frame(&self, body: &[u8]) -> anyhow::Result<BytesMut> {
+        let msg = bind_body(&self.0, body).map_err(|r| anyhow::anyhow!("the body was refused: {}", r.status()))?;
+        grpc_frame(&msg)
+    }
+}
+
 async fn transcode(
     b: &Binding,
     grpc: Routes,
@@ -344,11 +376,7 @@ async fn transcode(
 
     // Frame it as a unary gRPC call and send it to the in-process server,
     // with the tenant this facade already verified.
-    let len = msg.encoded_len();
-    let mut frame = BytesMut::with_capacity(5 + len);
-    frame.put_u8(0);
-    frame.put_u32(len as u32);
-    msg.encode(&mut frame).map_err(|e| internal(anyhow::Error::new(e).context("encoding an in-process call")))?;
+    let frame = grpc_frame(&msg).map_err(internal)?;
     drop(msg);
     let mut req = http::Request::builder()
         .method(Method::POST)
