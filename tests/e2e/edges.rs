@@ -94,6 +94,40 @@ async fn every_event_answered_202_is_committed_even_while_clients_hang_up_mid_re
     stack.stop().await
 }
 
+/// A transaction Postgres ends to break a deadlock (as a manual disable and
+/// an outcome batch's automatic one can make, locking an endpoint and its
+/// deliveries in opposite orders) lost a conflict: it is answered "retry"
+/// (503 / UNAVAILABLE) and the use-case may run it again, never a 500.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_ended_to_break_a_deadlock_is_a_retry_not_an_internal_error() -> anyhow::Result<()> {
+    let db = TestDb::create().await?;
+    let pool = relay_api::db::connect(&db.url, 4, Duration::from_secs(5)).await?;
+    sqlx::query("CREATE TABLE locked (n int PRIMARY KEY)").execute(&pool).await?;
+    sqlx::query("INSERT INTO locked VALUES (1), (2)").execute(&pool).await?;
+    let (mut a, mut b) = (pool.begin().await?, pool.begin().await?);
+    sqlx::query("UPDATE locked SET n = n WHERE n = 1").execute(&mut *a).await?;
+    sqlx::query("UPDATE locked SET n = n WHERE n = 2").execute(&mut *b).await?;
+    // Each now wants the other's row: Postgres ends one of them.
+    let (ra, rb) = tokio::join!(
+        sqlx::query("UPDATE locked SET n = n WHERE n = 2").execute(&mut *a),
+        sqlx::query("UPDATE locked SET n = n WHERE n = 1").execute(&mut *b),
+    );
+    let lost = match (ra, rb) {
+        (Err(e), Ok(_)) | (Ok(_), Err(e)) => e,
+        other => panic!("exactly one of two deadlocked transactions fails: {other:?}"),
+    };
+    let code = lost.as_database_error().and_then(|d| d.code()).map(|c| c.into_owned());
+    assert_eq!(code.as_deref(), Some("40P01"), "{lost}");
+    let answered = relay_api::error::AppError::from(lost);
+    assert!(answered.lost_a_conflict(), "{answered:?}");
+    assert_eq!(answered.code, relay_api::error::ErrorCode::Unavailable, "a lost conflict is a retry: {answered:?}");
+    let status = relay_api::grpc::status(answered);
+    assert_eq!((status.code(), relay_api::rest::http_status(status.code()).as_u16()), (tonic::Code::Unavailable, 503));
+    drop((a, b));
+    pool.close().await;
+    db.cleanup().await
+}
+
 /// Issue 9.1, the pool's half: a `begin()` dropped while `BEGIN` is on the
 /// wire leaves its connection inside a transaction (sqlx 0.9.0). The api's
 /// pool must never hand such a connection out again, or an autocommit write

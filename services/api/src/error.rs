@@ -64,13 +64,30 @@ impl AppError {
     }
 }
 
-/// Database errors are internal unless a caller mapped them first.
+/// Postgres ended the transaction so that a concurrent one could finish
+/// (`deadlock_detected`, `serialization_failure`): nothing was written, and
+/// the same request run again succeeds.
+fn lost_a_conflict(e: &sqlx::Error) -> bool {
+    e.as_database_error().and_then(|d| d.code()).is_some_and(|c| c == "40P01" || c == "40001")
+}
+
+/// Database errors are internal unless a caller mapped them first; a lost
+/// conflict is a retry, not a fault.
 impl From<sqlx::Error> for AppError {
     fn from(e: sqlx::Error) -> Self {
         match &e {
             sqlx::Error::PoolTimedOut | sqlx::Error::Io(_) => Self::unavailable(anyhow::Error::new(e).context("database")),
+            e2 if lost_a_conflict(e2) => Self::unavailable(anyhow::Error::new(e).context("a concurrent change won")),
             _ => Self::internal(anyhow::Error::new(e).context("database")),
         }
+    }
+}
+
+impl AppError {
+    /// Whether the transaction that failed lost a conflict with a concurrent
+    /// one and may simply run again.
+    pub fn lost_a_conflict(&self) -> bool {
+        self.source.as_ref().is_some_and(|s| s.downcast_ref::<sqlx::Error>().is_some_and(lost_a_conflict))
     }
 }
 

@@ -125,6 +125,14 @@ impl App {
     /// re-enabling. Enabling releases what the endpoint held while Relay had
     /// disabled it (throttled, oldest first) and starts its health afresh.
     pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
+        // The endpoint is locked first here and last by an outcome batch that
+        // disables it automatically (deliveries → health → endpoint), so the
+        // two can close a circle; Postgres then ends one of them, and this
+        // one runs again.
+        retry_lost_conflicts(|| self.set_endpoint_enabled_once(tenant, id, enabled)).await
+    }
+
+    async fn set_endpoint_enabled_once(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
         let mut tx = self.db.begin().await?;
         let reason = (!enabled).then_some(DisabledReason::Manual);
         db::endpoints::set_disabled(&mut tx, tenant.environment_id, id, reason)
@@ -150,6 +158,10 @@ impl App {
     /// Soft: the row stays so its dead letters can. Pending deliveries end
     /// as dead letters with reason `endpoint_deleted`.
     pub async fn delete_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
+        retry_lost_conflicts(|| self.delete_endpoint_once(tenant, id)).await
+    }
+
+    async fn delete_endpoint_once(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
         let mut tx = self.db.begin().await?;
         if !db::endpoints::soft_delete(&mut tx, tenant.environment_id, id).await? {
             return Err(AppError::not_found("webhook endpoint"));
@@ -158,5 +170,25 @@ impl App {
         db::environments::forget_operations_endpoint(&mut tx, id).await?;
         tx.commit().await.context("committing an endpoint deletion")?;
         Ok(())
+    }
+}
+
+/// Runs a transaction again, up to three times in all, while it loses a
+/// conflict (a deadlock Postgres broke by ending it); a last loss is
+/// answered 503, retry.
+async fn retry_lost_conflicts<T, F, Fut>(mut run: F) -> AppResult<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = AppResult<T>>,
+{
+    let mut tries = 1;
+    loop {
+        match run().await {
+            Err(e) if e.lost_a_conflict() && tries < 3 => {
+                tracing::info!(error = format!("{:#}", e), tries, "a concurrent change won; running the transaction again");
+                tries += 1;
+            }
+            other => return other,
+        }
     }
 }
