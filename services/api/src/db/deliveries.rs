@@ -428,16 +428,22 @@ pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<
     Ok(sqlx::query_as!(
         Candidate,
         r#"WITH RECURSIVE walk AS (
-           (SELECT endpoint_id FROM webhook_deliveries
+           -- Each endpoint with unleased pending rows, with its earliest
+           -- one: one probe of the waiting index per endpoint.
+           (SELECT endpoint_id, next_attempt_at FROM webhook_deliveries
             WHERE state = 'pending' AND dispatched_at IS NULL ORDER BY endpoint_id, next_attempt_at LIMIT 1)
            UNION ALL
-           SELECT (SELECT d.endpoint_id FROM webhook_deliveries d
-                   WHERE d.state = 'pending' AND d.dispatched_at IS NULL AND d.endpoint_id > w.endpoint_id
-                   ORDER BY d.endpoint_id, d.next_attempt_at LIMIT 1)
-           FROM walk w WHERE w.endpoint_id IS NOT NULL),
+           SELECT n.endpoint_id, n.next_attempt_at
+           FROM walk w CROSS JOIN LATERAL (
+             SELECT d.endpoint_id, d.next_attempt_at FROM webhook_deliveries d
+             WHERE d.state = 'pending' AND d.dispatched_at IS NULL AND d.endpoint_id > w.endpoint_id
+             ORDER BY d.endpoint_id, d.next_attempt_at LIMIT 1) AS n),
          capped AS MATERIALIZED (
            SELECT w.endpoint_id, CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $2::bigint END AS cap
-           FROM walk w JOIN endpoint_health h ON h.endpoint_id = w.endpoint_id),
+           FROM walk w JOIN endpoint_health h ON h.endpoint_id = w.endpoint_id
+           -- Only endpoints with something due: one whose retries are all
+           -- later costs its probe and nothing more.
+           WHERE w.next_attempt_at <= now()),
          counted AS MATERIALIZED (
            SELECT c.endpoint_id, c.cap,
                   (SELECT count(*) FROM (SELECT 1 FROM webhook_deliveries l
