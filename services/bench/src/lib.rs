@@ -2,8 +2,9 @@
 //! through the REST facade, receives on its own loopback server, and reports
 //! throughput, publish→arrival latency, missing and duplicate deliveries, and
 //! the CPU and memory of api, dispatcher and Postgres, with Postgres's
-//! statements, WAL and commits per delivery.
+//! statements, WAL and commits per delivery, and draws each run as an SVG.
 
+pub mod chart;
 pub mod pgstats;
 pub mod procs;
 pub mod receiver;

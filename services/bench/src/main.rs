@@ -1,6 +1,6 @@
 //! `relay-bench [w1|w1@150|w2|w2b|w3|idle|smoke ...] [--out DIR]`: runs each workload
 //! against api and dispatcher binaries found next to this one, with Postgres
-//! and NATS on 127.0.0.1, and writes `<out>/<workload>.json` plus a markdown
+//! and NATS on 127.0.0.1, and writes `<out>/<workload>.json` and `.svg` plus a markdown
 //! table (`<out>/results.md`). Exits non-zero if any delivery is missing or
 //! duplicated.
 
@@ -38,8 +38,9 @@ async fn main() -> Result<()> {
     for name in &names {
         let w = Workload::named(name)?;
         eprintln!("running {name}: {} events, {} publishers, {}/{}/{} endpoints", w.events, w.publishers, w.healthy, w.hanging, w.failing);
-        let r = workload::run(&w, &env).await.with_context(|| format!("workload {name}"))?;
+        let (r, series) = workload::run(&w, &env).await.with_context(|| format!("workload {name}"))?;
         std::fs::write(out.join(format!("{name}.json")), serde_json::to_string_pretty(&r)? + "\n")?;
+        std::fs::write(out.join(format!("{name}.svg")), relay_bench::chart::svg(name, &series))?;
         println!("{}", serde_json::to_string(&r)?);
         rows.push(r.markdown_row());
         bad |= r.missing > 0 || r.duplicates > 0;

@@ -7,7 +7,7 @@ use std::{
 
 use serde::Serialize;
 
-use crate::{pgstats::PgCounters, receiver::Receiver, spec::Workload};
+use crate::{chart::Series, pgstats::PgCounters, receiver::Receiver, spec::Workload};
 
 #[derive(Debug, Clone, Serialize)]
 pub struct Report {
@@ -95,10 +95,11 @@ impl Report {
         started: Instant,
         publish_done: Instant,
         m: Measured<'_>,
-    ) -> Self {
+    ) -> (Self, Series) {
         let Measured { cpu_before, cpu_after, peaks, window, pg } = m;
         let arrivals = receiver.arrivals.lock().expect("not poisoned");
         let mut latencies = Vec::new();
+        let mut arrived = Vec::new();
         let (mut distinct, mut duplicates, mut last) = (0usize, 0usize, started);
         for path in healthy_paths {
             for (id, at) in published_at {
@@ -106,6 +107,7 @@ impl Report {
                     distinct += 1;
                     duplicates += times.len() - 1;
                     latencies.push(times[0] - *at);
+                    arrived.push(times[0].saturating_duration_since(started));
                     last = last.max(times[0]);
                 }
             }
@@ -125,7 +127,7 @@ impl Report {
             wal_bytes: per(pg.wal_bytes).map(f64::round),
             commits: per(pg.commits),
         });
-        Self {
+        let report = Self {
             workload: w.clone(),
             machine: machine(),
             events_accepted_per_sec: (w.events as f64 / (publish_done - started).as_secs_f64()).round(),
@@ -141,7 +143,8 @@ impl Report {
             cpu_percent_of_a_core: round(cpu_total * 100.0 / window.as_secs_f64().max(1e-9), 1),
             postgres: pg,
             per_delivery,
-        }
+        };
+        (report, Series { latencies, arrivals: arrived })
     }
 
     fn per_delivery_cell(&self) -> String {

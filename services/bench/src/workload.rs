@@ -54,7 +54,7 @@ async fn free_port() -> Result<SocketAddr> {
     Ok(tokio::net::TcpListener::bind("127.0.0.1:0").await?.local_addr()?)
 }
 
-pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
+pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Series)> {
     let _ = rustls::crypto::ring::default_provider().install_default();
     let tag = format!("bench_{}", uuid::Uuid::new_v4().simple().to_string().get(..10).unwrap_or("x"));
     let db_url = env.pg_admin_url.rsplit_once('/').map(|(base, _)| format!("{base}/{tag}")).context("a database URL")?;
@@ -233,14 +233,14 @@ pub async fn run(w: &Workload, env: &Env) -> Result<Report> {
     let pg = crate::pgstats::read(&mut admin_conn, &tag).await.since(&pg_before);
 
     let measured = crate::report::Measured { cpu_before: &cpu_before, cpu_after: &cpu_after, peaks: &peaks, window, pg };
-    let report = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, measured);
+    let (report, series) = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, measured);
     drop(dispatcher);
     drop(api);
     tokio::time::sleep(Duration::from_millis(200)).await;
     let _ = admin_conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {tag} WITH (FORCE)"))).await;
     delete_streams(&env.nats_url, &prefix).await;
     let _ = std::fs::remove_dir_all(&work);
-    Ok(report)
+    Ok((report, series))
 }
 
 /// The neighbour environments and their endpoints (paths outside `/ok/`,
