@@ -416,14 +416,16 @@ pub struct Claimed {
     pub dispatched_at: Timestamp,
 }
 
-/// Due rows, in turns across endpoints, without locking, found endpoint by endpoint: a
-/// walk over the endpoints with unleased pending rows (one index probe each),
-/// and for each one with a free slot its oldest due rows, as many as it has
-/// free slots. An endpoint at its cap (a hanging one holds every slot for a
-/// timeout each) thus costs a probe and a bounded count per pass, not a read
-/// of its whole parked backlog. Rows whose lease ran out come from their own
-/// index. An endpoint that failed its last attempt gets one slot, not `cap`:
-/// no use handing a receiver that is timing out more work to time out on.
+/// Due rows, found endpoint by endpoint and taken in turns across them,
+/// without locking: a walk over the endpoints with unleased pending rows (one
+/// index probe each, which also gives the endpoint's earliest row), and for
+/// each one with something due and a free slot its oldest due rows, as many
+/// as it has free slots. An endpoint at its cap (a hanging one holds every
+/// slot for a timeout each) thus costs a probe and a bounded count per pass,
+/// not a read of its whole parked backlog; a pass costs O(endpoints with
+/// waiting rows). Rows whose lease ran out come from their own index. An
+/// endpoint that failed its last attempt gets one slot, not `cap`: no use
+/// handing a receiver that is timing out more work to time out on.
 pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<Candidate>> {
     Ok(sqlx::query_as!(
         Candidate,
