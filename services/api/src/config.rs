@@ -132,7 +132,10 @@ impl ApiConfig {
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             schedule,
             delivery_lease: env.secs("RELAY_DELIVERY_LEASE_SECS", 5..=3600)?,
-            relay_idle: Duration::from_millis(500),
+            // A backstop only: commits in this process wake its relays, other
+            // processes' due deliveries arrive by NOTIFY; this bounds how late
+            // the work of a process that died between commit and publish is seen.
+            relay_idle: Duration::from_secs(2),
             relay_batch: env.number("RELAY_RELAY_BATCH", 1..=10_000)?,
             events_backlog: env.number("RELAY_EVENTS_BACKLOG", 1..=1_000_000)?,
             db_acquire_timeout: Duration::from_secs(5),

@@ -106,6 +106,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         deliveries_wake: Default::default(),
         probes_wake: Default::default(),
         recover_wake: Default::default(),
+        dead_letters_counted: Default::default(),
         metrics: Default::default(),
         lease_guard: Default::default(),
         direct: cfg.run_relays.then(|| app::DirectDispatch {
@@ -142,11 +143,13 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 backlog_bound: std::sync::atomic::AtomicU64::new(u64::MAX),
             };
             let listen = DeliveryRelay::listen(app.clone(), rx.clone());
-            let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(1) };
+            let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(5) };
             let recoverer = relay::recover::Recoverer {
                 app: app.clone(),
                 per_pass: i64::from(app.health.release_per_second),
                 every: std::time::Duration::from_secs(1),
+                backstop: std::time::Duration::from_secs(5),
+                busy: Default::default(),
                 last: Default::default(),
             };
             let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap };
@@ -156,13 +159,21 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     }
 
     if cfg.run_relays {
-        // Dead letters are announced to operations endpoints in batches.
+        // Dead letters are announced to operations endpoints in batches:
+        // looked for each second while this process has counted one that
+        // may still wait (gathering, the per-minute limit), otherwise every
+        // ten seconds for those other api processes counted.
         let (app, mut stop) = (app.clone(), stop_rx.clone());
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(std::time::Duration::from_secs(1));
+            let mut looked: Option<tokio::time::Instant> = None;
             loop {
                 tokio::select! {
                     _ = tick.tick() => {
+                        if !app.dead_letters_counted.may_wait() && looked.is_some_and(|at| at.elapsed() < app::operational::ANNOUNCE_BACKSTOP) {
+                            continue;
+                        }
+                        looked = Some(tokio::time::Instant::now());
                         if let Err(e) = app.announce_dead_letters().await {
                             tracing::warn!(error = ?e, "announcing dead letters failed; they stay counted");
                         }

@@ -58,6 +58,10 @@ pub struct App {
     pub probes_wake: Wake,
     /// Wakes the recovery pass when a recovery starts.
     pub recover_wake: Wake,
+    /// When this process last counted a dead letter for its endpoint's
+    /// operations endpoint; the announcer asks the database only while one
+    /// may still be waiting.
+    pub dead_letters_counted: operational::DeadLetterHint,
     pub metrics: crate::metrics::Metrics,
     /// Set when this api runs the relays: first attempts created by an
     /// expansion are handed to the broker right after it commits, instead of

@@ -25,6 +25,28 @@ use crate::{
 const GATHER_DEAD_LETTERS: Duration = Duration::from_secs(2);
 /// And an endpoint's dead letters are announced at most this often.
 const ANNOUNCE_DEAD_LETTERS_EVERY: Duration = Duration::from_secs(60);
+/// How often the announcer looks for dead letters other api processes
+/// counted, when this one has counted none lately.
+pub const ANNOUNCE_BACKSTOP: Duration = Duration::from_secs(10);
+
+/// When this process last counted a dead letter to announce.
+#[derive(Debug, Clone, Default)]
+pub struct DeadLetterHint(std::sync::Arc<std::sync::Mutex<Option<std::time::Instant>>>);
+
+impl DeadLetterHint {
+    pub fn counted(&self) {
+        *self.0.lock().expect("not poisoned") = Some(std::time::Instant::now());
+    }
+
+    /// Whether a dead letter counted here may still wait to be announced:
+    /// within the gathering window and the per-endpoint minute, and a margin.
+    pub fn may_wait(&self) -> bool {
+        self.0
+            .lock()
+            .expect("not poisoned")
+            .is_some_and(|at| at.elapsed() < GATHER_DEAD_LETTERS + ANNOUNCE_DEAD_LETTERS_EVERY + Duration::from_secs(5))
+    }
+}
 
 /// What happened to an endpoint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -101,7 +101,7 @@ impl App {
             log.push(id, r.generation, r.attempt, environment_id, status, errors[i].clone(), r.latency_ms, body, decision);
             answers[i] = Some(Ok(decision));
         }
-        write_outcome_rows(&mut tx, &dead, &log).await?;
+        write_outcome_rows(&mut tx, &dead, &log, &self.dead_letters_counted).await?;
         let mut decisions: Vec<(&'static str, i64)> = log.decision.iter().copied().zip(log.latency_ms.iter().copied()).collect();
 
         // Everything else — repeats, stragglers from before a replay, unknown
@@ -251,7 +251,7 @@ impl App {
         }
         db::dead_letters::withdraw_switch_off(&mut *tx, &revived).await?;
         db::dead_letters::complete_switch_off(&mut *tx, &late_failures).await?;
-        write_outcome_rows(&mut *tx, &dead, &log).await?;
+        write_outcome_rows(&mut *tx, &dead, &log, &self.dead_letters_counted).await?;
         let decisions = log.decision.iter().copied().zip(log.latency_ms.iter().copied()).collect();
         Ok((out, decisions, seen))
     }
@@ -262,11 +262,13 @@ async fn write_outcome_rows(
     tx: &mut sqlx::PgConnection,
     dead: &db::dead_letters::DeadLetterRows,
     log: &db::attempts::AttemptRows,
+    counted: &super::operational::DeadLetterHint,
 ) -> AppResult<()> {
     db::dead_letters::insert_exhausted(&mut *tx, dead).await?;
     // Counted for the tenant's operations endpoint, announced in a batch.
     if !dead.id.is_empty() {
         db::events::count_dead_letter_notices(&mut *tx, &dead.endpoint_id, &dead.environment_id).await?;
+        counted.counted();
     }
     db::attempts::insert(&mut *tx, log).await
 }

@@ -1,6 +1,7 @@
-//! The recovery pass: once a second, each running recovery sends its next
-//! few deliveries again (see `app::recover`), so an endpoint gets at most
-//! the release rate per second from a recovery, whatever its range.
+//! The recovery pass: once a second while recoveries run, each sends its
+//! next few deliveries again (see `app::recover`), so an endpoint gets at
+//! most the release rate per second from a recovery, whatever its range.
+//! With none running it sleeps until a new one wakes it (or a backstop).
 
 use std::time::Duration;
 
@@ -14,6 +15,11 @@ pub struct Recoverer {
     /// Deliveries each running recovery sends per pass.
     pub per_pass: i64,
     pub every: Duration,
+    /// The sleep after a pass that sent nothing: a new recovery wakes the
+    /// pass, so this only bounds how late one another api started is seen.
+    pub backstop: Duration,
+    /// Whether the last pass sent anything (a recovery is running).
+    pub busy: std::sync::atomic::AtomicBool,
     /// When the last pass ran: a wake (a new recovery) does not bring the
     /// next pass forward, or it would break the throttle of running ones.
     pub last: std::sync::Mutex<Option<tokio::time::Instant>>,
@@ -38,7 +44,7 @@ impl super::Pass for Recoverer {
     }
 
     async fn idle_for(&self) -> Duration {
-        self.every
+        if self.busy.load(std::sync::atomic::Ordering::Relaxed) { self.every } else { self.backstop }
     }
 
     async fn drain_once(&self) -> Result<usize> {
@@ -47,6 +53,8 @@ impl super::Pass for Recoverer {
             tokio::time::sleep_until(last + self.every).await;
         }
         *self.last.lock().expect("not poisoned") = Some(tokio::time::Instant::now());
-        Ok(self.app.recover_pass(self.per_pass).await?)
+        let sent = self.app.recover_pass(self.per_pass).await?;
+        self.busy.store(sent > 0, std::sync::atomic::Ordering::Relaxed);
+        Ok(sent)
     }
 }
