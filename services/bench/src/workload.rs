@@ -102,14 +102,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
         .domain_name(relay_devkit::API_TLS_NAME);
     let channel = Channel::from_shared(format!("https://127.0.0.1:{}", internal.port()))?.tls_config(tls)?.connect().await?;
     let mut admin = AdminServiceClient::new(channel);
-    let environment = admin
-        .create_environment(CreateEnvironmentRequest { name: format!("bench-{}", w.name), endpoint_quota: w.endpoints() as u32 })
-        .await?
-        .into_inner()
-        .environment
-        .context("no environment")?;
-    let key =
-        admin.create_api_key(CreateApiKeyRequest { environment_id: environment.id.clone(), name: "bench".into() }).await?.into_inner().key;
+    let (environment_id, key) = environment_with_key(&mut admin, format!("bench-{}", w.name), w.endpoints() as u32).await?;
 
     let receiver = Receiver::start().await?;
     let mut healthy_paths = Vec::new();
@@ -125,16 +118,10 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
         paths.push(format!("/status/500/{i}"));
     }
     for p in &paths {
-        let resp = http
-            .post(format!("{rest_url}/v1/webhooks"))
-            .bearer_auth(&key)
-            .json(&serde_json::json!({"url": receiver.url(p), "event_types": ["bench.event"]}))
-            .send()
-            .await?;
-        anyhow::ensure!(resp.status().as_u16() == 201, "creating an endpoint: {} {}", resp.status(), resp.text().await?);
+        register_endpoint(&http, &rest_url, &key, receiver.url(p)).await?;
     }
     if w.backlog > 0 {
-        seed_backlog(&db_url, &environment.id, w.backlog).await?;
+        seed_backlog(&db_url, &environment_id, w.backlog).await?;
     }
     let neighbour_keys = match &w.neighbours {
         Some(n) => neighbours(&mut admin, &http, &rest_url, &receiver, n).await?,
@@ -255,29 +242,42 @@ async fn neighbours(
     let mut keys = Vec::with_capacity(n.environments);
     for e in 0..n.environments {
         let quota = (n.healthy_each + n.hanging_each + n.failing_each) as u32;
-        let env = admin
-            .create_environment(CreateEnvironmentRequest { name: format!("neighbour-{e}"), endpoint_quota: quota.max(1) })
-            .await?
-            .into_inner()
-            .environment
-            .context("no environment")?;
-        let key = admin.create_api_key(CreateApiKeyRequest { environment_id: env.id, name: "bench".into() }).await?.into_inner().key;
+        let (_, key) = environment_with_key(admin, format!("neighbour-{e}"), quota.max(1)).await?;
         let paths = (0..n.healthy_each)
             .map(|i| format!("/nb/{e}/{i}"))
             .chain((0..n.hanging_each).map(|i| format!("/hang/600/nb{e}-{i}")))
             .chain((0..n.failing_each).map(|i| format!("/status/500/nb{e}-{i}")));
         for p in paths {
-            let resp = http
-                .post(format!("{rest_url}/v1/webhooks"))
-                .bearer_auth(&key)
-                .json(&serde_json::json!({"url": receiver.url(&p), "event_types": ["bench.event"]}))
-                .send()
-                .await?;
-            anyhow::ensure!(resp.status().as_u16() == 201, "creating a neighbour's endpoint: {} {}", resp.status(), resp.text().await?);
+            register_endpoint(http, rest_url, &key, receiver.url(&p)).await?;
         }
         keys.push(key);
     }
     Ok(keys)
+}
+
+/// A new environment and an API key for it: (environment id, key).
+async fn environment_with_key(admin: &mut AdminServiceClient<Channel>, name: String, endpoint_quota: u32) -> Result<(String, String)> {
+    let environment = admin
+        .create_environment(CreateEnvironmentRequest { name, endpoint_quota })
+        .await?
+        .into_inner()
+        .environment
+        .context("no environment")?;
+    let key =
+        admin.create_api_key(CreateApiKeyRequest { environment_id: environment.id.clone(), name: "bench".into() }).await?.into_inner().key;
+    Ok((environment.id, key))
+}
+
+/// Registers an endpoint at `url` for the bench's event type, through the REST facade.
+async fn register_endpoint(http: &reqwest::Client, rest_url: &str, key: &str, url: String) -> Result<()> {
+    let resp = http
+        .post(format!("{rest_url}/v1/webhooks"))
+        .bearer_auth(key)
+        .json(&serde_json::json!({"url": url, "event_types": ["bench.event"]}))
+        .send()
+        .await?;
+    anyhow::ensure!(resp.status().as_u16() == 201, "creating an endpoint at {url}: {} {}", resp.status(), resp.text().await?);
+    Ok(())
 }
 
 /// The neighbours' events, round robin over their environments, 16 at a

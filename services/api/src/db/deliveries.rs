@@ -391,19 +391,6 @@ pub async fn earliest_due(db: &PgPool) -> AppResult<Option<Timestamp>> {
     Ok(sqlx::query_scalar!("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'").fetch_one(db).await?)
 }
 
-/// A due row the unlocked scan found.
-pub struct Candidate {
-    pub id: Uuid,
-    pub endpoint_id: Uuid,
-    /// An expired lease being handed out again: it already holds its slot.
-    pub released: bool,
-    /// Attempts of this endpoint handed out and not yet reported (counted
-    /// up to `cap`).
-    pub outstanding: i64,
-    /// How many attempts this endpoint may have handed out and unreported.
-    pub cap: i64,
-}
-
 /// A row this pass locked and hands to the broker.
 pub struct Claimed {
     pub id: Uuid,
@@ -426,9 +413,10 @@ pub struct Claimed {
 /// waiting rows). Rows whose lease ran out come from their own index. An
 /// endpoint that failed its last attempt gets one slot, not `cap`: no use
 /// handing a receiver that is timing out more work to time out on.
-pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<Candidate>> {
-    Ok(sqlx::query_as!(
-        Candidate,
+/// Returns the rows' ids: each endpoint's rows are already within its free
+/// slots, so every one may be claimed.
+pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<Uuid>> {
+    Ok(sqlx::query_scalar!(
         r#"WITH RECURSIVE walk AS (
            -- Each endpoint with unleased pending rows, with its earliest
            -- one: one probe of the waiting index per endpoint.
@@ -452,9 +440,9 @@ pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<
                                          WHERE l.state = 'pending' AND l.dispatched_at IS NOT NULL AND l.endpoint_id = c.endpoint_id
                                          LIMIT c.cap) AS s) AS n
            FROM capped c)
-         SELECT id AS "id!", endpoint_id AS "endpoint_id!", released AS "released!", outstanding AS "outstanding!", cap AS "cap!"
+         SELECT id AS "id!"
          FROM (
-           SELECT d.id, d.endpoint_id, false AS released, c.n AS outstanding, c.cap, d.next_attempt_at
+           SELECT d.id, d.endpoint_id, false AS released, d.next_attempt_at
            -- Its first rows in due order, then those of them that are due
            -- (the same rows as asking for due ones). Written as a range on
            -- the endpoint and no time bound so that only the waiting index
@@ -467,7 +455,7 @@ pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<
              ORDER BY d.endpoint_id, d.next_attempt_at LIMIT c.cap - c.n) AS d
            WHERE c.n < c.cap AND d.next_attempt_at <= now()
            UNION ALL
-           (SELECT id, endpoint_id, true, 0::bigint, $2::bigint, next_attempt_at FROM webhook_deliveries
+           (SELECT id, endpoint_id, true, next_attempt_at FROM webhook_deliveries
             WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at <= now()
             ORDER BY next_attempt_at LIMIT $1)) AS due
          -- Turns across endpoints (every endpoint's oldest row, then every

@@ -7,13 +7,12 @@
 //! none ever comes (the job was lost), the row falls due again by itself and
 //! is re-published under the same message id.
 
-use std::{collections::HashMap, time::Duration};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use async_nats::jetstream;
 use relay_contracts::StreamNames;
 use tokio::sync::watch;
-use uuid::Uuid;
 
 use crate::{
     app::{App, Timestamp},
@@ -119,30 +118,13 @@ impl super::Pass for DeliveryRelay {
 
     async fn drain_once(&self) -> Result<usize> {
         let _leasing = self.app.lease_guard.lock().await;
-        // Choose without locking: the scan passes over due rows of endpoints
-        // at their cap, and locking every row it returns (a heap write each)
-        // would cost far more than the handful kept.
-        let candidates =
-            db::deliveries::due_candidates(&self.app.db, self.batch, self.endpoint_cap).await.context("finding due deliveries")?;
-        if candidates.is_empty() {
+        // Choose without locking (the claim below re-checks): each
+        // endpoint's fresh rows come already within its free slots, lost
+        // leases hold theirs, so every row chosen may be taken.
+        let chosen = db::deliveries::due_candidates(&self.app.db, self.batch, self.endpoint_cap).await.context("finding due deliveries")?;
+        if chosen.is_empty() {
             return Ok(0);
         }
-        // The query admits every row of an endpoint below its cap; keep only
-        // as many fresh rows per endpoint as it has free slots. The rest stay
-        // due and are taken once slots free up.
-        let mut taken: HashMap<Uuid, i64> = HashMap::new();
-        let chosen: Vec<Uuid> = candidates
-            .into_iter()
-            .filter(|r| {
-                if r.released {
-                    return true;
-                }
-                let n = taken.entry(r.endpoint_id).or_insert(r.outstanding);
-                *n += 1;
-                *n <= r.cap
-            })
-            .map(|r| r.id)
-            .collect();
         // Claim what was chosen, re-checking that it is still due and
         // unclaimed (another relay may have taken, or an outcome moved, it
         // since the scan), and lease it in the same statement: no row lock

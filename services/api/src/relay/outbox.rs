@@ -110,12 +110,12 @@ impl super::Pass for OutboxRelay {
 
     async fn drain_once(&self) -> Result<usize> {
         let limit = self.room().await.map_or(self.batch, |room| self.batch.min(room as i64));
-        // Held back: the stream's room, not the outbox, ended the pass.
-        self.held_back.store(limit == 0, Ordering::Relaxed);
         if limit == 0 {
+            self.held_back.store(true, Ordering::Relaxed);
             return Ok(0);
         }
         let rows = db::events::claim_unpublished(&self.app.db, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
+        // Held back: the stream's room, not the outbox, ended the pass.
         self.held_back.store(limit < self.batch && rows.len() as i64 >= limit, Ordering::Relaxed);
         if rows.is_empty() {
             return Ok(0);
