@@ -84,6 +84,17 @@ impl From<sqlx::Error> for AppError {
 }
 
 impl AppError {
+    /// The same answer again, for each item of a batch that failed as a
+    /// whole (the cause kept as text).
+    pub fn for_each(&self) -> Self {
+        Self {
+            code: self.code,
+            reason: self.reason,
+            message: self.message.clone(),
+            source: self.source.as_ref().map(|s| anyhow::anyhow!("{s:#}")),
+        }
+    }
+
     /// Whether the transaction that failed lost a conflict with a concurrent
     /// one and may simply run again.
     pub fn lost_a_conflict(&self) -> bool {

@@ -115,6 +115,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         }),
         clock: std::sync::Arc::new(app::SystemClock),
         health: cfg.health,
+        lanes: Default::default(),
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
@@ -122,6 +123,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
+    app.start_lanes(cfg.db_acquire_timeout, stop_rx.clone());
 
     if cfg.run_relays {
         let (js, names, app, rx) = (js.clone(), names.clone(), app.clone(), stop_rx.clone());

@@ -43,6 +43,9 @@ async fn main() -> Result<()> {
         std::fs::write(out.join(format!("{name}.svg")), relay_bench::chart::svg(name, &series))?;
         println!("{}", serde_json::to_string(&r)?);
         rows.push(r.markdown_row());
+        if let Some(breakdown) = r.statement_breakdown() {
+            eprintln!("{breakdown}");
+        }
         bad |= r.missing > 0 || r.duplicates > 0;
     }
     let table = format!(

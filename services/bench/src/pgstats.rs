@@ -15,15 +15,61 @@ pub struct PgCounters {
     pub wal_bytes: Option<i64>,
     /// Transactions the bench database committed.
     pub commits: Option<i64>,
+    /// Table rows the bench database read by sequential scan: a hot path
+    /// should find its rows through an index, so this stays near zero.
+    pub rows_seq_scanned: Option<i64>,
+    /// Where the statements went: each statement of the bench database with
+    /// its calls and time (the run's share once `since` has subtracted the
+    /// reading before), most called first. Empty without `pg_stat_statements`.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub by_statement: Vec<StatementCost>,
 }
+
+/// One normalised statement's share of a run, as `pg_stat_statements` counts it.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct StatementCost {
+    #[serde(skip)]
+    pub queryid: i64,
+    /// The statement's text, whitespace collapsed, cut at 160 characters.
+    pub query: String,
+    pub calls: i64,
+    /// Milliseconds spent executing and planning it.
+    pub exec_ms: f64,
+    pub plan_ms: f64,
+    /// Shared buffers it touched (hit or read): what it scanned.
+    pub blocks: i64,
+}
+
+/// How many statements a run's breakdown keeps.
+const BREAKDOWN: usize = 25;
 
 impl PgCounters {
     pub fn since(&self, before: &Self) -> Self {
         let d = |a: Option<i64>, b: Option<i64>| Some(a? - b?);
+        let earlier: std::collections::HashMap<i64, &StatementCost> = before.by_statement.iter().map(|s| (s.queryid, s)).collect();
+        let mut by_statement: Vec<StatementCost> = self
+            .by_statement
+            .iter()
+            .map(|s| match earlier.get(&s.queryid) {
+                Some(b) => StatementCost {
+                    calls: s.calls - b.calls,
+                    exec_ms: s.exec_ms - b.exec_ms,
+                    plan_ms: s.plan_ms - b.plan_ms,
+                    blocks: s.blocks - b.blocks,
+                    ..s.clone()
+                },
+                None => s.clone(),
+            })
+            .filter(|s| s.calls > 0)
+            .collect();
+        by_statement.sort_by_key(|s| std::cmp::Reverse(s.calls));
+        by_statement.truncate(BREAKDOWN);
         Self {
             statements: d(self.statements, before.statements),
             wal_bytes: d(self.wal_bytes, before.wal_bytes),
             commits: d(self.commits, before.commits),
+            rows_seq_scanned: d(self.rows_seq_scanned, before.rows_seq_scanned),
+            by_statement,
         }
     }
 }
@@ -42,7 +88,7 @@ pub async fn prepare(admin: &mut PgConnection) {
 
 /// Reads the counters of database `db`. Backends publish their WAL and
 /// commit counts at most once a second, so read a second after the work.
-pub async fn read(admin: &mut PgConnection, db: &str) -> PgCounters {
+pub async fn read(admin: &mut PgConnection, db: &str, db_url: &str) -> PgCounters {
     // This connection's own pending counts (creating the database wrote a
     // copy of the template to the WAL) are published at the end of this.
     let _ = sqlx::raw_sql("SELECT pg_stat_force_next_flush()").execute(&mut *admin).await;
@@ -61,5 +107,40 @@ pub async fn read(admin: &mut PgConnection, db: &str) -> PgCounters {
         .await
         .ok()
         .and_then(|r| r.try_get::<i64, _>(0).ok());
-    PgCounters { statements, wal_bytes, commits }
+    let by_statement =
+        one("SELECT s.queryid, regexp_replace(s.query, '\\s+', ' ', 'g') AS query, s.calls, s.total_exec_time, s.total_plan_time,
+                (s.shared_blks_hit + s.shared_blks_read)::bigint
+         FROM pg_stat_statements s JOIN pg_database d ON d.oid = s.dbid WHERE d.datname = $1")
+        .bind(db)
+        .fetch_all(&mut *admin)
+        .await
+        .map(|rows| {
+            rows.iter()
+                .filter_map(|r| {
+                    let query: String = r.try_get(1).ok()?;
+                    Some(StatementCost {
+                        queryid: r.try_get(0).ok()?,
+                        query: query.chars().take(160).collect(),
+                        calls: r.try_get(2).ok()?,
+                        exec_ms: r.try_get(3).ok()?,
+                        plan_ms: r.try_get(4).ok()?,
+                        blocks: r.try_get(5).ok()?,
+                    })
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    // Table statistics are per database: ask the bench database itself.
+    let rows_seq_scanned = match <PgConnection as sqlx::Connection>::connect(db_url).await {
+        Ok(mut conn) => {
+            let _ = sqlx::raw_sql("SELECT pg_stat_clear_snapshot()").execute(&mut conn).await;
+            one("SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables")
+                .fetch_one(&mut conn)
+                .await
+                .ok()
+                .and_then(|r| r.try_get::<i64, _>(0).ok())
+        }
+        Err(_) => None,
+    };
+    PgCounters { statements, wal_bytes, commits, rows_seq_scanned, by_statement }
 }

@@ -153,6 +153,31 @@ impl Report {
         format!("{} / {} / {} / {}", p.cpu_ms, or_dash(p.statements), or_dash(p.wal_bytes), or_dash(p.commits))
     }
 
+    /// The run's statements, most called first, per healthy delivery: where
+    /// the database budget goes.
+    pub fn statement_breakdown(&self) -> Option<String> {
+        if self.postgres.by_statement.is_empty() || self.healthy_deliveries == 0 {
+            return None;
+        }
+        let n = self.healthy_deliveries as f64;
+        let mut out = format!("{}: statements per delivery (calls, exec+plan µs per call, buffers per call)\n", self.workload.name);
+        if let Some(rows) = self.postgres.rows_seq_scanned {
+            out += &format!("  rows read by sequential scans: {:.1} per delivery\n", rows as f64 / n);
+        }
+        for s in &self.postgres.by_statement {
+            let per_call = (s.exec_ms + s.plan_ms) * 1000.0 / s.calls as f64;
+            let blocks = s.blocks as f64 / s.calls as f64;
+            out += &format!(
+                "  {:>6.3}  {:>7.0} µs  {:>6.1}  {}\n",
+                s.calls as f64 / n,
+                per_call,
+                blocks,
+                s.query.chars().take(100).collect::<String>()
+            );
+        }
+        Some(out)
+    }
+
     pub const MARKDOWN_HEADER: &str = "| workload | events | endpoints (ok/hang/500) | events/s accepted | deliveries/s | p50 ms | p95 ms | p99 ms | max ms | missing | duplicates | CPU s api/disp/pg | CPU % of a core | per delivery: CPU ms / statements / WAL bytes / commits | peak memory (PSS) MiB api/disp/pg |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|";
 
     pub fn markdown_row(&self) -> String {

@@ -127,10 +127,11 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
         Some(n) => neighbours(&mut admin, &http, &rest_url, &receiver, n).await?,
         None => Vec::new(),
     };
+    seed_history(&db_url).await.context("seeding the delivered history")?;
 
     // Measure from here.
     crate::pgstats::prepare(&mut admin_conn).await;
-    let pg_before = crate::pgstats::read(&mut admin_conn, &tag).await;
+    let pg_before = crate::pgstats::read(&mut admin_conn, &tag, &db_url).await;
     let targets = vec![Target::Pid(api_pid), Target::Pid(dispatcher_pid), Target::Named("postgres")];
     let cpu_before: Vec<f64> = targets.iter().map(Target::cpu).collect();
     // Reading smaps of every Postgres backend is not free: sample often
@@ -217,7 +218,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     let peaks = sampler.finish().await;
     // Backends publish their WAL and commit counts within a second.
     tokio::time::sleep(Duration::from_millis(1100)).await;
-    let pg = crate::pgstats::read(&mut admin_conn, &tag).await.since(&pg_before);
+    let pg = crate::pgstats::read(&mut admin_conn, &tag, &db_url).await.since(&pg_before);
 
     let measured = crate::report::Measured { cpu_before: &cpu_before, cpu_after: &cpu_after, peaks: &peaks, window, pg };
     let (report, series) = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, measured);
@@ -364,6 +365,50 @@ async fn wait_healthy(http: &reqwest::Client, rest: &str) -> Result<()> {
 
 /// W3's backlog: pending deliveries due tomorrow, on endpoints of their own,
 /// written straight into the table (the API would take hours to make them).
+/// Deliveries a run finds already made: a system in service has history.
+const HISTORY_DELIVERIES: i64 = 100_000;
+
+/// Every run starts on a database that has been in service: past events
+/// delivered to the endpoints just registered (about `HISTORY_DELIVERIES`
+/// deliveries, each with its logged attempt), vacuumed and analysed. On an
+/// empty database Postgres plans every statement for tables of a few rows
+/// (scanning them whole) and keeps those plans as the tables grow until
+/// autovacuum's first ANALYZE, which may come a minute in: a run would time
+/// that start-up, different on every run, instead of the steady state.
+async fn seed_history(db_url: &str) -> Result<()> {
+    let mut c = sqlx::PgConnection::connect(db_url).await?;
+    let endpoints: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_endpoints").fetch_one(&mut c).await?;
+    let events = (HISTORY_DELIVERIES / endpoints.max(1)).max(100);
+    sqlx::query(
+        "INSERT INTO events (id, environment_id, event_type, envelope, created_at, published_at)
+         SELECT relay_uuid_v7(), v.id, 'history.event', convert_to(repeat('h', 1000), 'UTF8'), now() - interval '1 hour', now() - interval '1 hour'
+         FROM environments v CROSS JOIN generate_series(1, $1)",
+    )
+    .bind(events)
+    .execute(&mut c)
+    .await?;
+    sqlx::query(
+        "INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, state, last_status, created_at, updated_at)
+         SELECT relay_uuid_v7(), v.environment_id, e.id, v.id, 'delivered', 200, v.created_at, v.created_at
+         FROM events v JOIN webhook_endpoints e ON e.environment_id = v.environment_id
+         WHERE v.event_type = 'history.event'",
+    )
+    .execute(&mut c)
+    .await?;
+    sqlx::query(
+        "INSERT INTO delivery_attempts (delivery_id, generation, attempt, environment_id, http_status, latency_ms, response_body, decision)
+         SELECT id, 0, 1, environment_id, 200, 3, '\\x6f6b'::bytea, 'delivered' FROM webhook_deliveries WHERE state = 'delivered'",
+    )
+    .execute(&mut c)
+    .await?;
+    sqlx::query("INSERT INTO consumed_events (consumer, environment_id, event_id) SELECT 'expand', environment_id, id FROM events WHERE event_type = 'history.event'")
+        .execute(&mut c)
+        .await?;
+    c.execute("VACUUM (ANALYZE)").await?;
+    c.execute("CHECKPOINT").await?;
+    Ok(())
+}
+
 async fn seed_backlog(db_url: &str, environment_id: &str, rows: u64) -> Result<()> {
     let mut c = sqlx::PgConnection::connect(db_url).await?;
     let endpoints = 1000u64;

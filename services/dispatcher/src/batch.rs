@@ -41,6 +41,18 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
         F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<Result<Resp, Status>>, Status>> + Send + 'static,
     {
+        Self::spawn_lingering(max_batch, calls_in_flight, std::time::Duration::ZERO, call)
+    }
+
+    /// As `spawn`, but a call that could carry more waits up to `linger`
+    /// after its first item for others to ride along: for requests whose
+    /// answer nobody is waiting on to go on (outcomes), so that moderate load
+    /// makes a few calls of several items rather than one call per item.
+    pub fn spawn_lingering<F, Fut>(max_batch: usize, calls_in_flight: usize, linger: std::time::Duration, call: F) -> Self
+    where
+        F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<Result<Resp, Status>>, Status>> + Send + 'static,
+    {
         let (tx, mut rx) = mpsc::unbounded_channel::<(Req, Reply<Resp>)>();
         let requeue = tx.downgrade();
         let slots = Arc::new(Semaphore::new(calls_in_flight));
@@ -51,10 +63,15 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
                 // meanwhile rides along.
                 let slot = slots.clone().acquire_owned().await.expect("semaphore open");
                 let mut items = vec![first];
+                let until = tokio::time::Instant::now() + linger;
                 while items.len() < max_batch {
                     match rx.try_recv() {
                         Ok(item) => items.push(item),
-                        Err(_) => break,
+                        Err(_) if linger.is_zero() => break,
+                        Err(_) => match tokio::time::timeout_at(until, rx.recv()).await {
+                            Ok(Some(item)) => items.push(item),
+                            _ => break,
+                        },
                     }
                 }
                 let (call, requeue) = (call.clone(), requeue.clone());
@@ -194,8 +211,14 @@ pub fn materials(seam: Seam) -> Materials {
     })
 }
 
+/// How long an outcome call waits for others to join it. Nothing waits on
+/// an outcome to go on (the lane has moved to its next attempt; the job's ack
+/// and the endpoint's in-flight slot follow a few milliseconds later), and at
+/// moderate load it turns a call per attempt into one per several.
+const OUTCOME_LINGER: std::time::Duration = std::time::Duration::from_millis(5);
+
 pub fn outcomes(seam: Seam) -> Outcomes {
-    Batcher::spawn(MAX_BATCH, CALLS_IN_FLIGHT, move |items| {
+    Batcher::spawn_lingering(MAX_BATCH, CALLS_IN_FLIGHT, OUTCOME_LINGER, move |items| {
         let mut seam = seam.clone();
         async move { Ok(seam.outcome_batch(OutcomeBatchRequest { items }).await?.into_inner().items.into_iter().map(Answer::answer).collect()) }
     })

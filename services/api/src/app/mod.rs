@@ -25,6 +25,7 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::{
+    db::lane::Lane,
     error::{AppError, AppResult},
     schedule::RetrySchedule,
     secrets::Keyring,
@@ -74,6 +75,45 @@ pub struct App {
     pub lease_guard: Arc<tokio::sync::Mutex<()>>,
     pub clock: Arc<dyn Clock>,
     pub health: HealthSettings,
+    /// The hot paths' own connections (see `db::lane`); started by
+    /// [`App::start_lanes`] before the api serves.
+    pub lanes: Arc<std::sync::OnceLock<Lanes>>,
+}
+
+/// The use-cases that run on connections of their own, in batches.
+#[derive(Debug)]
+pub struct Lanes {
+    pub outcomes: Lane<deliveries::AttemptReport, deliveries::Decision>,
+}
+
+/// Outcomes one batch of the outcome lane records at most.
+const OUTCOMES_PER_BATCH: usize = 512;
+/// Connections the outcome lane holds: one commits while the other gathers.
+const OUTCOME_CONNECTIONS: usize = 2;
+
+impl App {
+    /// Starts the lanes; each stops, between batches, once `stop` turns true.
+    pub fn start_lanes(&self, queue_timeout: std::time::Duration, stop: tokio::sync::watch::Receiver<bool>) {
+        let app = self.clone();
+        let outcomes = Lane::spawn(
+            &self.db,
+            OUTCOME_CONNECTIONS,
+            OUTCOMES_PER_BATCH,
+            queue_timeout,
+            stop,
+            Arc::new(move |conn, reports| {
+                let app = app.clone();
+                Box::pin(async move { app.record_outcome_batch(conn, reports).await })
+            }),
+        );
+        if self.lanes.set(Lanes { outcomes }).is_err() {
+            tracing::warn!("the lanes were started twice; the second start is ignored");
+        }
+    }
+
+    fn lanes(&self) -> &Lanes {
+        self.lanes.get().expect("the lanes start before the api serves")
+    }
 }
 
 /// The platform's endpoint-health settings.

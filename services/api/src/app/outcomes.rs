@@ -6,10 +6,12 @@ use std::collections::{HashMap, HashSet};
 use anyhow::Context;
 use uuid::Uuid;
 
+use sqlx::{Connection, PgConnection};
+
 use super::{
     App, Timestamp,
     deliveries::*,
-    health::Seen,
+    health::{Circuit, Seen},
     state::{self, Reported, Standing, Step},
 };
 use crate::{
@@ -48,18 +50,31 @@ impl App {
         self.record_outcomes(vec![report]).await?.pop().expect("one answer per report")
     }
 
-    /// Records many attempts in one transaction: the deliveries are locked
-    /// (in id order, so concurrent batches cannot deadlock), every decision
-    /// is made in memory, then each table gets one set-based write and the
-    /// batch one commit. The idempotency of `record_outcome` holds per item,
-    /// including for a report repeated inside the batch.
+    /// Records many attempts, through the outcome lane (a connection of its
+    /// own: reports from concurrent calls share its batches). Each report
+    /// answers on its own, with the idempotency of `record_outcome`.
     pub async fn record_outcomes(&self, reports: Vec<AttemptReport>) -> AppResult<Vec<AppResult<Decision>>> {
-        let mut tx = self.db.begin().await?;
+        Ok(self.lanes().outcomes.call_all(reports).await)
+    }
+
+    /// One batch of the outcome lane. The common case is one statement:
+    /// each delivery's first report in the batch is taken to be for its
+    /// current attempt, decided from the report alone, applied only where
+    /// that holds, logged, and its dead letter written (RETURNING says which
+    /// applied, with their endpoints' health). A batch of successes on
+    /// healthy endpoints is that statement alone, committed by itself. A
+    /// batch with a failure runs in one transaction with what the failures
+    /// do to their endpoints' circuits, so a circuit always counts the
+    /// attempts that were recorded. Whatever the statement did not apply —
+    /// a report repeated inside the batch or sent again, a straggler from
+    /// before a replay, an unknown delivery — and a success that changes a
+    /// circuit (a probe) follow in a transaction of their own.
+    pub(crate) async fn record_outcome_batch(
+        &self,
+        conn: &mut PgConnection,
+        reports: Vec<AttemptReport>,
+    ) -> AppResult<Vec<AppResult<Decision>>> {
         let now = self.clock.now();
-        // The common case in one statement: each delivery's first report in
-        // the batch is taken to be for its current attempt, decided from the
-        // report alone, and applied only where that holds (pending, same
-        // generation and attempt). RETURNING says which did.
         let mut first_seen: HashSet<Uuid> = HashSet::new();
         let mut candidates: Vec<(usize, Decision)> = Vec::new();
         for (i, r) in reports.iter().enumerate() {
@@ -70,10 +85,12 @@ impl App {
         // In id order, so two batches that share a delivery (a repeated
         // report) lock in the same order.
         candidates.sort_by_key(|&(i, _)| reports[i].delivery_id);
-        let mut answers: Vec<Option<AppResult<Decision>>> = (0..reports.len()).map(|_| None).collect();
-        let mut log = db::attempts::AttemptRows::default();
-        let mut dead = db::dead_letters::DeadLetterRows::default();
         let errors: Vec<Option<String>> = reports.iter().map(|r| report_error(&r.error)).collect();
+        let body = |r: &AttemptReport| {
+            let mut body = r.response_body.clone();
+            body.truncate(MAX_RESPONSE_BODY);
+            body
+        };
         let current = db::deliveries::CurrentOutcomes {
             id: candidates.iter().map(|&(i, _)| reports[i].delivery_id).collect(),
             generation: candidates.iter().map(|&(i, _)| reports[i].generation as i32).collect(),
@@ -82,57 +99,74 @@ impl App {
             next_attempt: candidates.iter().map(|&(i, d)| d.next_attempt(reports[i].attempt) as i32).collect(),
             next_attempt_at: candidates.iter().map(|(_, d)| d.next_attempt_at()).collect(),
             status: candidates.iter().map(|&(i, _)| reports[i].http_status.map(|s| s as i32)).collect(),
-            error: candidates.iter().map(|&(i, d)| if d == Decision::Delivered { None } else { errors[i].clone() }).collect(),
+            error: candidates.iter().map(|&(i, _)| errors[i].clone()).collect(),
+            latency_ms: candidates.iter().map(|&(i, _)| i64::try_from(reports[i].latency_ms).unwrap_or(i64::MAX)).collect(),
+            response_body: candidates.iter().map(|&(i, _)| body(&reports[i])).collect(),
+            decision: candidates.iter().map(|(_, d)| d.as_str()).collect(),
         };
-        let applied = db::deliveries::apply_current_outcomes(&mut tx, &current).await?;
-        let candidate_of: HashMap<Uuid, (usize, Decision)> = candidates.iter().map(|&(i, d)| (reports[i].delivery_id, (i, d))).collect();
-        // What each recorded attempt says about its endpoint, in report order.
-        let mut seen: Vec<(usize, Uuid, Seen)> = Vec::new();
-        for (id, environment_id, endpoint_id, event_id) in applied {
-            let Some(&(i, decision)) = candidate_of.get(&id) else { continue };
-            let r = &reports[i];
-            seen.push((i, endpoint_id, Seen::of(r.http_status)));
-            let status = r.http_status.map(|s| s as i32);
-            if decision == Decision::DeadLettered {
-                dead.push(id, environment_id, endpoint_id, event_id, r.attempt as i32, status, errors[i].clone());
+        let all_succeeded = reports.iter().all(|r| Seen::of(r.http_status) == Seen::Success);
+        let mut batch = OutcomeBatch::new(&reports, &candidates);
+        if all_succeeded {
+            let applied = db::deliveries::record_current_outcomes(&mut *conn, &current).await?;
+            let plainly_healthy =
+                applied.iter().all(|a| a.circuit == Circuit::Closed && a.consecutive_failures == 0 && a.disabled_reason.is_none());
+            let stamp = stale_success_stamps(&applied, now);
+            batch.applied(&applied);
+            if plainly_healthy && batch.rest().is_empty() {
+                if !stamp.is_empty() {
+                    db::health::touch_success(&mut *conn, &stamp, now).await?;
+                }
+            } else {
+                let mut tx = conn.begin().await?;
+                self.follow_up(&mut tx, &reports, &mut batch, now).await?;
+                tx.commit().await.context("committing outcomes")?;
             }
-            let mut body = r.response_body.clone();
-            body.truncate(MAX_RESPONSE_BODY);
-            log.push(id, r.generation, r.attempt, environment_id, status, errors[i].clone(), r.latency_ms, body, decision);
-            answers[i] = Some(Ok(decision));
-        }
-        write_outcome_rows(&mut tx, &dead, &log, &self.dead_letters_counted).await?;
-        let mut decisions: Vec<(&'static str, i64)> = log.decision.iter().copied().zip(log.latency_ms.iter().copied()).collect();
-
-        // Everything else — repeats, stragglers from before a replay, unknown
-        // deliveries — the careful way, rows locked.
-        let rest: Vec<usize> = (0..reports.len()).filter(|&i| answers[i].is_none()).collect();
-        if !rest.is_empty() {
-            let (slow, slow_decisions, slow_seen) =
-                self.record_outcomes_locked(&mut tx, rest.iter().map(|&i| reports[i].clone()).collect(), now).await?;
-            seen.extend(slow_seen.into_iter().map(|(k, endpoint, s)| (rest[k], endpoint, s)));
-            for (i, a) in rest.into_iter().zip(slow) {
-                answers[i] = Some(a);
+        } else {
+            let mut tx = conn.begin().await?;
+            let applied = db::deliveries::record_current_outcomes(&mut tx, &current).await?;
+            batch.applied(&applied);
+            let dead: Vec<&db::deliveries::AppliedOutcome> =
+                applied.iter().filter(|a| batch.decision_of(a.id) == Some(Decision::DeadLettered)).collect();
+            if !dead.is_empty() {
+                // Counted for the tenant's operations endpoint, announced in a batch.
+                let (endpoints, environments): (Vec<Uuid>, Vec<Uuid>) = dead.iter().map(|a| (a.endpoint_id, a.environment_id)).unzip();
+                db::events::count_dead_letter_notices(&mut tx, &endpoints, &environments).await?;
+                self.dead_letters_counted.counted();
             }
-            decisions.extend(slow_decisions);
+            self.follow_up(&mut tx, &reports, &mut batch, now).await?;
+            tx.commit().await.context("committing outcomes")?;
         }
-        // The endpoints' health, after their deliveries: an outcome batch
-        // locks deliveries before health rows (see `db::health`).
-        seen.sort_by_key(|(i, _, _)| *i);
-        let seen: Vec<(Uuid, Seen)> = seen.into_iter().map(|(_, endpoint, s)| (endpoint, s)).collect();
-        self.observe_results(&mut tx, &seen, now).await?;
-        tx.commit().await.context("committing outcomes")?;
-        for (decision, latency_ms) in &decisions {
+        for (decision, latency_ms) in &batch.decisions {
             self.metrics.attempts.with_label_values(&[decision]).inc();
             self.metrics.attempt_latency.with_label_values(&[decision]).observe(*latency_ms as f64 / 1000.0);
         }
         // Every outcome frees the endpoint's slot (the relay caps what an
         // endpoint has outstanding), and a reschedule may be due sooner than
         // the relay's current sleep: wake it either way.
-        if !decisions.is_empty() {
+        if !batch.decisions.is_empty() {
             self.deliveries_wake.wake();
         }
-        Ok(answers.into_iter().map(|a| a.expect("every report answered")).collect())
+        Ok(batch.answers.into_iter().map(|a| a.expect("every report answered")).collect())
+    }
+
+    /// What follows the one statement, in the caller's transaction: the
+    /// careful path for the reports it did not apply, then what every
+    /// recorded result does to its endpoint's health (an outcome batch locks
+    /// deliveries before health rows, see `db::health`).
+    async fn follow_up(&self, tx: &mut PgConnection, reports: &[AttemptReport], batch: &mut OutcomeBatch, now: Timestamp) -> AppResult<()> {
+        let rest = batch.rest();
+        if !rest.is_empty() {
+            let (slow, slow_decisions, slow_seen) =
+                self.record_outcomes_locked(&mut *tx, rest.iter().map(|&i| reports[i].clone()).collect(), now).await?;
+            batch.seen.extend(slow_seen.into_iter().map(|(k, endpoint, s)| (rest[k], endpoint, s)));
+            for (i, a) in rest.into_iter().zip(slow) {
+                batch.answers[i] = Some(a);
+            }
+            batch.decisions.extend(slow_decisions);
+        }
+        batch.seen.sort_by_key(|(i, _, _)| *i);
+        let seen: Vec<(Uuid, Seen)> = batch.seen.iter().map(|&(_, endpoint, s)| (endpoint, s)).collect();
+        self.observe_results(&mut *tx, &seen, now).await
     }
 
     /// The careful path for reports the one-statement path did not apply:
@@ -271,6 +305,64 @@ async fn write_outcome_rows(
         counted.counted();
     }
     db::attempts::insert(&mut *tx, log).await
+}
+
+/// An outcome batch as it is answered: each report's answer, what each
+/// recorded result says about its endpoint (by report position), and the
+/// decisions recorded (for metrics).
+struct OutcomeBatch {
+    answers: Vec<Option<AppResult<Decision>>>,
+    seen: Vec<(usize, Uuid, Seen)>,
+    decisions: Vec<(&'static str, i64)>,
+    /// Each candidate's report position and decision, by delivery.
+    candidate_of: HashMap<Uuid, (usize, Decision)>,
+    status_of: Vec<Option<u32>>,
+    latency_of: Vec<i64>,
+}
+
+impl OutcomeBatch {
+    fn new(reports: &[AttemptReport], candidates: &[(usize, Decision)]) -> Self {
+        Self {
+            answers: (0..reports.len()).map(|_| None).collect(),
+            seen: Vec::new(),
+            decisions: Vec::new(),
+            candidate_of: candidates.iter().map(|&(i, d)| (reports[i].delivery_id, (i, d))).collect(),
+            status_of: reports.iter().map(|r| r.http_status).collect(),
+            latency_of: reports.iter().map(|r| i64::try_from(r.latency_ms).unwrap_or(i64::MAX)).collect(),
+        }
+    }
+
+    fn decision_of(&self, delivery: Uuid) -> Option<Decision> {
+        self.candidate_of.get(&delivery).map(|&(_, d)| d)
+    }
+
+    /// The one statement applied these.
+    fn applied(&mut self, applied: &[db::deliveries::AppliedOutcome]) {
+        for a in applied {
+            let Some(&(i, decision)) = self.candidate_of.get(&a.id) else { continue };
+            self.seen.push((i, a.endpoint_id, Seen::of(self.status_of[i])));
+            self.decisions.push((decision.as_str(), self.latency_of[i]));
+            self.answers[i] = Some(Ok(decision));
+        }
+    }
+
+    /// The reports still unanswered, by position.
+    fn rest(&self) -> Vec<usize> {
+        (0..self.answers.len()).filter(|&i| self.answers[i].is_none()).collect()
+    }
+}
+
+/// Healthy endpoints whose `last_success_at` is older than the stamp's
+/// interval: refreshed at most once a second each, not once per batch.
+fn stale_success_stamps(applied: &[db::deliveries::AppliedOutcome], now: Timestamp) -> Vec<Uuid> {
+    let mut stamp: Vec<Uuid> = applied
+        .iter()
+        .filter(|a| a.last_success_at.is_none_or(|at| at + super::recovery::SUCCESS_STAMP_EVERY <= now))
+        .map(|a| a.endpoint_id)
+        .collect();
+    stamp.sort();
+    stamp.dedup();
+    stamp
 }
 
 /// A locked delivery as the state machine reads it.

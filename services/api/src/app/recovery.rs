@@ -22,7 +22,7 @@ use crate::{
 /// A healthy endpoint's `last_success_at` is refreshed at most this often,
 /// so a steady stream of successes costs one small write a second, not one
 /// per outcome batch.
-const SUCCESS_STAMP_EVERY: chrono::Duration = chrono::Duration::seconds(1);
+pub(super) const SUCCESS_STAMP_EVERY: chrono::Duration = chrono::Duration::seconds(1);
 
 /// Endpoints whose probe the prober takes in one pass.
 const PROBES_PER_PASS: i64 = 200;

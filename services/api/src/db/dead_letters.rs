@@ -116,7 +116,7 @@ pub async fn complete_switch_off(tx: &mut PgConnection, rows: &DeadLetterRows) -
     sqlx::query!(
         "UPDATE webhook_dead_letters l SET attempts = u.attempts, last_status = u.last_status, last_error = u.last_error
          FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[]) AS u(delivery_id, attempts, last_status, last_error)
-         WHERE l.delivery_id = u.delivery_id AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')",
+         WHERE l.delivery_id = ANY ($1::uuid[]) AND l.delivery_id = u.delivery_id AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')",
         &rows.delivery_id,
         &rows.attempts,
         &rows.last_status as &[Option<i32>],

@@ -16,7 +16,9 @@ use crate::error::AppResult;
 pub async fn types_of(tx: &mut PgConnection, environments: &[Uuid], ids: &[Uuid]) -> AppResult<HashMap<(Uuid, Uuid), String>> {
     Ok(sqlx::query!(
         "SELECT v.environment_id, v.id, v.event_type FROM events v
-         JOIN UNNEST($1::uuid[], $2::uuid[]) AS k(environment_id, id) ON v.environment_id = k.environment_id AND v.id = k.id",
+         JOIN UNNEST($1::uuid[], $2::uuid[]) AS k(environment_id, id) ON v.environment_id = k.environment_id AND v.id = k.id
+         -- The keys as an index condition too (`db::deliveries` INDEXED_LOOKUPS).
+         WHERE v.environment_id = ANY ($1::uuid[]) AND v.id = ANY ($2::uuid[])",
         environments,
         ids,
     )

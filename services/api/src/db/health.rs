@@ -118,7 +118,7 @@ pub async fn store(tx: &mut PgConnection, rows: &[(Uuid, EndpointHealth)]) -> Ap
            last_success_at = u.success, last_failure_at = u.failure, next_probe_at = u.probe, probe_interval_ms = u.interval
          FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::timestamptz[], $6::timestamptz[], $7::timestamptz[], $8::bigint[])
            AS u(id, circuit, failures, since, success, failure, probe, interval)
-         WHERE h.endpoint_id = u.id",
+         WHERE h.endpoint_id = ANY ($1::uuid[]) AND h.endpoint_id = u.id",
         &ids,
         &circuits as &[&str],
         &failures,

@@ -53,6 +53,7 @@ pub mod environments;
 pub mod events;
 pub mod health;
 pub mod keys;
+pub mod lane;
 pub mod models;
 pub mod operations;
 

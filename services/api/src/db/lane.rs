@@ -1,0 +1,229 @@
+//! Hot paths on connections of their own.
+//!
+//! A call through the pool costs two round trips besides its statements:
+//! the check that the connection is not left inside a transaction (see the
+//! module above) and sqlx's ping when the connection is given back. At
+//! moderate load, where a batch holds a few items, those round trips — each
+//! a wake-up of Postgres and of the caller — were most of the database's
+//! CPU per delivery. A [`Lane`] holds its connections for good: work is
+//! queued to it, and each connection in turn takes everything that waits (up
+//! to a bound) and runs it as one batch, so batches grow with load with no
+//! timer, like the dispatcher's seam batcher.
+//!
+//! Cancellation: the caller awaits an answer, not the work. A caller that
+//! goes away drops its receiver; the batch it was part of runs to its end on
+//! the lane's own task, so no statement or transaction is ever cut off at an
+//! await point. A lane stops between batches, at shutdown.
+
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
+
+use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
+use tokio::{
+    sync::{Mutex, mpsc, oneshot, watch},
+    time::Instant,
+};
+
+use crate::error::{AppError, AppResult, ErrorCode};
+
+type Reply<Resp> = oneshot::Sender<AppResult<Resp>>;
+/// An item, when it was queued, and where its answer goes.
+type Queued<Req, Resp> = (Req, Instant, Reply<Resp>);
+
+/// What one batch does with its connection: answers item by item, in
+/// order, or fails as a whole.
+pub type Handler<Req, Resp> =
+    Arc<dyn for<'c> Fn(&'c mut PgConnection, Vec<Req>) -> Pin<Box<dyn Future<Output = BatchResult<Resp>> + Send + 'c>> + Send + Sync>;
+
+/// A batch's answers, one per item in order, or the batch's failure.
+pub type BatchResult<Resp> = AppResult<Vec<AppResult<Resp>>>;
+
+pub struct Lane<Req, Resp> {
+    tx: mpsc::UnboundedSender<Queued<Req, Resp>>,
+}
+
+impl<Req, Resp> Clone for Lane<Req, Resp> {
+    fn clone(&self) -> Self {
+        Self { tx: self.tx.clone() }
+    }
+}
+
+impl<Req, Resp> std::fmt::Debug for Lane<Req, Resp> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lane").finish_non_exhaustive()
+    }
+}
+
+/// A connection a long-running task holds for good, apart from the pool:
+/// opened when first needed, dropped after an error that may have broken
+/// it (the next use opens another).
+pub struct Held {
+    options: Arc<PgConnectOptions>,
+    conn: Option<PgConnection>,
+}
+
+impl Held {
+    pub fn new(pool: &PgPool) -> Self {
+        Self { options: pool.connect_options(), conn: None }
+    }
+
+    pub async fn get(&mut self) -> AppResult<&mut PgConnection> {
+        if self.conn.is_none() {
+            self.conn = Some(PgConnection::connect_with(&self.options).await?);
+        }
+        Ok(self.conn.as_mut().expect("just opened"))
+    }
+
+    /// After an error other than a lost conflict (which leaves the
+    /// connection as good as it was), the connection is let go.
+    pub fn after_error(&mut self, e: &AppError) {
+        if !e.lost_a_conflict() {
+            self.conn = None;
+        }
+    }
+
+    /// Closes the connection politely (at shutdown).
+    pub async fn close(&mut self) {
+        if let Some(conn) = self.conn.take() {
+            let _ = conn.close().await;
+        }
+    }
+}
+
+impl<Req: Clone + Send + 'static, Resp: Send + 'static> Lane<Req, Resp> {
+    /// `connections` tasks, each holding a connection to `pool`'s database
+    /// (not one of the pool's own), take up to `max_batch` waiting items at a
+    /// time until `stop`. An item that waited `queue_timeout` before its
+    /// batch began is answered UNAVAILABLE instead, as a pool call that
+    /// waited that long for a connection is: the caller retries later.
+    pub fn spawn(
+        pool: &PgPool,
+        connections: usize,
+        max_batch: usize,
+        queue_timeout: Duration,
+        stop: watch::Receiver<bool>,
+        handler: Handler<Req, Resp>,
+    ) -> Self {
+        let (tx, rx) = mpsc::unbounded_channel::<Queued<Req, Resp>>();
+        let rx = Arc::new(Mutex::new(rx));
+        for _ in 0..connections.max(1) {
+            let (rx, handler, mut stop, mut held) = (rx.clone(), handler.clone(), stop.clone(), Held::new(pool));
+            tokio::spawn(async move {
+                loop {
+                    let batch = {
+                        let mut rx = rx.lock().await;
+                        let first = tokio::select! {
+                            first = rx.recv() => first,
+                            _ = stop.wait_for(|stopped| *stopped) => None,
+                        };
+                        let Some(first) = first else { break };
+                        let mut batch = vec![first];
+                        while batch.len() < max_batch {
+                            match rx.try_recv() {
+                                Ok(item) => batch.push(item),
+                                Err(_) => break,
+                            }
+                        }
+                        batch
+                    };
+                    let (fresh, stale): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, at, _)| at.elapsed() < queue_timeout);
+                    for (_, _, reply) in stale {
+                        let _ = reply.send(Err(overloaded()));
+                    }
+                    if !fresh.is_empty() {
+                        run(&mut held, &handler, fresh.into_iter().map(|(req, _, reply)| (req, reply)).collect()).await;
+                    }
+                }
+                held.close().await;
+            });
+        }
+        Self { tx }
+    }
+
+    /// Queues one item and waits for its answer.
+    pub async fn call(&self, req: Req) -> AppResult<Resp> {
+        let (reply, answer) = oneshot::channel();
+        self.tx.send((req, Instant::now(), reply)).map_err(|_| stopped())?;
+        answer.await.map_err(|_| stopped())?
+    }
+
+    /// Queues many items at once (so they share a batch) and waits for all.
+    pub async fn call_all(&self, reqs: Vec<Req>) -> Vec<AppResult<Resp>> {
+        let mut answers = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            let (reply, answer) = oneshot::channel();
+            match self.tx.send((req, Instant::now(), reply)) {
+                Ok(()) => answers.push(Some(answer)),
+                Err(_) => answers.push(None),
+            }
+        }
+        let mut out = Vec::with_capacity(answers.len());
+        for answer in answers {
+            out.push(match answer {
+                Some(a) => a.await.map_err(|_| stopped()).and_then(|r| r),
+                None => Err(stopped()),
+            });
+        }
+        out
+    }
+}
+
+fn overloaded() -> AppError {
+    AppError::unavailable(anyhow::anyhow!("the database is not keeping up: this waited too long for its turn"))
+}
+
+fn stopped() -> AppError {
+    AppError::unavailable(anyhow::anyhow!("the api is shutting down"))
+}
+
+/// How long a lane waits before taking a new connection after one failed.
+const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
+
+/// One batch: its answers sent item by item. A batch that fails as a whole
+/// for a reason that may be one item's (not the database being away, not a
+/// lost conflict) is run again item by item, so one bad item fails alone.
+async fn run<Req: Clone, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, batch: Vec<(Req, Reply<Resp>)>) {
+    let (reqs, replies): (Vec<Req>, Vec<Reply<Resp>>) = batch.into_iter().unzip();
+    match run_once(held, handler, reqs.clone()).await {
+        Err(e) if reqs.len() > 1 && e.code != ErrorCode::Unavailable => {
+            tracing::warn!(items = reqs.len(), error = ?e, "a database batch failed as a whole; running its items one by one");
+            for (req, reply) in reqs.into_iter().zip(replies) {
+                let answer = match run_once(held, handler, vec![req]).await {
+                    Ok(mut one) => one.pop().expect("one answer"),
+                    Err(e) => Err(e),
+                };
+                let _ = reply.send(answer);
+            }
+        }
+        Err(e) => {
+            for reply in replies {
+                let _ = reply.send(Err(e.for_each()));
+            }
+        }
+        Ok(answers) => {
+            for (reply, answer) in replies.into_iter().zip(answers) {
+                let _ = reply.send(answer);
+            }
+        }
+    }
+}
+
+/// The batch on the held connection: exactly one answer per item, or the
+/// batch's failure.
+async fn run_once<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, reqs: Vec<Req>) -> BatchResult<Resp> {
+    let n = reqs.len();
+    let conn = match held.get().await {
+        Ok(c) => c,
+        Err(e) => {
+            tokio::time::sleep(RECONNECT_PAUSE).await;
+            return Err(e);
+        }
+    };
+    match handler(conn, reqs).await {
+        Ok(answers) if answers.len() == n => Ok(answers),
+        Ok(answers) => Err(AppError::internal(anyhow::anyhow!("a batch of {n} came back with {} answers", answers.len()))),
+        Err(e) => {
+            held.after_error(&e);
+            Err(e)
+        }
+    }
+}
