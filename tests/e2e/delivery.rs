@@ -177,6 +177,7 @@ async fn batched_expand_material_and_outcomes_answer_item_by_item_with_the_same_
             item(&uuid::Uuid::now_v7().to_string(), "b"),
             item(&events[1], "other"),
         ],
+        ..Default::default()
     };
     let expanded = |r: &Option<X>| match r {
         Some(X::Expanded(x)) => (x.created, x.duplicate),

@@ -726,6 +726,7 @@ async fn platform_inputs_out_of_range_are_invalid_argument_never_a_panic() -> an
                     ..Default::default()
                 },
             ],
+            ..Default::default()
         })
         .await?
         .into_inner()

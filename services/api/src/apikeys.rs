@@ -61,6 +61,56 @@ pub fn matches(presented: &str, salt: &[u8], stored_hash: &[u8]) -> bool {
     digest(salt, presented).ct_eq(stored_hash).into()
 }
 
+/// A live key as stored: what a presented key is checked against.
+#[derive(Clone)]
+pub struct LiveKey {
+    pub environment_id: uuid::Uuid,
+    pub salt: Vec<u8>,
+    pub key_hash: Vec<u8>,
+}
+
+impl fmt::Debug for LiveKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LiveKey").field("environment_id", &self.environment_id).finish_non_exhaustive()
+    }
+}
+
+/// How long a key read from the database is taken as live without reading
+/// it again: a client that publishes many events costs one lookup in this
+/// long, not one per request. A revocation reaches other apis sooner when
+/// they hear its notification; this bounds it when they do not.
+pub const VERIFIED_FOR: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Keys read recently, by lookup prefix. Only live keys are kept, and
+/// each request is still checked against the key's salted hash.
+#[derive(Debug, Clone, Default)]
+pub struct VerifiedKeys(std::sync::Arc<std::sync::Mutex<std::collections::HashMap<String, (LiveKey, std::time::Instant)>>>);
+
+/// Keys held at most; past that the oldest go first.
+const MAX_VERIFIED: usize = 10_000;
+
+impl VerifiedKeys {
+    pub fn get(&self, prefix: &str) -> Option<LiveKey> {
+        let map = self.0.lock().expect("unpoisoned");
+        map.get(prefix).filter(|(_, at)| at.elapsed() < VERIFIED_FOR).map(|(k, _)| k.clone())
+    }
+
+    pub fn put(&self, prefix: &str, key: LiveKey) {
+        let mut map = self.0.lock().expect("unpoisoned");
+        if map.len() >= MAX_VERIFIED {
+            map.retain(|_, (_, at)| at.elapsed() < VERIFIED_FOR);
+        }
+        if map.len() < MAX_VERIFIED {
+            map.insert(prefix.to_owned(), (key, std::time::Instant::now()));
+        }
+    }
+
+    /// Revoked: never taken from here again.
+    pub fn forget(&self, prefix: &str) {
+        self.0.lock().expect("unpoisoned").remove(prefix);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -104,6 +104,9 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         schedule: cfg.schedule.clone(),
         outbox_wake: Default::default(),
         deliveries_wake: Default::default(),
+        slots_awaited: Default::default(),
+        outbox_offers: Default::default(),
+        verified_keys: Default::default(),
         probes_wake: Default::default(),
         recover_wake: Default::default(),
         dead_letters_counted: Default::default(),
@@ -143,7 +146,11 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 stream_backlog: events_backlog,
                 held_back: Default::default(),
                 backlog_bound: std::sync::atomic::AtomicU64::new(u64::MAX),
+                // Whatever waits from before this process started is found by a look first.
+                backlogged: std::sync::atomic::AtomicBool::new(true),
+                conn: tokio::sync::Mutex::new(db::lane::Held::new(&app.db)),
             };
+            app.outbox_offers.open();
             let listen = DeliveryRelay::listen(app.clone(), rx.clone());
             let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(5) };
             let recoverer = relay::recover::Recoverer {
@@ -154,7 +161,8 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 busy: Default::default(),
                 last: Default::default(),
             };
-            let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap };
+            let conn = tokio::sync::Mutex::new(db::lane::Held::new(&app.db));
+            let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap, conn };
             tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen, prober.run(rx.clone()), recoverer.run(rx.clone()));
             Ok(())
         });

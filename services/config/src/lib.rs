@@ -274,6 +274,19 @@ pub mod timing {
     /// refuses a longer one).
     pub const MAX_CLAIM_HOLD: Duration = Duration::from_secs(600);
 
+    /// Material a dispatcher holds is used to send for this long; older, it
+    /// is fetched (and the attempt claimed) again first, so a slow attempt
+    /// ahead of it cannot make it send to a URL or with a secret that has
+    /// since changed, to an endpoint since disabled, or past its lease.
+    pub const MATERIAL_FRESH: Duration = Duration::from_secs(2);
+
+    /// The shortest lease (and claim) on first attempts handed to a
+    /// dispatcher with their expansion: it sends them without asking again
+    /// while their material is fresh, so neither may run out before that
+    /// does, with room to spare.
+    pub const MIN_IN_HAND_LEASE: Duration = Duration::from_secs(5);
+    const _: () = assert!(MIN_IN_HAND_LEASE.as_millis() > 2 * MATERIAL_FRESH.as_millis());
+
     /// How long the broker waits for a delivery job's ack before handing it
     /// to another dispatcher: always longer than an attempt plus a seam call,
     /// so a slow customer never makes the broker think the dispatcher died.

@@ -56,11 +56,12 @@ async fn next_message(messages: &mut pull::Stream, stop: &mut watch::Receiver<bo
     }
 }
 
-pub async fn expand_loop(
+pub(crate) async fn expand_loop(
     js: jetstream::Context,
     names: StreamNames,
     seam: Seam,
     cfg: Arc<DispatcherConfig>,
+    lanes: Arc<LaneSet>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<()> {
     let stream = js.get_stream(names.events_stream()).await.context("EVENTS stream")?;
@@ -79,10 +80,13 @@ pub async fn expand_loop(
     .await?;
     let mut messages = consumer.messages().await.context("subscribing to EVENTS")?;
     let permits = Arc::new(Semaphore::new(cfg.max_expanding));
-    let expansions = batch::expansions(seam);
+    // First attempts come back with their expansion, into this process's
+    // lanes, instead of through DELIVERIES.
+    let (claimant, hold) = lanes.claim();
+    let expansions = batch::expansions(seam, claimant, hold);
     while let Some(msg) = next_message(&mut messages, &mut stop, "EVENTS").await {
         let permit = permits.clone().acquire_owned().await.expect("semaphore open");
-        let expansions = expansions.clone();
+        let (expansions, lanes) = (expansions.clone(), lanes.clone());
         let span = tracing::info_span!("expand_event", event_id = tracing::field::Empty);
         if let Some(headers) = &msg.headers {
             relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
@@ -95,9 +99,15 @@ pub async fn expand_loop(
             };
             tracing::Span::current().record("event_id", req.event_id.as_str());
             // Batched with other events: the context rides in the item.
-            req.traceparent = relay_telemetry::current_traceparent().unwrap_or_default();
+            let traceparent = relay_telemetry::current_traceparent();
+            req.traceparent = traceparent.clone().unwrap_or_default();
             match expansions.call(req).await {
-                Ok(_) => settle(&msg, AckKind::Ack).await,
+                Ok(expanded) => {
+                    for attempt in expanded.attempts {
+                        lanes.hand(attempt, traceparent.clone()).await;
+                    }
+                    settle(&msg, AckKind::Ack).await
+                }
                 Err(st) => {
                     let v = verdict(&st, true);
                     match v {
@@ -136,11 +146,11 @@ fn decode_event(body: &[u8]) -> Option<ExpandRequest> {
 }
 
 /// Deliveries: each job goes to its endpoint's lane (see `lanes`).
-pub async fn deliver_loop(
+pub(crate) async fn deliver_loop(
     js: jetstream::Context,
     names: StreamNames,
-    seam: Seam,
     cfg: Arc<DispatcherConfig>,
+    lanes: Arc<LaneSet>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<()> {
     let stream = js.get_stream(names.deliveries_stream()).await.context("DELIVERIES stream")?;
@@ -160,7 +170,6 @@ pub async fn deliver_loop(
     )
     .await?;
     let mut messages = consumer.messages().await.context("subscribing to DELIVERIES")?;
-    let lanes = LaneSet::new(seam, &cfg, stop.clone())?;
     while let Some(msg) = next_message(&mut messages, &mut stop, "DELIVERIES").await {
         let Ok(job) = DeliveryJob::decode(msg.payload.as_ref()) else {
             tracing::error!(subject = %msg.subject, "undecodable delivery job; terminating it");
@@ -169,7 +178,10 @@ pub async fn deliver_loop(
         };
         lanes.route(msg, job).await;
     }
-    // Closing the lanes' queues lets each finish its job in hand and exit.
-    lanes.close().await;
+    // At shutdown, closing the lanes' queues lets each finish its job in
+    // hand and exit (a consumer that merely restarts keeps them).
+    if *stop.borrow() {
+        lanes.close().await;
+    }
     Ok(())
 }

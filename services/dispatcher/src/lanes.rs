@@ -1,7 +1,13 @@
 //! Deliveries, one lane per endpoint: one attempt per endpoint is in
 //! flight, so a hanging endpoint holds up only its own lane; lanes run
 //! concurrently, bounded overall by `max_in_flight`. A lane fetches material
-//! for a chunk of jobs, sends them one after another and reports each outcome.
+//! for a chunk of jobs (those that did not come with it), sends them one
+//! after another and reports each outcome.
+//!
+//! Jobs come from the DELIVERIES consumer (retries, replays, attempts past
+//! an endpoint's cap, leases that ran out) or straight from an expansion,
+//! material in hand: a first attempt then costs no broker message and no
+//! material call.
 
 use std::{
     collections::{HashMap, HashSet, VecDeque},
@@ -11,6 +17,7 @@ use std::{
 
 use anyhow::Result;
 use async_nats::jetstream::{AckKind, message::Message};
+use relay_config::timing::MATERIAL_FRESH;
 use relay_contracts::{
     AttemptKey,
     relay::{
@@ -26,13 +33,54 @@ use crate::{
     config::DispatcherConfig,
     http_client::Sender,
     seam::Seam,
-    verdict::{Verdict, retry_later, settle, settle_by, verdict},
+    verdict::{Verdict, retry_later, settle_by, verdict},
 };
 
 /// A lane with nothing to do for this long closes.
 const LANE_IDLE: Duration = Duration::from_secs(30);
 
-type Job = (Arc<Message>, DeliveryJob);
+/// Where a job came from, which is how it is settled.
+enum Source {
+    /// A DELIVERIES message, acked once the outcome is recorded.
+    Broker(Arc<Message>),
+    /// Handed over by an expansion, leased to this process in Postgres: there
+    /// is nothing to ack, and a job given up on falls due again when its
+    /// lease runs out. Carries its event's trace context.
+    InHand { traceparent: Option<String> },
+}
+
+impl Source {
+    async fn settle(&self, v: Verdict) {
+        match self {
+            Self::Broker(msg) => settle_by(msg, v).await,
+            Self::InHand { .. } => {
+                if v != Verdict::Ack {
+                    tracing::debug!(verdict = ?v, "an attempt in hand given up; its lease brings it back");
+                }
+            }
+        }
+    }
+
+    async fn retry_later(&self) {
+        if let Self::Broker(msg) = self {
+            crate::verdict::settle(msg, retry_later(msg)).await;
+        }
+    }
+
+    async fn in_progress(&self) {
+        if let Self::Broker(msg) = self {
+            let _ = msg.ack_with(AckKind::Progress).await;
+        }
+    }
+}
+
+/// One attempt to make, with its material if already fetched (and when).
+struct Job {
+    source: Arc<Source>,
+    job: DeliveryJob,
+    material: Option<(Result<MaterialResponse, tonic::Status>, Instant)>,
+}
+
 type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
 /// Attempts in this process's hands, by their `AttemptKey`: taken
 /// before their material is asked for, given back once the outcome is
@@ -46,9 +94,6 @@ type Unsettled = Arc<std::sync::Mutex<HashSet<AttemptKey>>>;
 
 /// Jobs a lane fetches material for in one go.
 const PREFETCH: usize = 32;
-/// Material older than this is fetched again before sending: behind a slow
-/// attempt, a disabled endpoint or a changed URL must not be missed.
-const MATERIAL_FRESH: Duration = Duration::from_secs(2);
 
 /// The lanes of one DELIVERIES consumer.
 pub(crate) struct LaneSet {
@@ -80,12 +125,35 @@ impl LaneSet {
         Ok(Self { shared })
     }
 
-    /// Hands a job to its endpoint's lane, opening the lane if it has none.
+    /// Hands a DELIVERIES job to its endpoint's lane.
     pub(crate) async fn route(&self, msg: Message, job: DeliveryJob) {
+        self.enqueue(Job { source: Arc::new(Source::Broker(Arc::new(msg))), job, material: None }).await
+    }
+
+    /// Hands a first attempt an expansion gave this process, with its
+    /// material, to its endpoint's lane.
+    pub(crate) async fn hand(&self, material: MaterialResponse, traceparent: Option<String>) {
+        let job = DeliveryJob {
+            delivery_id: material.delivery_id.clone(),
+            endpoint_id: material.endpoint_id.clone(),
+            environment_id: material.environment_id.clone(),
+            attempt: material.attempt,
+            generation: material.generation,
+        };
+        let source = Arc::new(Source::InHand { traceparent });
+        self.enqueue(Job { source, job, material: Some((Ok(material), Instant::now())) }).await
+    }
+
+    /// Who this process is when it claims an attempt, and for how long.
+    pub(crate) fn claim(&self) -> (String, Duration) {
+        (self.shared.claimant.clone(), self.shared.claim_hold)
+    }
+
+    /// Queues a job on its endpoint's lane, opening the lane if it has none.
+    async fn enqueue(&self, job: Job) {
         let shared = &self.shared;
         let mut map = shared.lanes.lock().await;
-        let key = job.endpoint_id.clone();
-        let job = (Arc::new(msg), job);
+        let key = job.job.endpoint_id.clone();
         let pending = match map.get(&key) {
             Some(tx) => tx.send(job).err().map(|e| e.0),
             None => Some(job),
@@ -163,7 +231,7 @@ impl Lane {
                 queue.push_back(next);
             }
             let chunk: Vec<Job> = queue.drain(..queue.len().min(PREFETCH)).collect();
-            let in_hand: Vec<Arc<Message>> = chunk.iter().map(|(m, _)| m.clone()).collect();
+            let in_hand: Vec<Arc<Source>> = chunk.iter().map(|j| j.source.clone()).collect();
             let work = self.work(chunk);
             tokio::pin!(work);
             let leftover = loop {
@@ -171,8 +239,8 @@ impl Lane {
                     leftover = &mut work => break leftover,
                     Some(next) = rx.recv() => queue.push_back(next),
                     _ = tick.tick() => {
-                        for m in in_hand.iter().chain(queue.iter().map(|(m, _)| m)) {
-                            let _ = m.ack_with(AckKind::Progress).await;
+                        for source in in_hand.iter().chain(queue.iter().map(|j| &j.source)) {
+                            source.in_progress().await;
                         }
                     }
                 }
@@ -183,21 +251,25 @@ impl Lane {
         }
     }
 
-    /// Fetches material for the chunk in one go, then sends its attempts one
-    /// after another. Returns the jobs it did not get to (stale material, or
-    /// shutdown), in order. Copies of an attempt already in hand are acked
-    /// before anything is asked for them.
+    /// Fetches material, in one go, for the jobs of the chunk that do not
+    /// hold fresh material, then sends the chunk's attempts one after
+    /// another. Returns the jobs it did not get to (material gone stale
+    /// behind a slow attempt, or shutdown), in order. Copies of an attempt
+    /// already in hand are acked before anything is asked for them.
     async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
         let mut mine = Vec::with_capacity(chunk.len());
-        for (msg, job) in chunk {
-            if self.shared.unsettled.lock().expect("unpoisoned").insert(AttemptKey::of(&job)) {
-                mine.push((msg, job));
+        for job in chunk {
+            if self.shared.unsettled.lock().expect("unpoisoned").insert(AttemptKey::of(&job.job)) {
+                mine.push(job);
             } else {
-                tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
-                settle(&msg, AckKind::Ack).await;
+                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
+                job.source.settle(Verdict::Ack).await;
             }
         }
-        let fetched = futures::future::join_all(mine.iter().map(|(_, job)| {
+        let stale = |j: &Job| j.material.as_ref().is_none_or(|(_, at)| at.elapsed() > MATERIAL_FRESH);
+        let asked: Vec<usize> = (0..mine.len()).filter(|&i| stale(&mine[i])).collect();
+        let fetched = futures::future::join_all(asked.iter().map(|&i| {
+            let job = &mine[i].job;
             self.shared.materials.call(MaterialRequest {
                 delivery_id: job.delivery_id.clone(),
                 attempt: job.attempt,
@@ -208,25 +280,29 @@ impl Lane {
         }))
         .await;
         let fetched_at = Instant::now();
-        let mut rest = mine.into_iter().zip(fetched).enumerate();
-        while let Some((i, ((msg, job), material))) = rest.next() {
-            if i > 0 && (fetched_at.elapsed() > MATERIAL_FRESH || *self.shared.stop.borrow()) {
-                let leftover: Vec<Job> = std::iter::once((msg, job)).chain(rest.map(|(_, (j, _))| j)).collect();
+        for (i, material) in asked.into_iter().zip(fetched) {
+            mine[i].material = Some((material, fetched_at));
+        }
+        let mut rest = mine.into_iter().enumerate();
+        while let Some((i, job)) = rest.next() {
+            let old = job.material.as_ref().is_none_or(|(_, at)| at.elapsed() > MATERIAL_FRESH);
+            if i > 0 && (old || *self.shared.stop.borrow()) {
+                let leftover: Vec<Job> = std::iter::once(job).chain(rest.map(|(_, j)| j)).collect();
                 let mut unsettled = self.shared.unsettled.lock().expect("unpoisoned");
-                for (_, job) in &leftover {
-                    unsettled.remove(&AttemptKey::of(job));
+                for job in &leftover {
+                    unsettled.remove(&AttemptKey::of(&job.job));
                 }
                 return leftover;
             }
-            self.send_one(msg, job, material).await;
+            self.send_one(job).await;
         }
         Vec::new()
     }
 
-    async fn send_one(&self, msg: Arc<Message>, job: DeliveryJob, material: Result<MaterialResponse, tonic::Status>) {
-        let material = match material {
-            Ok(m) => m,
-            Err(st) => {
+    async fn send_one(&self, Job { source, job, material }: Job) {
+        let material = match material.map(|(m, _)| m) {
+            Some(Ok(m)) => m,
+            Some(Err(st)) => {
                 let v = verdict(&st, false);
                 match v {
                     Verdict::Ack => tracing::debug!(delivery_id = %job.delivery_id, message = st.message(), "nothing to send for this job"),
@@ -235,18 +311,26 @@ impl Lane {
                     }
                 }
                 self.shared.unsettled.lock().expect("unpoisoned").remove(&AttemptKey::of(&job));
-                return settle_by(&msg, v).await;
+                return source.settle(v).await;
             }
+            None => unreachable!("every job sent has been given or fetched its material"),
         };
         // The attempt's span continues the delivery's trace (the relay put
-        // its context in the message headers) and covers the POST and the report.
+        // its context in the message headers; an expansion's attempt in hand
+        // carries its event's) and covers the POST and the report.
         let span = tracing::info_span!(
             "attempt",
             delivery_id = %job.delivery_id, endpoint_id = %job.endpoint_id, attempt = job.attempt, generation = job.generation,
             http_status = tracing::field::Empty, latency_ms = tracing::field::Empty, outcome = tracing::field::Empty,
         );
-        if let Some(headers) = &msg.headers {
-            relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
+        match &*source {
+            Source::Broker(msg) => {
+                if let Some(headers) = &msg.headers {
+                    relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
+                }
+            }
+            Source::InHand { traceparent: Some(tc) } => relay_telemetry::set_parent_from_traceparent(&span, tc),
+            Source::InHand { traceparent: None } => {}
         }
         let key = AttemptKey::of(&job);
         let event_id = material.event_id.clone();
@@ -264,7 +348,7 @@ impl Lane {
         let (outcomes, unsettled) = (self.shared.outcomes.clone(), self.shared.unsettled.clone());
         tokio::spawn(
             async move {
-                report(&outcomes, &msg, &job, &event_id, outcome).await;
+                report(&outcomes, &source, &job, &event_id, outcome).await;
                 unsettled.lock().expect("unpoisoned").remove(&key);
             }
             .instrument(span),
@@ -273,11 +357,17 @@ impl Lane {
 }
 
 /// The POST has happened; report it, retrying briefly. If the api stays away
-/// the job comes back and is sent again: the receiver may see the event id
-/// twice, and the schedule still advances once.
-async fn report(outcomes: &batch::Outcomes, msg: &Message, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest) {
+/// a broker job comes back and is sent again, and an attempt in hand falls
+/// due again when its lease runs out: the receiver may see the event id
+/// twice, and the schedule still advances once. An attempt in hand is
+/// retried for longer first, as nothing else would bring it back sooner.
+async fn report(outcomes: &batch::Outcomes, source: &Source, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest) {
     let (status, error) = (outcome.http_status, outcome.error.clone());
-    for backoff in [0u64, 200, 1000] {
+    let backoffs: &[u64] = match source {
+        Source::Broker(_) => &[0, 200, 1000],
+        Source::InHand { .. } => &[0, 200, 1000, 2000, 4000, 8000],
+    };
+    for &backoff in backoffs {
         tokio::time::sleep(Duration::from_millis(backoff)).await;
         match outcomes.call(outcome.clone()).await {
             Ok(decision) => {
@@ -286,12 +376,12 @@ async fn report(outcomes: &batch::Outcomes, msg: &Message, job: &DeliveryJob, ev
                     delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
                     decision = decision.decision, "attempt recorded"
                 );
-                return settle(msg, AckKind::Ack).await;
+                return source.settle(Verdict::Ack).await;
             }
             Err(st) => {
                 tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed")
             }
         }
     }
-    settle(msg, retry_later(msg)).await
+    source.retry_later().await
 }

@@ -55,9 +55,12 @@ pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
     let js = async_nats::jetstream::new(client);
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
+    // One set of lanes: jobs from DELIVERIES and first attempts handed over
+    // by expansions queue on the same lane of their endpoint.
+    let lanes = Arc::new(lanes::LaneSet::new(seam.clone(), &cfg, stop_rx.clone())?);
     for which in [Consumer::Expand, Consumer::Deliver] {
-        let (js, names, seam, cfg, stop) = (js.clone(), names.clone(), seam.clone(), cfg.clone(), stop_rx.clone());
-        tasks.spawn(supervise(which, js, names, seam, cfg, stop));
+        let (js, names, seam, cfg, lanes, stop) = (js.clone(), names.clone(), seam.clone(), cfg.clone(), lanes.clone(), stop_rx.clone());
+        tasks.spawn(supervise(which, js, names, seam, cfg, lanes, stop));
     }
     Ok(RunningDispatcher { shutdown: stop_tx, tasks })
 }
@@ -76,12 +79,15 @@ async fn supervise(
     names: StreamNames,
     seam: seam::Seam,
     cfg: Arc<DispatcherConfig>,
+    lanes: Arc<lanes::LaneSet>,
     mut stop: watch::Receiver<bool>,
 ) -> Result<()> {
     loop {
         let result = match which {
-            Consumer::Expand => consume::expand_loop(js.clone(), names.clone(), seam.clone(), cfg.clone(), stop.clone()).await,
-            Consumer::Deliver => consume::deliver_loop(js.clone(), names.clone(), seam.clone(), cfg.clone(), stop.clone()).await,
+            Consumer::Expand => {
+                consume::expand_loop(js.clone(), names.clone(), seam.clone(), cfg.clone(), lanes.clone(), stop.clone()).await
+            }
+            Consumer::Deliver => consume::deliver_loop(js.clone(), names.clone(), cfg.clone(), lanes.clone(), stop.clone()).await,
         };
         if *stop.borrow() {
             return Ok(());

@@ -92,15 +92,36 @@ impl App {
         Ok((key, minted.secret))
     }
 
+    /// Revoked at once on this api, and on the others as soon as they hear
+    /// of it (a Postgres notification), at the latest once their cached
+    /// verification expires (`apikeys::VERIFIED_FOR`).
     pub async fn revoke_api_key(&self, id: Uuid) -> AppResult<ApiKey> {
-        db::keys::revoke(&self.db, id).await?.ok_or_else(|| AppError::not_found("API key"))
+        let key = db::keys::revoke(&self.db, id).await?.ok_or_else(|| AppError::not_found("API key"))?;
+        self.verified_keys.forget(&key.lookup_prefix);
+        if let Err(e) = db::keys::announce_revoked(&self.db, &key.lookup_prefix).await {
+            tracing::warn!(error = ?e, "announcing a revoked key failed; other apis stop accepting it within their cache's lifetime");
+        }
+        Ok(key)
     }
 
     /// The environment an API key belongs to, if the key is live and matches.
+    /// A key verified in the last moment is checked against what was read
+    /// then (its salted hash), not read again.
     pub async fn authenticate_api_key(&self, presented: &str) -> AppResult<Option<Uuid>> {
         let Some(prefix) = apikeys::lookup_prefix(presented) else { return Ok(None) };
-        let row = db::keys::find_by_prefix(&self.db, prefix).await?;
-        Ok(row.and_then(|k| (k.revoked_at.is_none() && apikeys::matches(presented, &k.salt, &k.key_hash)).then_some(k.environment_id)))
+        let stored = match self.verified_keys.get(prefix) {
+            Some(live) => live,
+            None => {
+                let Some(row) = db::keys::find_by_prefix(&self.db, prefix).await? else { return Ok(None) };
+                if row.revoked_at.is_some() {
+                    return Ok(None);
+                }
+                let live = apikeys::LiveKey { environment_id: row.environment_id, salt: row.salt, key_hash: row.key_hash };
+                self.verified_keys.put(prefix, live.clone());
+                live
+            }
+        };
+        Ok(apikeys::matches(presented, &stored.salt, &stored.key_hash).then_some(stored.environment_id))
     }
 
     pub async fn queue_depths(&self) -> AppResult<QueueDepths> {

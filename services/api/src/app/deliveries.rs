@@ -21,10 +21,22 @@ use crate::{
 /// against, not a tuning knob.
 pub const ROTATION_WINDOW: Duration = Duration::from_secs(24 * 3600);
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug)]
 pub struct Expanded {
     pub created: u32,
     pub duplicate: bool,
+    /// First attempts handed to the dispatcher that asked, with their material.
+    pub attempts: Vec<Material>,
+}
+
+impl Expanded {
+    pub(crate) fn none() -> Self {
+        Self { created: 0, duplicate: false, attempts: Vec::new() }
+    }
+
+    pub(crate) fn duplicate() -> Self {
+        Self { duplicate: true, ..Self::none() }
+    }
 }
 
 /// Everything one attempt needs. The secrets are decrypted for this attempt

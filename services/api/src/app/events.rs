@@ -1,5 +1,7 @@
 //! Publishing events into the outbox, and reading what became of them.
 
+use std::sync::{Arc, Mutex};
+
 use anyhow::Context;
 use serde::Serialize;
 use serde_json::value::RawValue;
@@ -96,6 +98,68 @@ pub fn envelope(id: Uuid, event_type: &str, environment_id: Uuid, occurred_at: T
     .context("serialising an envelope")?)
 }
 
+/// Events this process just wrote, offered to its own outbox relay, which
+/// publishes them without a query to find them while it is not catching up
+/// on a backlog. Offers are a shortcut, never the record: every event is in
+/// the outbox, and one not published from here is found there.
+#[derive(Debug, Clone, Default)]
+pub struct OutboxOffers(Arc<Mutex<Offers>>);
+
+#[derive(Debug, Default)]
+struct Offers {
+    /// Only a process that runs the outbox relay takes offers.
+    open: bool,
+    rows: Vec<db::events::OutboxRow>,
+    /// Offers were refused for want of room: the outbox holds more than
+    /// `rows` says.
+    overflowed: bool,
+}
+
+/// Offers held at most; beyond, events wait for the relay's next look.
+const MAX_OFFERS: usize = 10_000;
+
+impl OutboxOffers {
+    /// The outbox relay takes offers from now on.
+    pub fn open(&self) {
+        self.0.lock().expect("unpoisoned").open = true;
+    }
+
+    pub fn offer(&self, row: db::events::OutboxRow) {
+        let mut o = self.0.lock().expect("unpoisoned");
+        if !o.open {
+            return;
+        }
+        if o.rows.len() < MAX_OFFERS {
+            o.rows.push(row);
+        } else {
+            o.overflowed = true;
+        }
+    }
+
+    /// What was offered since the last take, and whether any offer was
+    /// refused meanwhile.
+    pub fn take(&self) -> (Vec<db::events::OutboxRow>, bool) {
+        let mut o = self.0.lock().expect("unpoisoned");
+        (std::mem::take(&mut o.rows), std::mem::take(&mut o.overflowed))
+    }
+
+    /// Offers of events published some other way need no publishing.
+    pub fn forget(&self, published: &std::collections::HashSet<i64>) {
+        self.0.lock().expect("unpoisoned").rows.retain(|r| !published.contains(&r.seq));
+    }
+}
+
+/// An event to write, as the publish lane takes it.
+#[derive(Debug)]
+pub struct NewEvent {
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub event_type: String,
+    pub envelope: Vec<u8>,
+    pub occurred_at: Timestamp,
+    pub trace_context: Option<String>,
+}
+
 #[derive(Debug, Clone, Copy)]
 pub struct Published {
     pub event_id: Uuid,
@@ -118,25 +182,58 @@ impl App {
             ));
         }
 
-        // The event row is the outbox row: one insert, one transaction. Ids
+        // The event row is the outbox row: one insert, through the publish
+        // lane (concurrent publishes share its statements and commits). Ids
         // are unique per environment, so a conflict is this tenant's own
-        // earlier publish of the same id.
-        // The relays continue this trace from the row.
-        let inserted = db::events::insert(
-            &self.db,
-            event_id,
-            tenant.environment_id,
-            event_type,
-            &envelope,
+        // earlier publish of the same id. The relays continue this trace
+        // from the row.
+        let trace_context = relay_telemetry::current_traceparent();
+        let new = NewEvent {
+            id: event_id,
+            environment_id: tenant.environment_id,
+            event_type: event_type.to_owned(),
+            envelope,
             occurred_at,
-            relay_telemetry::current_traceparent(),
-        )
-        .await?;
-        let duplicate = !inserted;
-        if !duplicate {
+            trace_context: trace_context.clone(),
+        };
+        let seq = self.lanes().publishes.call(new).await?;
+        if let Some(seq) = seq {
+            // Straight to this process's outbox relay, which publishes it
+            // without looking for it, unless it is catching up on a backlog.
+            self.outbox_offers.offer(crate::db::events::OutboxRow {
+                seq,
+                id: event_id,
+                environment_id: tenant.environment_id,
+                event_type: event_type.to_owned(),
+                trace_context,
+                target_endpoint_id: None,
+            });
             self.outbox_wake.wake();
         }
-        Ok(Published { event_id, duplicate })
+        Ok(Published { event_id, duplicate: seq.is_none() })
+    }
+
+    /// One batch of the publish lane: every event in one insert. Each
+    /// answers with its outbox sequence number if this publish wrote it,
+    /// `None` if the environment already had an event with its id.
+    pub(crate) async fn insert_events_on(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        events: &[NewEvent],
+    ) -> AppResult<Vec<AppResult<Option<i64>>>> {
+        let mut rows = db::events::NewEvents::default();
+        for e in events {
+            rows.id.push(e.id);
+            rows.environment_id.push(e.environment_id);
+            rows.event_type.push(e.event_type.clone());
+            rows.envelope.push(e.envelope.clone());
+            rows.occurred_at.push(e.occurred_at);
+            rows.trace_context.push(e.trace_context.clone());
+        }
+        let mut seq_of: std::collections::HashMap<(Uuid, Uuid), i64> =
+            db::events::insert(conn, &rows).await?.into_iter().map(|(env, id, seq)| ((env, id), seq)).collect();
+        // The same id twice in one batch: the first is the one written.
+        Ok(events.iter().map(|e| Ok(seq_of.remove(&(e.environment_id, e.id)))).collect())
     }
 
     pub async fn list_event_deliveries(&self, tenant: Tenant, event_id: Uuid) -> AppResult<Vec<Delivery>> {

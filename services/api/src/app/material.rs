@@ -155,16 +155,11 @@ impl App {
         let secrets = match secrets_of.get(&row.endpoint_id) {
             Some(s) => s.clone(),
             None => {
-                let mut secrets =
-                    vec![self.keyring.decrypt(&row.secret_key_id, &row.secret_ciphertext).context("decrypting a signing secret")?];
-                if let (Some(key_id), Some(ct), Some(at)) =
-                    (&row.previous_secret_key_id, &row.previous_secret_ciphertext, row.secret_rotated_at)
-                {
-                    let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
-                    if now < at + window {
-                        secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
-                    }
-                }
+                let previous = match (&row.previous_secret_key_id, &row.previous_secret_ciphertext) {
+                    (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
+                    _ => None,
+                };
+                let secrets = self.signing_secrets((&row.secret_key_id, &row.secret_ciphertext), previous, row.secret_rotated_at, now)?;
                 secrets_of.insert(row.endpoint_id, secrets.clone());
                 secrets
             }
@@ -180,6 +175,27 @@ impl App {
             secrets,
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
         })
+    }
+}
+
+impl App {
+    /// An endpoint's signing secrets, decrypted: the current one, and the
+    /// previous one while its rotation window lasts (current first).
+    pub(crate) fn signing_secrets(
+        &self,
+        (key_id, ciphertext): (&str, &[u8]),
+        previous: Option<(&str, &[u8])>,
+        rotated_at: Option<Timestamp>,
+        now: Timestamp,
+    ) -> AppResult<Vec<SigningSecret>> {
+        let mut secrets = vec![self.keyring.decrypt(key_id, ciphertext).context("decrypting a signing secret")?];
+        if let (Some((key_id, ct)), Some(at)) = (previous, rotated_at) {
+            let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
+            if now < at + window {
+                secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
+            }
+        }
+        Ok(secrets)
     }
 }
 

@@ -8,7 +8,7 @@ pub mod admin;
 pub mod deliveries;
 pub mod endpoints;
 pub mod events;
-mod expansion;
+pub mod expansion;
 pub mod health;
 mod material;
 pub mod operational;
@@ -54,6 +54,14 @@ pub struct App {
     pub schedule: RetrySchedule,
     pub outbox_wake: Wake,
     pub deliveries_wake: Wake,
+    /// Events this process just wrote, for its outbox relay.
+    pub outbox_offers: events::OutboxOffers,
+    /// API keys read in the last moment (see `apikeys::VERIFIED_FOR`).
+    pub verified_keys: crate::apikeys::VerifiedKeys,
+    /// The delivery relay's last look found rows due that it could not take
+    /// (their endpoints at their in-flight cap, or another relay holding
+    /// them): only then does an outcome, which frees a slot, wake it.
+    pub slots_awaited: Arc<std::sync::atomic::AtomicBool>,
     /// Wakes the prober when a circuit opens (its next probe may be sooner
     /// than the prober's current sleep).
     pub probes_wake: Wake,
@@ -84,31 +92,59 @@ pub struct App {
 #[derive(Debug)]
 pub struct Lanes {
     pub outcomes: Lane<deliveries::AttemptReport, deliveries::Decision>,
+    pub expansions: Lane<expansion::ExpandAsk, deliveries::Expanded>,
+    pub publishes: Lane<events::NewEvent, Option<i64>>,
 }
 
 /// Outcomes one batch of the outcome lane records at most.
 const OUTCOMES_PER_BATCH: usize = 512;
 /// Connections the outcome lane holds: one commits while the other gathers.
 const OUTCOME_CONNECTIONS: usize = 2;
+/// Events one batch of the expansion lane expands at most (what one call
+/// of the seam may carry).
+const EXPANSIONS_PER_BATCH: usize = 1000;
+/// Events one batch of the publish lane writes at most; two connections, so
+/// one gathers the next batch while the other waits for its commit.
+const PUBLISHES_PER_BATCH: usize = 256;
+const PUBLISH_CONNECTIONS: usize = 2;
 
 impl App {
     /// Starts the lanes; each stops, between batches, once `stop` turns true.
     pub fn start_lanes(&self, queue_timeout: std::time::Duration, stop: tokio::sync::watch::Receiver<bool>) {
-        let app = self.clone();
-        let outcomes = Lane::spawn(
-            &self.db,
-            OUTCOME_CONNECTIONS,
-            OUTCOMES_PER_BATCH,
-            queue_timeout,
-            stop,
-            Arc::new(move |conn, reports| {
-                let app = app.clone();
-                Box::pin(async move { app.record_outcome_batch(conn, reports).await })
-            }),
-        );
-        if self.lanes.set(Lanes { outcomes }).is_err() {
+        let outcomes = self.lane(OUTCOME_CONNECTIONS, OUTCOMES_PER_BATCH, queue_timeout, &stop, |app, conn, reports| {
+            Box::pin(async move { app.record_outcome_batch(conn, reports).await })
+        });
+        // One connection: expansions take turns with the relay's leasing
+        // anyway (`lease_guard`), and a batch gathers what waits meanwhile.
+        let expansions = self.lane(1, EXPANSIONS_PER_BATCH, queue_timeout, &stop, |app, conn, asks| {
+            Box::pin(async move { app.expand_on(conn, asks).await })
+        });
+        let publishes = self.lane(PUBLISH_CONNECTIONS, PUBLISHES_PER_BATCH, queue_timeout, &stop, |app, conn, events| {
+            Box::pin(async move { app.insert_events_on(conn, events).await })
+        });
+        if self.lanes.set(Lanes { outcomes, expansions, publishes }).is_err() {
             tracing::warn!("the lanes were started twice; the second start is ignored");
         }
+    }
+
+    /// A lane whose batches run `run` on this app.
+    fn lane<Req: Send + Sync + 'static, Resp: Send + 'static>(
+        &self,
+        connections: usize,
+        max_batch: usize,
+        queue_timeout: std::time::Duration,
+        stop: &tokio::sync::watch::Receiver<bool>,
+        run: impl for<'c> Fn(App, &'c mut sqlx::PgConnection, &'c [Req]) -> crate::db::lane::BatchFuture<'c, Resp> + Send + Sync + 'static,
+    ) -> Lane<Req, Resp> {
+        let app = self.clone();
+        Lane::spawn(
+            &self.db,
+            connections,
+            max_batch,
+            queue_timeout,
+            stop.clone(),
+            Arc::new(move |conn, items| run(app.clone(), conn, items)),
+        )
     }
 
     fn lanes(&self) -> &Lanes {

@@ -72,7 +72,7 @@ impl App {
     pub(crate) async fn record_outcome_batch(
         &self,
         conn: &mut PgConnection,
-        reports: Vec<AttemptReport>,
+        reports: &[AttemptReport],
     ) -> AppResult<Vec<AppResult<Decision>>> {
         let now = self.clock.now();
         let mut first_seen: HashSet<Uuid> = HashSet::new();
@@ -105,7 +105,7 @@ impl App {
             decision: candidates.iter().map(|(_, d)| d.as_str()).collect(),
         };
         let all_succeeded = reports.iter().all(|r| Seen::of(r.http_status) == Seen::Success);
-        let mut batch = OutcomeBatch::new(&reports, &candidates);
+        let mut batch = OutcomeBatch::new(reports, &candidates);
         if all_succeeded {
             let applied = db::deliveries::record_current_outcomes(&mut *conn, &current).await?;
             let plainly_healthy =
@@ -118,7 +118,7 @@ impl App {
                 }
             } else {
                 let mut tx = conn.begin().await?;
-                self.follow_up(&mut tx, &reports, &mut batch, now).await?;
+                self.follow_up(&mut tx, reports, &mut batch, now).await?;
                 tx.commit().await.context("committing outcomes")?;
             }
         } else {
@@ -133,17 +133,18 @@ impl App {
                 db::events::count_dead_letter_notices(&mut tx, &endpoints, &environments).await?;
                 self.dead_letters_counted.counted();
             }
-            self.follow_up(&mut tx, &reports, &mut batch, now).await?;
+            self.follow_up(&mut tx, reports, &mut batch, now).await?;
             tx.commit().await.context("committing outcomes")?;
         }
         for (decision, latency_ms) in &batch.decisions {
             self.metrics.attempts.with_label_values(&[decision]).inc();
             self.metrics.attempt_latency.with_label_values(&[decision]).observe(*latency_ms as f64 / 1000.0);
         }
-        // Every outcome frees the endpoint's slot (the relay caps what an
-        // endpoint has outstanding), and a reschedule may be due sooner than
-        // the relay's current sleep: wake it either way.
-        if !batch.decisions.is_empty() {
+        // A reschedule may be due sooner than the relay's current sleep; a
+        // slot freed matters to it only while rows wait for one (the relay
+        // says so). Otherwise it sleeps on: most outcomes need nothing of it.
+        let rescheduled = batch.decisions.iter().any(|&(d, _)| d == Decision::RESCHEDULED);
+        if rescheduled || (!batch.decisions.is_empty() && self.slots_awaited.load(std::sync::atomic::Ordering::Relaxed)) {
             self.deliveries_wake.wake();
         }
         Ok(batch.answers.into_iter().map(|a| a.expect("every report answered")).collect())

@@ -75,6 +75,9 @@ pub struct ToExpand {
     pub trace_context: Vec<Option<String>>,
     /// An operational event's one recipient (`None`: its subscribers).
     pub target: Vec<Option<Uuid>>,
+    /// How long the first attempts of each event written already leased are
+    /// leased for, in ms.
+    pub lease_ms: Vec<i64>,
 }
 
 /// A delivery row an expansion created.
@@ -84,19 +87,26 @@ pub struct CreatedRow {
     pub endpoint_id: Uuid,
     pub event_id: Uuid,
     pub trace_context: Option<String>,
-    /// Written already leased: this api hands it to the broker itself.
+    /// Written already leased: this api hands it out itself.
     pub leased: bool,
     /// Written held: its endpoint is down.
     pub held: bool,
+    /// For a leased row, what sending it needs from its endpoint.
+    pub url: Option<String>,
+    pub secret_key_id: Option<String>,
+    pub secret_ciphertext: Option<Vec<u8>>,
+    pub previous_secret_key_id: Option<String>,
+    pub previous_secret_ciphertext: Option<Vec<u8>>,
+    pub secret_rotated_at: Option<Timestamp>,
 }
 
 /// One delivery per subscribed, active endpoint of each event, first
 /// attempt due now. Rows within their endpoint's in-flight `cap` (one for an
-/// endpoint that failed its last attempt) are written
-/// already leased for `lease` (the caller hands them to the broker after the
-/// commit); the rest wait, due, for the relay.
-pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, cap: i64, lease: Duration) -> AppResult<Vec<CreatedRow>> {
-    let lease = PgInterval::try_from(lease).map_err(|e| anyhow::anyhow!("a lease of {lease:?} is not an interval: {e}"))?;
+/// endpoint that failed its last attempt) are written already leased for
+/// their event's `lease_ms`, and come back with their endpoint's URL and
+/// secrets (the caller hands them out after the commit); the rest wait, due,
+/// for the relay.
+pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, cap: i64) -> AppResult<Vec<CreatedRow>> {
     Ok(sqlx::query_as!(
         CreatedRow,
         r#"WITH -- The subscribers, share-locked: a disable or delete of one
@@ -105,7 +115,8 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                  -- re-reads the endpoint as disabled. Either way no pending
                  -- delivery of an inactive endpoint is ever committed.
                  live AS (
-                   SELECT e.id, e.environment_id, e.event_types,
+                   SELECT e.id, e.environment_id, e.event_types, e.url, e.secret_key_id, e.secret_ciphertext,
+                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
                           h.circuit <> 'closed' OR e.disabled_reason IS NOT NULL AS holding,
                           CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $5::bigint END AS cap
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
@@ -118,10 +129,10 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                    -- circuit or held behind a closed one unseen.
                    ORDER BY e.id FOR SHARE OF e FOR KEY SHARE OF h),
                  matched AS (
-                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, e.holding,
+                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, e.holding, c.lease_ms,
                           row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
-                   FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $7::uuid[])
-                          WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, target, ord)
+                   FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $7::uuid[], $6::bigint[])
+                          WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, target, lease_ms, ord)
                    -- An operational event goes to its target alone; a
                    -- tenant's event to its subscribers.
                    JOIN live e ON e.environment_id = c.environment_id
@@ -137,21 +148,31 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                    FROM live l WHERE NOT l.holding AND l.id IN (SELECT endpoint_id FROM matched)),
                  marked AS (
                    SELECT m.*, NOT m.holding AND m.rn + b.n <= b.cap AS leased
-                   FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id)
+                   FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id),
                  -- An endpoint that is down gets its deliveries held: no
                  -- relay pass looks at them until it recovers.
-                 INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at)
-                 SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
-                        CASE WHEN leased THEN now() END, CASE WHEN leased THEN now() + $6::interval ELSE now() END
-                 FROM marked
-                 ON CONFLICT (event_id, endpoint_id) DO NOTHING
-                 RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS "leased!", state = 'held' AS "held!""#,
+                 created AS (
+                   INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at)
+                   SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
+                          CASE WHEN leased THEN now() END,
+                          CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END
+                   FROM marked
+                   ON CONFLICT (event_id, endpoint_id) DO NOTHING
+                   RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS leased, state = 'held' AS held)
+          SELECT c.id AS "id!", c.environment_id AS "environment_id!", c.endpoint_id AS "endpoint_id!", c.event_id AS "event_id!",
+                 c.trace_context, c.leased AS "leased!", c.held AS "held!",
+                 CASE WHEN c.leased THEN l.url END AS url, CASE WHEN c.leased THEN l.secret_key_id END AS secret_key_id,
+                 CASE WHEN c.leased THEN l.secret_ciphertext END AS secret_ciphertext,
+                 CASE WHEN c.leased THEN l.previous_secret_key_id END AS previous_secret_key_id,
+                 CASE WHEN c.leased THEN l.previous_secret_ciphertext END AS previous_secret_ciphertext,
+                 CASE WHEN c.leased THEN l.secret_rotated_at END AS secret_rotated_at
+          FROM created c JOIN live l ON l.id = c.endpoint_id"#,
         &events.environment_id,
         &events.event_id,
         &events.event_type,
         &events.trace_context as &[Option<String>],
         cap,
-        lease,
+        &events.lease_ms,
         &events.target as &[Option<Uuid>],
     )
     .fetch_all(&mut *tx)
@@ -255,7 +276,7 @@ pub struct ClaimsAsked {
 
 /// Takes the attempts nobody else holds (or whose holder's claim ran out),
 /// in one statement; returns the deliveries claimed.
-pub async fn claim_attempts(db: &PgPool, asked: &ClaimsAsked) -> AppResult<HashSet<Uuid>> {
+pub async fn claim_attempts<'e>(db: impl sqlx::PgExecutor<'e>, asked: &ClaimsAsked) -> AppResult<HashSet<Uuid>> {
     // A claim for an earlier attempt or generation of the delivery is
     // replaced; one for this attempt only by its own claimant, or once it
     // has run out.
@@ -441,7 +462,7 @@ pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: Uuid) -> AppRe
 }
 
 /// The earliest due time of any pending delivery.
-pub async fn earliest_due(db: &PgPool) -> AppResult<Option<Timestamp>> {
+pub async fn earliest_due<'e>(db: impl sqlx::PgExecutor<'e>) -> AppResult<Option<Timestamp>> {
     Ok(sqlx::query_scalar!("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'").fetch_one(db).await?)
 }
 
@@ -469,7 +490,7 @@ pub struct Claimed {
 /// handing a receiver that is timing out more work to time out on.
 /// Returns the rows' ids: each endpoint's rows are already within its free
 /// slots, so every one may be claimed.
-pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<Uuid>> {
+pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: i64) -> AppResult<Vec<Uuid>> {
     Ok(sqlx::query_scalar!(
         r#"WITH RECURSIVE walk AS (
            -- Each endpoint with unleased pending rows, with its earliest
@@ -530,7 +551,7 @@ pub async fn due_candidates(db: &PgPool, limit: i64, cap: i64) -> AppResult<Vec<
 /// for `lease`, in one statement: no row lock or transaction is held while
 /// the broker is asked. Committed without waiting for the disk: a claim lost
 /// to a Postgres crash is a re-publish the broker drops.
-pub async fn claim_and_lease(db: &PgPool, chosen: &[Uuid], lease: Duration) -> AppResult<Vec<Claimed>> {
+pub async fn claim_and_lease<'e>(db: impl sqlx::PgExecutor<'e>, chosen: &[Uuid], lease: Duration) -> AppResult<Vec<Claimed>> {
     let lease = PgInterval::try_from(lease).map_err(|e| anyhow::anyhow!("a lease of {lease:?} is not an interval: {e}"))?;
     Ok(sqlx::query_as!(
         Claimed,
@@ -549,7 +570,7 @@ pub async fn claim_and_lease(db: &PgPool, chosen: &[Uuid], lease: Duration) -> A
 
 /// Releases rows the broker refused, where still under the claim made at
 /// `claimed_at` (compare-and-set on the claim's instant).
-pub async fn release_refused(db: &PgPool, ids: &[Uuid], claimed_at: &[Timestamp]) -> AppResult<u64> {
+pub async fn release_refused<'e>(db: impl sqlx::PgExecutor<'e>, ids: &[Uuid], claimed_at: &[Timestamp]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries d SET dispatched_at = NULL, next_attempt_at = now()
          FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)

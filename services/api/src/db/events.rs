@@ -6,26 +6,41 @@ use std::{
     time::Duration,
 };
 
-use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
+use sqlx::{PgConnection, postgres::types::PgInterval};
 use uuid::Uuid;
 
 use super::models::{Delivery, DeliveryState, Timestamp};
 use crate::error::AppResult;
 
-/// The stored type of each of these events that exists, by (environment, id).
-pub async fn types_of(tx: &mut PgConnection, environments: &[Uuid], ids: &[Uuid]) -> AppResult<HashMap<(Uuid, Uuid), String>> {
+/// An event as the expansion reads it.
+pub struct Stored {
+    pub event_type: String,
+    /// The body its attempts send; read only when asked for.
+    pub envelope: Option<Vec<u8>>,
+}
+
+/// The stored type of each of these events that exists, by (environment,
+/// id), and for those `with_envelope` names (by position) its envelope too.
+pub async fn stored(
+    tx: &mut PgConnection,
+    environments: &[Uuid],
+    ids: &[Uuid],
+    with_envelope: &[bool],
+) -> AppResult<HashMap<(Uuid, Uuid), Stored>> {
     Ok(sqlx::query!(
-        "SELECT v.environment_id, v.id, v.event_type FROM events v
-         JOIN UNNEST($1::uuid[], $2::uuid[]) AS k(environment_id, id) ON v.environment_id = k.environment_id AND v.id = k.id
+        "SELECT v.environment_id, v.id, v.event_type, CASE WHEN k.with_envelope THEN v.envelope END AS envelope FROM events v
+         JOIN UNNEST($1::uuid[], $2::uuid[], $3::bool[]) AS k(environment_id, id, with_envelope)
+           ON v.environment_id = k.environment_id AND v.id = k.id
          -- The keys as an index condition too (`db::deliveries` INDEXED_LOOKUPS).
          WHERE v.environment_id = ANY ($1::uuid[]) AND v.id = ANY ($2::uuid[])",
         environments,
         ids,
+        with_envelope,
     )
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
-    .map(|r| ((r.environment_id, r.id), r.event_type))
+    .map(|r| ((r.environment_id, r.id), Stored { event_type: r.event_type, envelope: r.envelope }))
     .collect())
 }
 
@@ -48,9 +63,17 @@ pub async fn mark_consumed(tx: &mut PgConnection, consumer: &str, environments: 
     .collect())
 }
 
-/// An unpublished event as the outbox relay claims it:
-/// (seq, id, environment, type, trace context, target endpoint of an operational event).
-pub type OutboxRow = (i64, Uuid, Uuid, String, Option<String>, Option<Uuid>);
+/// An unpublished event as the outbox relay publishes it.
+#[derive(Debug, Clone)]
+pub struct OutboxRow {
+    pub seq: i64,
+    pub id: Uuid,
+    pub environment_id: Uuid,
+    pub event_type: String,
+    pub trace_context: Option<String>,
+    /// An operational event's one recipient.
+    pub target_endpoint_id: Option<Uuid>,
+}
 
 /// Claims up to `limit` unpublished events nobody holds for `claim`, in one
 /// statement (committed without waiting for the disk: a claim lost to a
@@ -58,7 +81,7 @@ pub type OutboxRow = (i64, Uuid, Uuid, String, Option<String>, Option<Uuid>);
 /// environment's oldest first, round robin (every environment's first, then
 /// every environment's second, ...), so a burst in one environment takes
 /// its turn beside the others instead of ahead of them.
-pub async fn claim_unpublished(db: &PgPool, limit: i64, claim: Duration) -> AppResult<Vec<OutboxRow>> {
+pub async fn claim_unpublished<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, claim: Duration) -> AppResult<Vec<OutboxRow>> {
     let claim = PgInterval::try_from(claim).map_err(|e| anyhow::anyhow!("a claim of {claim:?} is not an interval: {e}"))?;
     Ok(sqlx::query!(
         "WITH RECURSIVE environments(environment_id) AS (
@@ -91,12 +114,19 @@ pub async fn claim_unpublished(db: &PgPool, limit: i64, claim: Duration) -> AppR
     .fetch_all(db)
     .await?
     .into_iter()
-    .map(|r| (r.seq, r.id, r.environment_id, r.event_type, r.trace_context, r.target_endpoint_id))
+    .map(|r| OutboxRow {
+        seq: r.seq,
+        id: r.id,
+        environment_id: r.environment_id,
+        event_type: r.event_type,
+        trace_context: r.trace_context,
+        target_endpoint_id: r.target_endpoint_id,
+    })
     .collect())
 }
 
 /// The broker has these: published, claim ended.
-pub async fn mark_published(db: &PgPool, seqs: &[i64]) -> AppResult<u64> {
+pub async fn mark_published<'e>(db: impl sqlx::PgExecutor<'e>, seqs: &[i64]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE events SET published_at = now(), relay_claim_until = NULL
          FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit WHERE seq = ANY ($1)",
@@ -108,39 +138,45 @@ pub async fn mark_published(db: &PgPool, seqs: &[i64]) -> AppResult<u64> {
 }
 
 /// The broker refused these: the next pass may take them at once.
-pub async fn release_refused(db: &PgPool, seqs: &[i64]) -> AppResult<u64> {
+pub async fn release_refused<'e>(db: impl sqlx::PgExecutor<'e>, seqs: &[i64]) -> AppResult<u64> {
     Ok(sqlx::query!("UPDATE events SET relay_claim_until = NULL WHERE seq = ANY ($1) AND published_at IS NULL", seqs)
         .execute(db)
         .await?
         .rows_affected())
 }
 
-/// A new event, which is also its outbox row. False when the environment
-/// already has an event with this id (a repeat publish).
-#[allow(clippy::too_many_arguments)]
-pub async fn insert(
-    db: &PgPool,
-    id: Uuid,
-    environment_id: Uuid,
-    event_type: &str,
-    envelope: &[u8],
-    occurred_at: Timestamp,
-    trace_context: Option<String>,
-) -> AppResult<bool> {
+/// New events, column by column; each is also its outbox row.
+#[derive(Default)]
+pub struct NewEvents {
+    pub id: Vec<Uuid>,
+    pub environment_id: Vec<Uuid>,
+    pub event_type: Vec<String>,
+    pub envelope: Vec<Vec<u8>>,
+    pub occurred_at: Vec<Timestamp>,
+    pub trace_context: Vec<Option<String>>,
+}
+
+/// Inserts the events in one statement; returns (environment, id, seq) of
+/// each one inserted. An event whose environment already has one with its
+/// id (a repeat publish, or the same id twice in the batch) is not.
+pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<(Uuid, Uuid, i64)>> {
     Ok(sqlx::query!(
         "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context)
-         VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (environment_id, id) DO NOTHING",
-        id,
-        environment_id,
-        event_type,
-        envelope,
-        occurred_at,
-        trace_context,
+         SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::timestamptz[], $6::text[])
+         ON CONFLICT (environment_id, id) DO NOTHING
+         RETURNING environment_id, id, seq",
+        &events.id,
+        &events.environment_id,
+        &events.event_type,
+        &events.envelope,
+        &events.occurred_at,
+        &events.trace_context as &[Option<String>],
     )
-    .execute(db)
+    .fetch_all(&mut *db)
     .await?
-    .rows_affected()
-        == 1)
+    .into_iter()
+    .map(|r| (r.environment_id, r.id, r.seq))
+    .collect())
 }
 
 pub async fn exists(tx: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<bool> {

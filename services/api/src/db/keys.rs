@@ -43,6 +43,15 @@ pub async fn revoke(db: &PgPool, id: Uuid) -> AppResult<Option<ApiKey>> {
     .await?)
 }
 
+/// The Postgres channel that names revoked keys (by lookup prefix) to
+/// every api process, so none keeps a cached verification of one.
+pub const REVOKED_CHANNEL: &str = "relay_api_keys_revoked";
+
+pub async fn announce_revoked(db: &PgPool, lookup_prefix: &str) -> AppResult<()> {
+    sqlx::query_scalar!(r#"SELECT 1 AS "notified!" FROM pg_notify($1, $2)"#, REVOKED_CHANNEL, lookup_prefix).fetch_one(db).await?;
+    Ok(())
+}
+
 /// What a presented key is checked against.
 pub struct StoredKey {
     pub environment_id: Uuid,

@@ -15,35 +15,50 @@
 //! the lane's own task, so no statement or transaction is ever cut off at an
 //! await point. A lane stops between batches, at shutdown.
 
-use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicU8, Ordering},
+    },
+    time::Duration,
+};
 
 use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
-use tokio::{
-    sync::{Mutex, mpsc, oneshot, watch},
-    time::Instant,
-};
+use tokio::sync::{Mutex, mpsc, oneshot, watch};
 
 use crate::error::{AppError, AppResult, ErrorCode};
 
 type Reply<Resp> = oneshot::Sender<AppResult<Resp>>;
-/// An item, when it was queued, and where its answer goes.
-type Queued<Req, Resp> = (Req, Instant, Reply<Resp>);
+/// An item, whether it was taken or given up on, and where its answer goes.
+type Queued<Req, Resp> = (Req, Arc<AtomicU8>, Reply<Resp>);
+
+/// An item waits in the queue…
+const QUEUED: u8 = 0;
+/// …until a batch takes it (then it runs, and its caller waits for it)…
+const TAKEN: u8 = 1;
+/// …or its caller stops waiting first (then it never runs).
+const ABANDONED: u8 = 2;
 
 /// What one batch does with its connection: answers item by item, in
 /// order, or fails as a whole.
-pub type Handler<Req, Resp> =
-    Arc<dyn for<'c> Fn(&'c mut PgConnection, Vec<Req>) -> Pin<Box<dyn Future<Output = BatchResult<Resp>> + Send + 'c>> + Send + Sync>;
+pub type Handler<Req, Resp> = Arc<dyn for<'c> Fn(&'c mut PgConnection, &'c [Req]) -> BatchFuture<'c, Resp> + Send + Sync>;
+
+/// A batch being run on a connection.
+pub type BatchFuture<'c, Resp> = Pin<Box<dyn Future<Output = BatchResult<Resp>> + Send + 'c>>;
 
 /// A batch's answers, one per item in order, or the batch's failure.
 pub type BatchResult<Resp> = AppResult<Vec<AppResult<Resp>>>;
 
 pub struct Lane<Req, Resp> {
     tx: mpsc::UnboundedSender<Queued<Req, Resp>>,
+    queue_timeout: Duration,
 }
 
 impl<Req, Resp> Clone for Lane<Req, Resp> {
     fn clone(&self) -> Self {
-        Self { tx: self.tx.clone() }
+        Self { tx: self.tx.clone(), queue_timeout: self.queue_timeout }
     }
 }
 
@@ -81,6 +96,11 @@ impl Held {
         }
     }
 
+    /// Lets the connection go after an error whose kind is not known.
+    pub fn forget(&mut self) {
+        self.conn = None;
+    }
+
     /// Closes the connection politely (at shutdown).
     pub async fn close(&mut self) {
         if let Some(conn) = self.conn.take() {
@@ -89,12 +109,13 @@ impl Held {
     }
 }
 
-impl<Req: Clone + Send + 'static, Resp: Send + 'static> Lane<Req, Resp> {
+impl<Req: Send + Sync + 'static, Resp: Send + 'static> Lane<Req, Resp> {
     /// `connections` tasks, each holding a connection to `pool`'s database
     /// (not one of the pool's own), take up to `max_batch` waiting items at a
-    /// time until `stop`. An item that waited `queue_timeout` before its
-    /// batch began is answered UNAVAILABLE instead, as a pool call that
-    /// waited that long for a connection is: the caller retries later.
+    /// time until `stop`. A caller whose item is not taken within
+    /// `queue_timeout` is answered UNAVAILABLE, and its item never runs, as a
+    /// pool call that waited that long for a connection: the caller may
+    /// retry, knowing nothing was written.
     pub fn spawn(
         pool: &PgPool,
         connections: usize,
@@ -111,64 +132,81 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Lane<Req, Resp> {
                 loop {
                     let batch = {
                         let mut rx = rx.lock().await;
-                        let first = tokio::select! {
-                            first = rx.recv() => first,
-                            _ = stop.wait_for(|stopped| *stopped) => None,
-                        };
-                        let Some(first) = first else { break };
-                        let mut batch = vec![first];
-                        while batch.len() < max_batch {
-                            match rx.try_recv() {
-                                Ok(item) => batch.push(item),
-                                Err(_) => break,
+                        let mut batch = Vec::new();
+                        while batch.is_empty() {
+                            let first = tokio::select! {
+                                first = rx.recv() => first,
+                                _ = stop.wait_for(|stopped| *stopped) => None,
+                            };
+                            let Some(first) = first else {
+                                held.close().await;
+                                return;
+                            };
+                            take(&mut batch, first);
+                            while batch.len() < max_batch {
+                                match rx.try_recv() {
+                                    Ok(item) => take(&mut batch, item),
+                                    Err(_) => break,
+                                }
                             }
                         }
                         batch
                     };
-                    let (fresh, stale): (Vec<_>, Vec<_>) = batch.into_iter().partition(|(_, at, _)| at.elapsed() < queue_timeout);
-                    for (_, _, reply) in stale {
-                        let _ = reply.send(Err(overloaded()));
-                    }
-                    if !fresh.is_empty() {
-                        run(&mut held, &handler, fresh.into_iter().map(|(req, _, reply)| (req, reply)).collect()).await;
-                    }
+                    run(&mut held, &handler, batch).await;
                 }
-                held.close().await;
             });
         }
-        Self { tx }
+        Self { tx, queue_timeout }
     }
 
     /// Queues one item and waits for its answer.
     pub async fn call(&self, req: Req) -> AppResult<Resp> {
-        let (reply, answer) = oneshot::channel();
-        self.tx.send((req, Instant::now(), reply)).map_err(|_| stopped())?;
-        answer.await.map_err(|_| stopped())?
+        self.call_all(vec![req]).await.pop().expect("one answer per item")
     }
 
     /// Queues many items at once (so they share a batch) and waits for all.
     pub async fn call_all(&self, reqs: Vec<Req>) -> Vec<AppResult<Resp>> {
-        let mut answers = Vec::with_capacity(reqs.len());
+        let mut waiting = Vec::with_capacity(reqs.len());
         for req in reqs {
             let (reply, answer) = oneshot::channel();
-            match self.tx.send((req, Instant::now(), reply)) {
-                Ok(()) => answers.push(Some(answer)),
-                Err(_) => answers.push(None),
+            let state = Arc::new(AtomicU8::new(QUEUED));
+            match self.tx.send((req, state.clone(), reply)) {
+                Ok(()) => waiting.push(Some((state, answer))),
+                Err(_) => waiting.push(None),
             }
         }
-        let mut out = Vec::with_capacity(answers.len());
-        for answer in answers {
-            out.push(match answer {
-                Some(a) => a.await.map_err(|_| stopped()).and_then(|r| r),
-                None => Err(stopped()),
-            });
+        let deadline = tokio::time::Instant::now() + self.queue_timeout;
+        let mut out = Vec::with_capacity(waiting.len());
+        for item in waiting {
+            let Some((state, mut answer)) = item else {
+                out.push(Err(stopped()));
+                continue;
+            };
+            let answered = match tokio::time::timeout_at(deadline, &mut answer).await {
+                Ok(a) => a,
+                // Not answered in time: given up, unless a batch took it
+                // meanwhile (then it runs, and its answer is waited for).
+                Err(_) if state.compare_exchange(QUEUED, ABANDONED, Ordering::AcqRel, Ordering::Acquire).is_ok() => {
+                    out.push(Err(overloaded()));
+                    continue;
+                }
+                Err(_) => answer.await,
+            };
+            out.push(answered.map_err(|_| stopped()).and_then(|r| r));
         }
         out
     }
 }
 
+/// Adds an item to a batch unless its caller gave up on it first.
+fn take<Req, Resp>(batch: &mut Vec<(Req, Reply<Resp>)>, (req, state, reply): Queued<Req, Resp>) {
+    if state.compare_exchange(QUEUED, TAKEN, Ordering::AcqRel, Ordering::Acquire).is_ok() {
+        batch.push((req, reply));
+    }
+}
+
 fn overloaded() -> AppError {
-    AppError::unavailable(anyhow::anyhow!("the database is not keeping up: this waited too long for its turn"))
+    AppError::unavailable(anyhow::anyhow!("the database is not keeping up: this waited too long for its turn, and did not run"))
 }
 
 fn stopped() -> AppError {
@@ -181,13 +219,13 @@ const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 /// One batch: its answers sent item by item. A batch that fails as a whole
 /// for a reason that may be one item's (not the database being away, not a
 /// lost conflict) is run again item by item, so one bad item fails alone.
-async fn run<Req: Clone, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, batch: Vec<(Req, Reply<Resp>)>) {
+async fn run<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, batch: Vec<(Req, Reply<Resp>)>) {
     let (reqs, replies): (Vec<Req>, Vec<Reply<Resp>>) = batch.into_iter().unzip();
-    match run_once(held, handler, reqs.clone()).await {
+    match run_once(held, handler, &reqs).await {
         Err(e) if reqs.len() > 1 && e.code != ErrorCode::Unavailable => {
             tracing::warn!(items = reqs.len(), error = ?e, "a database batch failed as a whole; running its items one by one");
-            for (req, reply) in reqs.into_iter().zip(replies) {
-                let answer = match run_once(held, handler, vec![req]).await {
+            for (req, reply) in reqs.chunks(1).zip(replies) {
+                let answer = match run_once(held, handler, req).await {
                     Ok(mut one) => one.pop().expect("one answer"),
                     Err(e) => Err(e),
                 };
@@ -209,7 +247,7 @@ async fn run<Req: Clone, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, ba
 
 /// The batch on the held connection: exactly one answer per item, or the
 /// batch's failure.
-async fn run_once<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, reqs: Vec<Req>) -> BatchResult<Resp> {
+async fn run_once<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, reqs: &[Req]) -> BatchResult<Resp> {
     let n = reqs.len();
     let conn = match held.get().await {
         Ok(c) => c,

@@ -49,6 +49,9 @@ pub enum Decision {
 }
 
 impl Decision {
+    /// `as_str` of a reschedule.
+    pub const RESCHEDULED: &'static str = "rescheduled";
+
     /// The delivery's state once this decision is applied.
     pub fn state(&self) -> DeliveryState {
         match self {
@@ -77,7 +80,7 @@ impl Decision {
     pub fn as_str(&self) -> &'static str {
         match self {
             Self::Delivered => "delivered",
-            Self::Rescheduled { .. } => "rescheduled",
+            Self::Rescheduled { .. } => Self::RESCHEDULED,
             Self::DeadLettered => "dead_lettered",
         }
     }
@@ -86,7 +89,7 @@ impl Decision {
     pub fn from_log(decision: &str, next_attempt_at: Option<Timestamp>) -> Option<Self> {
         match (decision, next_attempt_at) {
             ("delivered", _) => Some(Self::Delivered),
-            ("rescheduled", Some(next_attempt_at)) => Some(Self::Rescheduled { next_attempt_at }),
+            (Self::RESCHEDULED, Some(next_attempt_at)) => Some(Self::Rescheduled { next_attempt_at }),
             ("dead_lettered", _) => Some(Self::DeadLettered),
             _ => None,
         }

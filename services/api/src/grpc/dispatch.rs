@@ -12,6 +12,7 @@ use crate::{
     app::{
         App,
         deliveries::{AttemptRef, AttemptReport, Claim, Decision, ExpandItem, MAX_CLAIM_HOLD, Material},
+        expansion::ExpandAsk,
     },
     error::AppError,
 };
@@ -121,19 +122,23 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
 pub(crate) fn attempt_ref(r: &pb::MaterialRequest) -> Result<AttemptRef, AppError> {
     let delivery_id = parse_id("delivery_id", &r.delivery_id)?;
     let (attempt, generation) = attempt_and_generation(r.attempt, r.generation)?;
-    let claim = if r.claimant.is_empty() {
-        None
-    } else {
-        let hold = Duration::from_millis(u64::from(r.hold_ms));
-        if hold.is_zero() || hold > MAX_CLAIM_HOLD {
-            return Err(invalid(
-                "hold_out_of_range",
-                format!("hold_ms must be from 1 to {} with a claimant, got {}", MAX_CLAIM_HOLD.as_millis(), r.hold_ms),
-            ));
-        }
-        Some(Claim { claimant: parse_id("claimant", &r.claimant)?, hold })
-    };
+    let claim = claim("claimant", &r.claimant, r.hold_ms)?;
     Ok(AttemptRef { delivery_id, generation, attempt, claim })
+}
+
+/// A claimant and how long it holds what it takes; none when no claimant is named.
+fn claim(field: &'static str, claimant: &str, hold_ms: u32) -> Result<Option<Claim>, AppError> {
+    if claimant.is_empty() {
+        return Ok(None);
+    }
+    let hold = Duration::from_millis(u64::from(hold_ms));
+    if hold.is_zero() || hold > MAX_CLAIM_HOLD {
+        return Err(invalid(
+            "hold_out_of_range",
+            format!("hold_ms must be from 1 to {} with a claimant, got {hold_ms}", MAX_CLAIM_HOLD.as_millis()),
+        ));
+    }
+    Ok(Some(Claim { claimant: parse_id(field, claimant)?, hold }))
 }
 
 /// An expand item's fields, checked; the traceparent is dropped if it is
@@ -158,6 +163,7 @@ impl DispatchApi {
         &self,
         items: Vec<pb::ExpandRequest>,
         metadata: Option<&tonic::metadata::MetadataMap>,
+        claim: Option<Claim>,
     ) -> Result<Vec<Result<pb::ExpandResponse, AppError>>, Status> {
         let mut answers: Vec<Option<Result<pb::ExpandResponse, AppError>>> = Vec::with_capacity(items.len());
         let mut spans = Vec::with_capacity(items.len());
@@ -177,13 +183,14 @@ impl DispatchApi {
                 (true, Some(m)) => relay_telemetry::set_parent(&span, &relay_telemetry::GrpcMetadataRef(m)),
                 (true, None) => {}
             }
-            parsed.push(ExpandItem {
+            let item = ExpandItem {
                 event_id,
                 environment_id,
                 event_type: r.r#type,
                 trace_context: span.in_scope(relay_telemetry::current_traceparent),
                 target,
-            });
+            };
+            parsed.push(ExpandAsk { item, claim });
             spans.push(span);
             answers.push(None);
         }
@@ -191,7 +198,11 @@ impl DispatchApi {
         let mut expanded = expanded.into_iter().zip(spans).map(|(a, span)| {
             a.map(|x| {
                 span.record("created", x.created).record("duplicate", x.duplicate);
-                pb::ExpandResponse { created: x.created, duplicate: x.duplicate }
+                pb::ExpandResponse {
+                    created: x.created,
+                    duplicate: x.duplicate,
+                    attempts: x.attempts.into_iter().map(material_message).collect(),
+                }
             })
         });
         Ok(answers.into_iter().map(|a| a.unwrap_or_else(|| expanded.next().expect("one answer per valid item"))).collect())
@@ -202,7 +213,7 @@ impl DispatchApi {
 impl DispatchService for DispatchApi {
     async fn expand(&self, req: Request<pb::ExpandRequest>) -> Result<Response<pb::ExpandResponse>, Status> {
         let (metadata, _, item) = req.into_parts();
-        let mut answers = self.expand_items(vec![item], Some(&metadata)).await?;
+        let mut answers = self.expand_items(vec![item], Some(&metadata), None).await?;
         match answers.pop().expect("one answer per item") {
             Ok(x) => Ok(Response::new(x)),
             Err(e) => Err(status(e)),
@@ -210,9 +221,22 @@ impl DispatchService for DispatchApi {
     }
 
     async fn expand_batch(&self, req: Request<pb::ExpandBatchRequest>) -> Result<Response<pb::ExpandBatchResponse>, Status> {
-        let items = req.into_inner().items;
-        check_batch(items.len())?;
-        let answers = self.expand_items(items, None).await?;
+        let req = req.into_inner();
+        check_batch(req.items.len())?;
+        let claim = claim("claimant", &req.claimant, req.hold_ms).map_err(status)?;
+        if let Some(c) = claim
+            && c.hold < relay_config::timing::MIN_IN_HAND_LEASE
+        {
+            return Err(status(invalid(
+                "hold_out_of_range",
+                format!(
+                    "hold_ms must be at least {} for first attempts taken in hand, got {}",
+                    relay_config::timing::MIN_IN_HAND_LEASE.as_millis(),
+                    req.hold_ms
+                ),
+            )));
+        }
+        let answers = self.expand_items(req.items, None, claim).await?;
         let items = answers
             .into_iter()
             .map(|a| pb::ExpandResult {

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 
 use crate::{
     app::{App, Timestamp},
-    db::{self, deliveries::Claimed},
+    db::{self, deliveries::Claimed, lane::Held},
     queue::{Job, job_message},
 };
 
@@ -34,6 +34,8 @@ pub struct DeliveryRelay {
     /// slots, however large its backlog; its other due rows wait in Postgres
     /// and the scan passes over them to other endpoints' work.
     pub endpoint_cap: i64,
+    /// The relay's own connection (see `db::lane`).
+    pub conn: tokio::sync::Mutex<Held>,
 }
 
 /// The shortest pause between relay passes started by wake-ups (a pass that
@@ -42,10 +44,14 @@ const MIN_PASS_GAP: Duration = Duration::from_millis(5);
 
 async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
     let mut l = sqlx::postgres::PgListener::connect_with(&app.db).await?;
-    l.listen(crate::db::deliveries::DUE_CHANNEL).await?;
+    l.listen_all([crate::db::deliveries::DUE_CHANNEL, crate::db::keys::REVOKED_CHANNEL]).await?;
     loop {
-        l.recv().await?;
-        app.deliveries_wake.wake();
+        let n = l.recv().await?;
+        if n.channel() == crate::db::keys::REVOKED_CHANNEL {
+            app.verified_keys.forget(n.payload());
+        } else {
+            app.deliveries_wake.wake();
+        }
     }
 }
 
@@ -54,8 +60,9 @@ impl DeliveryRelay {
         super::drive(&self, shutdown).await
     }
 
-    /// Wakes this relay whenever any api process commits due deliveries.
-    /// sqlx's listener reconnects by itself; the idle interval covers the gap.
+    /// Wakes this relay whenever any api process commits due deliveries,
+    /// and forgets keys any api revokes. sqlx's listener reconnects by
+    /// itself; the idle interval (and the keys' short cache) covers the gap.
     pub async fn listen(app: App, mut shutdown: watch::Receiver<bool>) {
         let mut failures = 0u32;
         loop {
@@ -74,7 +81,7 @@ impl DeliveryRelay {
     }
 
     async fn next_due(&self) -> Result<Option<Timestamp>> {
-        Ok(db::deliveries::earliest_due(&self.app.db).await?)
+        super::on_held(&self.conn, async |held| Ok(db::deliveries::earliest_due(held.get().await?).await?)).await
     }
 
     pub async fn drain_once(&self) -> Result<usize> {
@@ -95,11 +102,14 @@ impl super::Pass for DeliveryRelay {
 
     /// Until the earliest due time rather than polling blindly. A due time
     /// already past belongs to rows this pass could not take (their endpoint
-    /// is at its cap, or another relay holds them): an outcome freeing a slot
-    /// wakes the relay, so it waits for that.
+    /// is at its cap, or another relay holds them): the relay says so, and an
+    /// outcome freeing a slot wakes it, so it waits for that.
     async fn idle_for(&self) -> Duration {
         let now = chrono::Utc::now();
-        match self.next_due().await {
+        let next = self.next_due().await;
+        let awaited = matches!(next, Ok(Some(at)) if at <= now);
+        self.app.slots_awaited.store(awaited, std::sync::atomic::Ordering::Relaxed);
+        match next {
             Ok(Some(at)) if at > now => (at - now).to_std().unwrap_or(Duration::ZERO).min(self.idle),
             Ok(_) => self.idle,
             Err(e) => {
@@ -117,11 +127,18 @@ impl super::Pass for DeliveryRelay {
     }
 
     async fn drain_once(&self) -> Result<usize> {
+        super::on_held(&self.conn, async |held| self.pass(held).await).await
+    }
+}
+
+impl DeliveryRelay {
+    async fn pass(&self, held: &mut Held) -> Result<usize> {
+        let conn = held.get().await?;
         let _leasing = self.app.lease_guard.lock().await;
         // Choose without locking (the claim below re-checks): each
         // endpoint's fresh rows come already within its free slots, lost
         // leases hold theirs, so every row chosen may be taken.
-        let chosen = db::deliveries::due_candidates(&self.app.db, self.batch, self.endpoint_cap).await.context("finding due deliveries")?;
+        let chosen = db::deliveries::due_candidates(&mut *conn, self.batch, self.endpoint_cap).await.context("finding due deliveries")?;
         if chosen.is_empty() {
             return Ok(0);
         }
@@ -134,7 +151,7 @@ impl super::Pass for DeliveryRelay {
         // under the same message ids. A claim lost to a Postgres crash is a
         // re-publish the broker drops, so it need not wait for the disk
         // (see cheap commits in `super`).
-        let rows = db::deliveries::claim_and_lease(&self.app.db, &chosen, self.lease).await.context("claiming due deliveries")?;
+        let rows = db::deliveries::claim_and_lease(&mut *conn, &chosen, self.lease).await.context("claiming due deliveries")?;
         if rows.is_empty() {
             return Ok(0);
         }
@@ -164,7 +181,7 @@ impl super::Pass for DeliveryRelay {
             |rows: &[&Claimed]| (rows.iter().map(|r| r.id).collect::<Vec<_>>(), rows.iter().map(|r| r.dispatched_at).collect::<Vec<_>>());
         if !refused.is_empty() {
             let (ids, at) = still_ours(&refused);
-            db::deliveries::release_refused(&self.app.db, &ids, &at).await.context("releasing deliveries the broker refused")?;
+            db::deliveries::release_refused(&mut *conn, &ids, &at).await.context("releasing deliveries the broker refused")?;
         }
         match first_error {
             Some(e) if leased.is_empty() => Err(e.context("publishing to DELIVERIES")),

@@ -25,7 +25,7 @@ use std::time::Duration;
 use anyhow::Result;
 use tokio::sync::watch;
 
-use crate::app::Wake;
+use crate::{app::Wake, db::lane::Held};
 
 /// What a relay does in one pass, and how it waits between passes; the
 /// loop around it ([`drive`]) is the same for both relays.
@@ -82,6 +82,17 @@ pub(crate) async fn idle(wake: &Wake, max: Duration, shutdown: &mut watch::Recei
         _ = tokio::time::sleep(max) => false,
         _ = shutdown.changed() => true,
     }
+}
+
+/// Runs `pass` on a relay's own connection (see `db::lane`); a pass that
+/// fails lets the connection go, as the failure may have broken it.
+pub(crate) async fn on_held<T>(conn: &tokio::sync::Mutex<Held>, pass: impl AsyncFnOnce(&mut Held) -> Result<T>) -> Result<T> {
+    let mut held = conn.lock().await;
+    let result = pass(&mut held).await;
+    if result.is_err() {
+        held.forget();
+    }
+    result
 }
 
 /// After a failure (broker or database away): back off, but not forever.

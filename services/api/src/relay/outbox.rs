@@ -11,7 +11,10 @@ use relay_contracts::{StreamNames, event_headers};
 use tokio::sync::watch;
 use uuid::Uuid;
 
-use crate::{app::App, db};
+use crate::{
+    app::App,
+    db::{self, lane::Held},
+};
 
 /// What an EVENTS message carries: the event's identity, never its payload.
 /// Expansion needs nothing more (the api holds the envelope), and a stream of
@@ -44,6 +47,10 @@ pub struct OutboxRelay {
     /// An upper bound on the stream's backlog (see `room`); `u64::MAX`
     /// until first measured.
     pub backlog_bound: std::sync::atomic::AtomicU64,
+    /// The outbox may hold more than this process has offered (see `pass`).
+    pub backlogged: std::sync::atomic::AtomicBool,
+    /// The relay's own connection (see `db::lane`).
+    pub conn: tokio::sync::Mutex<Held>,
 }
 
 /// How long a relay held back by the stream's backlog waits before looking again.
@@ -109,14 +116,41 @@ impl super::Pass for OutboxRelay {
     }
 
     async fn drain_once(&self) -> Result<usize> {
+        super::on_held(&self.conn, async |held| self.pass(held).await).await
+    }
+}
+
+impl OutboxRelay {
+    /// Events this process just wrote are published as they were offered,
+    /// with no query to find them, unless the relay is catching up on a
+    /// backlog (the last look filled its batch or the stream's room, an
+    /// offer was refused, or a publish failed): then offers are set aside
+    /// and the outbox is read in turns across environments, which is what
+    /// keeps one environment's burst from going ahead of the others'.
+    async fn pass(&self, held: &mut Held) -> Result<usize> {
+        let (offered, overflowed) = self.app.outbox_offers.take();
+        if overflowed {
+            self.backlogged.store(true, Ordering::Relaxed);
+        }
         let limit = self.room().await.map_or(self.batch, |room| self.batch.min(room as i64));
         if limit == 0 {
             self.held_back.store(true, Ordering::Relaxed);
+            self.backlogged.store(true, Ordering::Relaxed);
             return Ok(0);
         }
-        let rows = db::events::claim_unpublished(&self.app.db, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
-        // Held back: the stream's room, not the outbox, ended the pass.
-        self.held_back.store(limit < self.batch && rows.len() as i64 >= limit, Ordering::Relaxed);
+        let conn = held.get().await?;
+        let shortcut = !offered.is_empty() && !self.backlogged.load(Ordering::Relaxed) && offered.len() as i64 <= limit;
+        let rows = if shortcut {
+            self.held_back.store(false, Ordering::Relaxed);
+            offered
+        } else {
+            let rows = db::events::claim_unpublished(&mut *conn, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
+            // Held back: the stream's room, not the outbox, ended the pass.
+            self.held_back.store(limit < self.batch && rows.len() as i64 >= limit, Ordering::Relaxed);
+            // Caught up once a look finds less than it could take.
+            self.backlogged.store(rows.len() as i64 >= limit, Ordering::Relaxed);
+            rows
+        };
         if rows.is_empty() {
             return Ok(0);
         }
@@ -124,21 +158,22 @@ impl super::Pass for OutboxRelay {
         // second, ...), so no environment's events wait behind another's in the stream.
         let mut seqs = Vec::with_capacity(rows.len());
         let mut messages = Vec::with_capacity(rows.len());
-        for (seq, id, env, event_type, trace_context, target) in rows {
+        for row in rows {
+            let (id, env) = (row.id, row.environment_id);
             let mut headers = HeaderMap::new();
             // One short span per event, in the event's trace; its context
             // rides in the message headers to the dispatcher.
             let span = tracing::info_span!("outbox_relay", event_id = %id, environment_id = %env);
-            if let Some(tc) = &trace_context {
+            if let Some(tc) = &row.trace_context {
                 relay_telemetry::set_parent_from_traceparent(&span, tc);
             }
             span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
             headers.insert("Nats-Msg-Id", StreamNames::event_message_id(&env.to_string(), &id.to_string()).as_str());
             headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
-            headers.insert(event_headers::EVENT_TYPE, event_type.as_str());
-            seqs.push(seq);
-            let head = serde_json::to_vec(&EventHead { id, event_type: &event_type, environment_id: env, target_endpoint_id: target })
-                .context("serialising an event head")?;
+            headers.insert(event_headers::EVENT_TYPE, row.event_type.as_str());
+            seqs.push(row.seq);
+            let head = EventHead { id, event_type: &row.event_type, environment_id: env, target_endpoint_id: row.target_endpoint_id };
+            let head = serde_json::to_vec(&head).context("serialising an event head")?;
             messages.push((self.names.events_subject(&env.to_string()), headers, head.into()));
         }
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
@@ -150,11 +185,18 @@ impl super::Pass for OutboxRelay {
         if !published.is_empty() {
             // Lost to a Postgres crash, this is a second publish that the
             // broker or the expansion ledger drops (see cheap commits in `super`).
-            db::events::mark_published(&self.app.db, &published).await.context("marking events published")?;
+            db::events::mark_published(&mut *conn, &published).await.context("marking events published")?;
+            if !shortcut {
+                // Offered while this look found them: already published.
+                self.app.outbox_offers.forget(&published.iter().copied().collect());
+            }
         }
         if !refused.is_empty() {
-            // The next pass may take them at once, rather than after the claim.
-            db::events::release_refused(&self.app.db, &refused).await.context("releasing events the broker refused")?;
+            self.backlogged.store(true, Ordering::Relaxed);
+            if !shortcut {
+                // The next pass may take them at once, rather than after the claim.
+                db::events::release_refused(&mut *conn, &refused).await.context("releasing events the broker refused")?;
+            }
         }
         match first_error {
             Some(e) if published.is_empty() => Err(e.context("publishing to EVENTS")),
