@@ -701,7 +701,7 @@ async fn platform_inputs_out_of_range_are_invalid_argument_never_a_panic() -> an
 
     // In a batch, the bad item fails alone and the good one is recorded.
     let items = seam
-        .outcome_batch(OutcomeBatchRequest { items: vec![outcome(u32::MAX, 0, Some(500)), outcome(1, 0, Some(200))] })
+        .outcome_batch(OutcomeBatchRequest { items: vec![outcome(u32::MAX, 0, Some(500)), outcome(1, 0, Some(200))], ..Default::default() })
         .await?
         .into_inner()
         .items;

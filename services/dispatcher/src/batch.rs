@@ -222,10 +222,15 @@ pub fn materials(seam: Seam) -> Materials {
 /// moderate load it turns a call per attempt into one per several.
 const OUTCOME_LINGER: std::time::Duration = std::time::Duration::from_millis(5);
 
-pub fn outcomes(seam: Seam) -> Outcomes {
+/// Outcomes that ask for their endpoints' next attempts, for `claimant` for `hold`.
+pub fn outcomes(seam: Seam, claimant: String, hold: std::time::Duration) -> Outcomes {
+    let hold_ms = u32::try_from(hold.as_millis()).unwrap_or(u32::MAX);
     Batcher::spawn_lingering(MAX_BATCH, CALLS_IN_FLIGHT, OUTCOME_LINGER, move |items| {
-        let mut seam = seam.clone();
-        async move { Ok(seam.outcome_batch(OutcomeBatchRequest { items }).await?.into_inner().items.into_iter().map(Answer::answer).collect()) }
+        let (mut seam, claimant) = (seam.clone(), claimant.clone());
+        async move {
+            let req = OutcomeBatchRequest { items, claimant, hold_ms };
+            Ok(seam.outcome_batch(req).await?.into_inner().items.into_iter().map(Answer::answer).collect())
+        }
     })
 }
 

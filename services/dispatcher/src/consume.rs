@@ -104,7 +104,7 @@ pub(crate) async fn expand_loop(
             match expansions.call(req).await {
                 Ok(expanded) => {
                     for attempt in expanded.attempts {
-                        lanes.hand(attempt, traceparent.clone()).await;
+                        lanes.hand(attempt, traceparent.clone());
                     }
                     settle(&msg, AckKind::Ack).await
                 }

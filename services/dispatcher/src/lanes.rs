@@ -25,7 +25,7 @@ use relay_contracts::{
         queue::v1::DeliveryJob,
     },
 };
-use tokio::sync::{Mutex, Semaphore, mpsc, watch};
+use tokio::sync::{Semaphore, mpsc, watch};
 use tracing::Instrument as _;
 
 use crate::{
@@ -81,7 +81,7 @@ struct Job {
     material: Option<(Result<MaterialResponse, tonic::Status>, Instant)>,
 }
 
-type Lanes = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
+type Lanes = Arc<std::sync::Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
 /// Attempts in this process's hands, by their `AttemptKey`: taken
 /// before their material is asked for, given back once the outcome is
 /// recorded (or the job goes back to the broker). A second copy of such a job
@@ -103,6 +103,7 @@ pub(crate) struct LaneSet {
 impl LaneSet {
     pub(crate) fn new(seam: Seam, cfg: &DispatcherConfig, stop: watch::Receiver<bool>) -> Result<Self> {
         let claim_hold = MATERIAL_FRESH + cfg.attempt_timeout + CLAIM_MARGIN;
+        let claimant = uuid::Uuid::new_v4().to_string();
         relay_config::timing::check_claim(claim_hold)?;
         let sender = crate::http_client::build(
             Arc::new(cfg.url_policy.clone()),
@@ -113,13 +114,13 @@ impl LaneSet {
         let shared = Arc::new(LaneShared {
             lanes: Default::default(),
             materials: batch::materials(seam.clone()),
-            outcomes: batch::outcomes(seam),
+            outcomes: batch::outcomes(seam, claimant.clone(), claim_hold),
             sender,
             permits: Arc::new(Semaphore::new(cfg.max_in_flight)),
             unsettled: Default::default(),
             progress_every: cfg.deliveries_ack_wait() / 3,
             stop: stop.clone(),
-            claimant: uuid::Uuid::new_v4().to_string(),
+            claimant,
             claim_hold,
         });
         Ok(Self { shared })
@@ -127,21 +128,14 @@ impl LaneSet {
 
     /// Hands a DELIVERIES job to its endpoint's lane.
     pub(crate) async fn route(&self, msg: Message, job: DeliveryJob) {
-        self.enqueue(Job { source: Arc::new(Source::Broker(Arc::new(msg))), job, material: None }).await
+        self.shared.enqueue(Job { source: Arc::new(Source::Broker(Arc::new(msg))), job, material: None })
     }
 
-    /// Hands a first attempt an expansion gave this process, with its
-    /// material, to its endpoint's lane.
-    pub(crate) async fn hand(&self, material: MaterialResponse, traceparent: Option<String>) {
-        let job = DeliveryJob {
-            delivery_id: material.delivery_id.clone(),
-            endpoint_id: material.endpoint_id.clone(),
-            environment_id: material.environment_id.clone(),
-            attempt: material.attempt,
-            generation: material.generation,
-        };
-        let source = Arc::new(Source::InHand { traceparent });
-        self.enqueue(Job { source, job, material: Some((Ok(material), Instant::now())) }).await
+    /// Hands an attempt the api gave this process with a reply (an
+    /// expansion's first attempts), with its material, to its endpoint's
+    /// lane. `traceparent`: the trace to continue if the material names none.
+    pub(crate) fn hand(&self, material: MaterialResponse, traceparent: Option<String>) {
+        self.shared.hand(material, traceparent)
     }
 
     /// Who this process is when it claims an attempt, and for how long.
@@ -149,25 +143,8 @@ impl LaneSet {
         (self.shared.claimant.clone(), self.shared.claim_hold)
     }
 
-    /// Queues a job on its endpoint's lane, opening the lane if it has none.
-    async fn enqueue(&self, job: Job) {
-        let shared = &self.shared;
-        let mut map = shared.lanes.lock().await;
-        let key = job.job.endpoint_id.clone();
-        let pending = match map.get(&key) {
-            Some(tx) => tx.send(job).err().map(|e| e.0),
-            None => Some(job),
-        };
-        if let Some(first) = pending {
-            let (tx, rx) = mpsc::unbounded_channel();
-            tx.send(first).expect("receiver alive");
-            map.insert(key.clone(), tx);
-            tokio::spawn(Lane { key, shared: shared.clone() }.run(rx));
-        }
-    }
-
     pub(crate) async fn close(&self) {
-        self.shared.lanes.lock().await.clear();
+        self.shared.lanes.lock().expect("unpoisoned").clear();
     }
 }
 
@@ -195,6 +172,37 @@ struct LaneShared {
     claim_hold: Duration,
 }
 
+impl LaneShared {
+    fn hand(self: &Arc<Self>, material: MaterialResponse, traceparent: Option<String>) {
+        let job = DeliveryJob {
+            delivery_id: material.delivery_id.clone(),
+            endpoint_id: material.endpoint_id.clone(),
+            environment_id: material.environment_id.clone(),
+            attempt: material.attempt,
+            generation: material.generation,
+        };
+        let traceparent = Some(material.traceparent.clone()).filter(|t| !t.is_empty()).or(traceparent);
+        let source = Arc::new(Source::InHand { traceparent });
+        self.enqueue(Job { source, job, material: Some((Ok(material), Instant::now())) })
+    }
+
+    /// Queues a job on its endpoint's lane, opening the lane if it has none.
+    fn enqueue(self: &Arc<Self>, job: Job) {
+        let mut map = self.lanes.lock().expect("unpoisoned");
+        let key = job.job.endpoint_id.clone();
+        let pending = match map.get(&key) {
+            Some(tx) => tx.send(job).err().map(|e| e.0),
+            None => Some(job),
+        };
+        if let Some(first) = pending {
+            let (tx, rx) = mpsc::unbounded_channel();
+            tx.send(first).expect("receiver alive");
+            map.insert(key.clone(), tx);
+            tokio::spawn(Lane { key, shared: self.clone() }.run(rx));
+        }
+    }
+}
+
 /// Time, after an attempt ends, for its outcome to reach the api before
 /// another dispatcher may claim the attempt again.
 const CLAIM_MARGIN: Duration = Duration::from_secs(5);
@@ -216,7 +224,7 @@ impl Lane {
                     Ok(None) => return,
                     Err(_) => {
                         // Idle: close the lane, unless a job slipped in meanwhile.
-                        let mut map = self.shared.lanes.lock().await;
+                        let mut map = self.shared.lanes.lock().expect("unpoisoned");
                         match rx.try_recv() {
                             Ok(next) => queue.push_back(next),
                             Err(_) => {
@@ -345,11 +353,11 @@ impl Lane {
         }
         span.record("latency_ms", outcome.latency_ms);
         // The lane moves on to its next attempt while this one is reported.
-        let (outcomes, unsettled) = (self.shared.outcomes.clone(), self.shared.unsettled.clone());
+        let shared = self.shared.clone();
         tokio::spawn(
             async move {
-                report(&outcomes, &source, &job, &event_id, outcome).await;
-                unsettled.lock().expect("unpoisoned").remove(&key);
+                report(&shared, &source, &job, &event_id, outcome).await;
+                shared.unsettled.lock().expect("unpoisoned").remove(&key);
             }
             .instrument(span),
         );
@@ -361,7 +369,7 @@ impl Lane {
 /// due again when its lease runs out: the receiver may see the event id
 /// twice, and the schedule still advances once. An attempt in hand is
 /// retried for longer first, as nothing else would bring it back sooner.
-async fn report(outcomes: &batch::Outcomes, source: &Source, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest) {
+async fn report(shared: &Arc<LaneShared>, source: &Source, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest) {
     let (status, error) = (outcome.http_status, outcome.error.clone());
     let backoffs: &[u64] = match source {
         Source::Broker(_) => &[0, 200, 1000],
@@ -369,8 +377,12 @@ async fn report(outcomes: &batch::Outcomes, source: &Source, job: &DeliveryJob, 
     };
     for &backoff in backoffs {
         tokio::time::sleep(Duration::from_millis(backoff)).await;
-        match outcomes.call(outcome.clone()).await {
-            Ok(decision) => {
+        match shared.outcomes.call(outcome.clone()).await {
+            Ok(mut decision) => {
+                // The endpoint's next attempts, taking the slot this one freed.
+                for next in std::mem::take(&mut decision.next) {
+                    shared.hand(next, None);
+                }
                 tracing::Span::current().record("outcome", decision.decision().as_str_name());
                 tracing::info!(
                     delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,

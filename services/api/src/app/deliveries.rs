@@ -52,6 +52,25 @@ pub struct Material {
     pub generation: u32,
     pub secrets: Vec<SigningSecret>,
     pub payload: Vec<u8>,
+    /// The trace the delivery's attempts continue, for an attempt handed
+    /// over in a reply rather than asked for.
+    pub traceparent: Option<String>,
+}
+
+/// An outcome to record, and who reported it: a dispatcher that names
+/// itself may be handed its endpoint's next attempts (see `record_outcomes`).
+#[derive(Debug, Clone)]
+pub struct OutcomeAsk {
+    pub report: AttemptReport,
+    pub claim: Option<Claim>,
+}
+
+/// What recording an outcome decided, and the attempts handed back to take
+/// the slot it freed.
+#[derive(Debug)]
+pub struct Recorded {
+    pub decision: Decision,
+    pub next: Vec<Material>,
 }
 
 #[derive(Debug, Clone)]

@@ -233,6 +233,7 @@ impl App {
             generation: 0,
             secrets,
             payload: envelope.to_vec(),
+            traceparent: None,
         })
     }
 

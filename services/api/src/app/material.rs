@@ -174,6 +174,7 @@ impl App {
             generation,
             secrets,
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
+            traceparent: None,
         })
     }
 }

@@ -91,7 +91,7 @@ pub struct App {
 /// The use-cases that run on connections of their own, in batches.
 #[derive(Debug)]
 pub struct Lanes {
-    pub outcomes: Lane<deliveries::AttemptReport, deliveries::Decision>,
+    pub outcomes: Lane<deliveries::OutcomeAsk, deliveries::Recorded>,
     pub expansions: Lane<expansion::ExpandAsk, deliveries::Expanded>,
     pub publishes: Lane<events::NewEvent, Option<i64>>,
 }
@@ -111,8 +111,8 @@ const PUBLISH_CONNECTIONS: usize = 2;
 impl App {
     /// Starts the lanes; each stops, between batches, once `stop` turns true.
     pub fn start_lanes(&self, queue_timeout: std::time::Duration, stop: tokio::sync::watch::Receiver<bool>) {
-        let outcomes = self.lane(OUTCOME_CONNECTIONS, OUTCOMES_PER_BATCH, queue_timeout, &stop, |app, conn, reports| {
-            Box::pin(async move { app.record_outcome_batch(conn, reports).await })
+        let outcomes = self.lane(OUTCOME_CONNECTIONS, OUTCOMES_PER_BATCH, queue_timeout, &stop, |app, conn, asks| {
+            Box::pin(async move { app.record_outcome_batch(conn, asks).await })
         });
         // One connection: expansions take turns with the relay's leasing
         // anyway (`lease_guard`), and a batch gathers what waits meanwhile.

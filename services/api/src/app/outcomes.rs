@@ -47,14 +47,17 @@ impl App {
     /// first decision and changes nothing, so the schedule never advances
     /// twice for one attempt.
     pub async fn record_outcome(&self, report: AttemptReport) -> AppResult<Decision> {
-        self.record_outcomes(vec![report]).await?.pop().expect("one answer per report")
+        let asked = OutcomeAsk { report, claim: None };
+        Ok(self.record_outcomes(vec![asked]).await?.pop().expect("one answer per report")?.decision)
     }
 
     /// Records many attempts, through the outcome lane (a connection of its
     /// own: reports from concurrent calls share its batches). Each report
-    /// answers on its own, with the idempotency of `record_outcome`.
-    pub async fn record_outcomes(&self, reports: Vec<AttemptReport>) -> AppResult<Vec<AppResult<Decision>>> {
-        Ok(self.lanes().outcomes.call_all(reports).await)
+    /// answers on its own, with the idempotency of `record_outcome`; a
+    /// report that names its sender (`claim`) may come back with the next
+    /// attempts of its endpoint, to take the slot it freed.
+    pub async fn record_outcomes(&self, asks: Vec<OutcomeAsk>) -> AppResult<Vec<AppResult<Recorded>>> {
+        Ok(self.lanes().outcomes.call_all(asks).await)
     }
 
     /// One batch of the outcome lane. The common case is one statement:
@@ -69,11 +72,122 @@ impl App {
     /// a report repeated inside the batch or sent again, a straggler from
     /// before a replay, an unknown delivery — and a success that changes a
     /// circuit (a probe) follow in a transaction of their own.
-    pub(crate) async fn record_outcome_batch(
+    pub(crate) async fn record_outcome_batch(&self, conn: &mut PgConnection, asks: &[OutcomeAsk]) -> AppResult<Vec<AppResult<Recorded>>> {
+        let reports: Vec<AttemptReport> = asks.iter().map(|a| a.report.clone()).collect();
+        let (decisions, endpoints) = self.record_reports(&mut *conn, &reports).await?;
+        let mut recorded: Vec<AppResult<Recorded>> =
+            decisions.into_iter().map(|d| d.map(|decision| Recorded { decision, next: Vec::new() })).collect();
+        // The outcomes are recorded; a refill that fails leaves the waiting
+        // rows to the relay.
+        if let Err(e) = self.refill_freed_slots(conn, asks, &endpoints, &mut recorded).await {
+            tracing::warn!(error = ?e, "refilling freed slots failed; the relay hands the waiting deliveries out");
+            self.deliveries_wake.wake();
+        }
+        Ok(recorded)
+    }
+
+    /// The slots this batch's outcomes freed, filled again for the
+    /// dispatchers that reported them: each endpoint's due deliveries that
+    /// wait for a slot go straight back to the lane that just sent its last
+    /// attempt, instead of waiting for a relay pass and the broker. Only
+    /// while the relay says rows wait for slots; a refill that finds none
+    /// wakes the relay to look again, so the first look past a backlog ends
+    /// the refills.
+    async fn refill_freed_slots(
+        &self,
+        conn: &mut PgConnection,
+        asks: &[OutcomeAsk],
+        endpoints: &[Option<Uuid>],
+        recorded: &mut [AppResult<Recorded>],
+    ) -> AppResult<()> {
+        if !self.slots_awaited.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(());
+        }
+        let Some(cap) = self.direct.as_ref().map(|d| d.endpoint_cap) else { return Ok(()) };
+        // By claimant: each endpoint freed, and the last report of it that
+        // recorded (where its next attempts ride back).
+        let mut freed: HashMap<Uuid, HashMap<Uuid, usize>> = HashMap::new();
+        let mut holds: HashMap<Uuid, std::time::Duration> = HashMap::new();
+        for (i, (ask, endpoint)) in asks.iter().zip(endpoints).enumerate() {
+            if let (Some(claim), Some(endpoint)) = (ask.claim, endpoint) {
+                freed.entry(claim.claimant).or_default().insert(*endpoint, i);
+                holds.insert(claim.claimant, claim.hold);
+            }
+        }
+        if freed.is_empty() {
+            self.deliveries_wake.wake();
+            return Ok(());
+        }
+        let now = self.clock.now();
+        let mut secrets_of: HashMap<Uuid, Vec<relay_signing::SigningSecret>> = HashMap::new();
+        let mut found = 0;
+        for (claimant, endpoints) in freed {
+            let ids: Vec<Uuid> = endpoints.keys().copied().collect();
+            let rows = {
+                let _leasing = self.lease_guard.lock().await;
+                db::deliveries::refill(
+                    &mut *conn,
+                    &ids,
+                    cap,
+                    claimant,
+                    holds[&claimant],
+                    relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64,
+                )
+                .await?
+            };
+            found += rows.len();
+            for row in rows {
+                let material = self.refilled(row, now, &mut secrets_of)?;
+                if let Some(Ok(r)) = endpoints.get(&material.endpoint_id).and_then(|&i| recorded.get_mut(i)) {
+                    r.next.push(material);
+                }
+            }
+        }
+        if found == 0 {
+            self.deliveries_wake.wake();
+        }
+        Ok(())
+    }
+
+    fn refilled(
+        &self,
+        row: db::deliveries::RefillRow,
+        now: Timestamp,
+        secrets_of: &mut HashMap<Uuid, Vec<relay_signing::SigningSecret>>,
+    ) -> AppResult<Material> {
+        let secrets = match secrets_of.get(&row.endpoint_id) {
+            Some(s) => s.clone(),
+            None => {
+                let previous = match (&row.previous_secret_key_id, &row.previous_secret_ciphertext) {
+                    (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
+                    _ => None,
+                };
+                let secrets = self.signing_secrets((&row.secret_key_id, &row.secret_ciphertext), previous, row.secret_rotated_at, now)?;
+                secrets_of.insert(row.endpoint_id, secrets.clone());
+                secrets
+            }
+        };
+        Ok(Material {
+            delivery_id: row.id,
+            endpoint_id: row.endpoint_id,
+            environment_id: row.environment_id,
+            event_id: row.event_id,
+            url: row.url,
+            attempt: row.attempt as u32,
+            generation: row.generation as u32,
+            secrets,
+            payload: row.envelope,
+            traceparent: row.trace_context,
+        })
+    }
+
+    /// Records the reports of one batch (see `record_outcome_batch`): each
+    /// one's answer, and the endpoint of each that recorded an attempt.
+    async fn record_reports(
         &self,
         conn: &mut PgConnection,
         reports: &[AttemptReport],
-    ) -> AppResult<Vec<AppResult<Decision>>> {
+    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<Option<Uuid>>)> {
         let now = self.clock.now();
         let mut first_seen: HashSet<Uuid> = HashSet::new();
         let mut candidates: Vec<(usize, Decision)> = Vec::new();
@@ -140,14 +254,17 @@ impl App {
             self.metrics.attempts.with_label_values(&[decision]).inc();
             self.metrics.attempt_latency.with_label_values(&[decision]).observe(*latency_ms as f64 / 1000.0);
         }
-        // A reschedule may be due sooner than the relay's current sleep; a
-        // slot freed matters to it only while rows wait for one (the relay
-        // says so). Otherwise it sleeps on: most outcomes need nothing of it.
-        let rescheduled = batch.decisions.iter().any(|&(d, _)| d == Decision::RESCHEDULED);
-        if rescheduled || (!batch.decisions.is_empty() && self.slots_awaited.load(std::sync::atomic::Ordering::Relaxed)) {
+        // A reschedule may be due sooner than the relay's current sleep (a
+        // freed slot is the refill's business). Otherwise it sleeps on:
+        // most outcomes need nothing of it.
+        if batch.decisions.iter().any(|&(d, _)| d == Decision::RESCHEDULED) {
             self.deliveries_wake.wake();
         }
-        Ok(batch.answers.into_iter().map(|a| a.expect("every report answered")).collect())
+        let mut endpoints = vec![None; reports.len()];
+        for &(i, endpoint, _) in &batch.seen {
+            endpoints[i] = Some(endpoint);
+        }
+        Ok((batch.answers.into_iter().map(|a| a.expect("every report answered")).collect(), endpoints))
     }
 
     /// What follows the one statement, in the caller's transaction: the

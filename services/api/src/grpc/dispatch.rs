@@ -11,7 +11,7 @@ use crate::error::parse_id;
 use crate::{
     app::{
         App,
-        deliveries::{AttemptRef, AttemptReport, Claim, Decision, ExpandItem, MAX_CLAIM_HOLD, Material},
+        deliveries::{AttemptRef, AttemptReport, Claim, Decision, ExpandItem, MAX_CLAIM_HOLD, Material, OutcomeAsk},
         expansion::ExpandAsk,
     },
     error::AppError,
@@ -44,16 +44,17 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         generation: m.generation,
         secrets: m.secrets.iter().map(|s| s.expose().to_owned()).collect(),
         payload: m.payload,
+        traceparent: m.traceparent.unwrap_or_default(),
     }
 }
 
-fn outcome_message(d: Decision) -> pb::OutcomeResponse {
-    let (decision, next) = match d {
+fn outcome_message(d: Decision, next: Vec<Material>) -> pb::OutcomeResponse {
+    let (decision, next_attempt_at) = match d {
         Decision::Delivered => (pb::OutcomeDecision::Delivered, None),
         Decision::Rescheduled { next_attempt_at } => (pb::OutcomeDecision::Rescheduled, Some(ts(next_attempt_at))),
         Decision::DeadLettered => (pb::OutcomeDecision::DeadLettered, None),
     };
-    pb::OutcomeResponse { decision: decision as i32, next_attempt_at: next }
+    pb::OutcomeResponse { decision: decision as i32, next_attempt_at, next: next.into_iter().map(material_message).collect() }
 }
 
 /// The most bytes of an error text or response body a report may carry;
@@ -124,6 +125,25 @@ pub(crate) fn attempt_ref(r: &pb::MaterialRequest) -> Result<AttemptRef, AppErro
     let (attempt, generation) = attempt_and_generation(r.attempt, r.generation)?;
     let claim = claim("claimant", &r.claimant, r.hold_ms)?;
     Ok(AttemptRef { delivery_id, generation, attempt, claim })
+}
+
+/// A dispatcher taking attempts in hand with a reply (ExpandBatch,
+/// OutcomeBatch): it sends them without asking again while their material
+/// is fresh, so its lease and claim must outlast that.
+fn in_hand_claim(claimant: &str, hold_ms: u32) -> Result<Option<Claim>, AppError> {
+    let claim = claim("claimant", claimant, hold_ms)?;
+    if let Some(c) = claim
+        && c.hold < relay_config::timing::MIN_IN_HAND_LEASE
+    {
+        return Err(invalid(
+            "hold_out_of_range",
+            format!(
+                "hold_ms must be at least {} for attempts taken in hand, got {hold_ms}",
+                relay_config::timing::MIN_IN_HAND_LEASE.as_millis()
+            ),
+        ));
+    }
+    Ok(claim)
 }
 
 /// A claimant and how long it holds what it takes; none when no claimant is named.
@@ -223,19 +243,7 @@ impl DispatchService for DispatchApi {
     async fn expand_batch(&self, req: Request<pb::ExpandBatchRequest>) -> Result<Response<pb::ExpandBatchResponse>, Status> {
         let req = req.into_inner();
         check_batch(req.items.len())?;
-        let claim = claim("claimant", &req.claimant, req.hold_ms).map_err(status)?;
-        if let Some(c) = claim
-            && c.hold < relay_config::timing::MIN_IN_HAND_LEASE
-        {
-            return Err(status(invalid(
-                "hold_out_of_range",
-                format!(
-                    "hold_ms must be at least {} for first attempts taken in hand, got {}",
-                    relay_config::timing::MIN_IN_HAND_LEASE.as_millis(),
-                    req.hold_ms
-                ),
-            )));
-        }
+        let claim = in_hand_claim(&req.claimant, req.hold_ms).map_err(status)?;
         let answers = self.expand_items(req.items, None, claim).await?;
         let items = answers
             .into_iter()
@@ -256,7 +264,7 @@ impl DispatchService for DispatchApi {
 
     async fn outcome(&self, req: Request<pb::OutcomeRequest>) -> Result<Response<pb::OutcomeResponse>, Status> {
         let decision = self.app.record_outcome(report(req.into_inner()).map_err(status)?).await.map_err(status)?;
-        Ok(Response::new(outcome_message(decision)))
+        Ok(Response::new(outcome_message(decision, Vec::new())))
     }
 
     async fn material_batch(&self, req: Request<pb::MaterialBatchRequest>) -> Result<Response<pb::MaterialBatchResponse>, Status> {
@@ -279,17 +287,19 @@ impl DispatchService for DispatchApi {
     }
 
     async fn outcome_batch(&self, req: Request<pb::OutcomeBatchRequest>) -> Result<Response<pb::OutcomeBatchResponse>, Status> {
-        let items = req.into_inner().items;
-        check_batch(items.len())?;
-        let checked: Vec<Result<AttemptReport, AppError>> = items.into_iter().map(report).collect();
-        let reports: Vec<AttemptReport> = checked.iter().filter_map(|c| c.as_ref().ok().cloned()).collect();
-        let recorded = if reports.is_empty() { Vec::new() } else { self.app.record_outcomes(reports).await.map_err(status)? };
+        let req = req.into_inner();
+        check_batch(req.items.len())?;
+        let claim = in_hand_claim(&req.claimant, req.hold_ms).map_err(status)?;
+        let checked: Vec<Result<AttemptReport, AppError>> = req.items.into_iter().map(report).collect();
+        let asks: Vec<OutcomeAsk> =
+            checked.iter().filter_map(|c| c.as_ref().ok().cloned()).map(|report| OutcomeAsk { report, claim }).collect();
+        let recorded = if asks.is_empty() { Vec::new() } else { self.app.record_outcomes(asks).await.map_err(status)? };
         let mut recorded = recorded.into_iter();
         let items = checked
             .into_iter()
             .map(|c| pb::OutcomeResult {
                 result: Some(match c.and_then(|_| recorded.next().expect("one answer per valid item")) {
-                    Ok(d) => pb::outcome_result::Result::Outcome(outcome_message(d)),
+                    Ok(r) => pb::outcome_result::Result::Outcome(outcome_message(r.decision, r.next)),
                     Err(e) => pb::outcome_result::Result::Error(item_error(e)),
                 }),
             })
