@@ -8,11 +8,14 @@ use std::{
 };
 
 use anyhow::Context;
-use relay_signing::SigningSecret;
 use sqlx::{Connection, PgConnection};
 use uuid::Uuid;
 
-use super::{App, deliveries::*};
+use super::{
+    App,
+    deliveries::*,
+    material::{SecretsByEndpoint, StoredSecrets},
+};
 use crate::{
     db,
     error::{AppError, AppResult},
@@ -164,7 +167,7 @@ impl App {
 
         let mut created: HashMap<(Uuid, Uuid), Expanded> = HashMap::new();
         let mut to_broker: Vec<db::deliveries::CreatedRow> = Vec::new();
-        let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
+        let mut secrets_of = SecretsByEndpoint::new();
         let now = self.clock.now();
         for (row, in_hand) in rows.into_iter().zip(in_hand) {
             let key = (row.environment_id, row.event_id);
@@ -206,23 +209,14 @@ impl App {
         row: &db::deliveries::CreatedRow,
         envelope: &[u8],
         now: super::Timestamp,
-        secrets_of: &mut HashMap<Uuid, Vec<SigningSecret>>,
+        secrets_of: &mut SecretsByEndpoint,
     ) -> AppResult<Material> {
-        let secrets = match secrets_of.get(&row.endpoint_id) {
-            Some(s) => s.clone(),
-            None => {
-                let (Some(key_id), Some(ciphertext)) = (&row.secret_key_id, &row.secret_ciphertext) else {
-                    return Err(AppError::internal(anyhow::anyhow!("a leased row came back without its endpoint's secret")));
-                };
-                let previous = match (&row.previous_secret_key_id, &row.previous_secret_ciphertext) {
-                    (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
-                    _ => None,
-                };
-                let secrets = self.signing_secrets((key_id, ciphertext), previous, row.secret_rotated_at, now)?;
-                secrets_of.insert(row.endpoint_id, secrets.clone());
-                secrets
-            }
+        let (Some(key_id), Some(ciphertext)) = (&row.secret_key_id, &row.secret_ciphertext) else {
+            return Err(AppError::internal(anyhow::anyhow!("a leased row came back without its endpoint's secret")));
         };
+        let stored =
+            StoredSecrets::new(key_id, ciphertext, &row.previous_secret_key_id, &row.previous_secret_ciphertext, row.secret_rotated_at);
+        let secrets = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id: row.id,
             endpoint_id: row.endpoint_id,

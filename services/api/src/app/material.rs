@@ -40,7 +40,7 @@ impl App {
         let by_ord: HashMap<i64, db::deliveries::MaterialRow> = rows.into_iter().map(|r| (r.ord, r)).collect();
         let claimed = self.claim_attempts(wanted, &by_ord).await?;
         // Secrets are decrypted once per endpoint per batch, not per attempt.
-        let mut secrets_of: HashMap<Uuid, Vec<SigningSecret>> = HashMap::new();
+        let mut secrets_of = SecretsByEndpoint::new();
         let now = self.clock.now();
         let mut out = Vec::with_capacity(wanted.len());
         let mut switched_off: Vec<(Uuid, &'static str)> = Vec::new();
@@ -132,7 +132,7 @@ impl App {
         row: &db::deliveries::MaterialRow,
         w: &AttemptRef,
         now: Timestamp,
-        secrets_of: &mut HashMap<Uuid, Vec<SigningSecret>>,
+        secrets_of: &mut SecretsByEndpoint,
     ) -> AppResult<Material> {
         let AttemptRef { delivery_id, generation, attempt, .. } = *w;
         if row.state != DeliveryState::Pending || row.attempt as u32 != attempt || row.generation as u32 != generation {
@@ -152,18 +152,14 @@ impl App {
                 format!("endpoint {} is disabled or deleted", row.endpoint_id),
             ));
         }
-        let secrets = match secrets_of.get(&row.endpoint_id) {
-            Some(s) => s.clone(),
-            None => {
-                let previous = match (&row.previous_secret_key_id, &row.previous_secret_ciphertext) {
-                    (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
-                    _ => None,
-                };
-                let secrets = self.signing_secrets((&row.secret_key_id, &row.secret_ciphertext), previous, row.secret_rotated_at, now)?;
-                secrets_of.insert(row.endpoint_id, secrets.clone());
-                secrets
-            }
-        };
+        let stored = StoredSecrets::new(
+            &row.secret_key_id,
+            &row.secret_ciphertext,
+            &row.previous_secret_key_id,
+            &row.previous_secret_ciphertext,
+            row.secret_rotated_at,
+        );
+        let secrets = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
             endpoint_id: row.endpoint_id,
@@ -179,23 +175,56 @@ impl App {
     }
 }
 
+/// An endpoint's signing secrets as stored: encrypted, under their key ids.
+pub(crate) struct StoredSecrets<'a> {
+    current: (&'a str, &'a [u8]),
+    previous: Option<(&'a str, &'a [u8])>,
+    rotated_at: Option<Timestamp>,
+}
+
+impl<'a> StoredSecrets<'a> {
+    pub(crate) fn new(
+        key_id: &'a str,
+        ciphertext: &'a [u8],
+        previous_key_id: &'a Option<String>,
+        previous_ciphertext: &'a Option<Vec<u8>>,
+        rotated_at: Option<Timestamp>,
+    ) -> Self {
+        let previous = match (previous_key_id, previous_ciphertext) {
+            (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
+            _ => None,
+        };
+        Self { current: (key_id, ciphertext), previous, rotated_at }
+    }
+}
+
+/// Signing secrets decrypted in one batch, by endpoint: each endpoint's
+/// once, however many of its attempts the batch hands out.
+pub(crate) type SecretsByEndpoint = HashMap<Uuid, Vec<SigningSecret>>;
+
 impl App {
-    /// An endpoint's signing secrets, decrypted: the current one, and the
-    /// previous one while its rotation window lasts (current first).
+    /// An endpoint's signing secrets, decrypted (once per batch): the
+    /// current one, and the previous one while its rotation window lasts
+    /// (current first).
     pub(crate) fn signing_secrets(
         &self,
-        (key_id, ciphertext): (&str, &[u8]),
-        previous: Option<(&str, &[u8])>,
-        rotated_at: Option<Timestamp>,
+        decrypted: &mut SecretsByEndpoint,
+        endpoint_id: Uuid,
+        stored: StoredSecrets<'_>,
         now: Timestamp,
     ) -> AppResult<Vec<SigningSecret>> {
+        if let Some(s) = decrypted.get(&endpoint_id) {
+            return Ok(s.clone());
+        }
+        let (key_id, ciphertext) = stored.current;
         let mut secrets = vec![self.keyring.decrypt(key_id, ciphertext).context("decrypting a signing secret")?];
-        if let (Some((key_id, ct)), Some(at)) = (previous, rotated_at) {
+        if let (Some((key_id, ct)), Some(at)) = (stored.previous, stored.rotated_at) {
             let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
             if now < at + window {
                 secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
             }
         }
+        decrypted.insert(endpoint_id, secrets.clone());
         Ok(secrets)
     }
 }

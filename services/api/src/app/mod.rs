@@ -10,7 +10,7 @@ pub mod endpoints;
 pub mod events;
 pub mod expansion;
 pub mod health;
-mod material;
+pub(crate) mod material;
 pub mod operational;
 mod outcomes;
 pub mod recover;

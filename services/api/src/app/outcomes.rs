@@ -12,6 +12,7 @@ use super::{
     App, Timestamp,
     deliveries::*,
     health::{Circuit, Seen},
+    material::{SecretsByEndpoint, StoredSecrets},
     state::{self, Reported, Standing, Step},
 };
 use crate::{
@@ -119,7 +120,7 @@ impl App {
             return Ok(());
         }
         let now = self.clock.now();
-        let mut secrets_of: HashMap<Uuid, Vec<relay_signing::SigningSecret>> = HashMap::new();
+        let mut secrets_of = SecretsByEndpoint::new();
         let mut found = 0;
         for (claimant, endpoints) in freed {
             let ids: Vec<Uuid> = endpoints.keys().copied().collect();
@@ -149,24 +150,15 @@ impl App {
         Ok(())
     }
 
-    fn refilled(
-        &self,
-        row: db::deliveries::RefillRow,
-        now: Timestamp,
-        secrets_of: &mut HashMap<Uuid, Vec<relay_signing::SigningSecret>>,
-    ) -> AppResult<Material> {
-        let secrets = match secrets_of.get(&row.endpoint_id) {
-            Some(s) => s.clone(),
-            None => {
-                let previous = match (&row.previous_secret_key_id, &row.previous_secret_ciphertext) {
-                    (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
-                    _ => None,
-                };
-                let secrets = self.signing_secrets((&row.secret_key_id, &row.secret_ciphertext), previous, row.secret_rotated_at, now)?;
-                secrets_of.insert(row.endpoint_id, secrets.clone());
-                secrets
-            }
-        };
+    fn refilled(&self, row: db::deliveries::RefillRow, now: Timestamp, secrets_of: &mut SecretsByEndpoint) -> AppResult<Material> {
+        let stored = StoredSecrets::new(
+            &row.secret_key_id,
+            &row.secret_ciphertext,
+            &row.previous_secret_key_id,
+            &row.previous_secret_ciphertext,
+            row.secret_rotated_at,
+        );
+        let secrets = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id: row.id,
             endpoint_id: row.endpoint_id,
