@@ -129,7 +129,9 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     };
     seed_history(&db_url).await.context("seeding the delivered history")?;
 
-    // Measure from here.
+    // Measure from here. (Said on stderr, with the pids, for a profiler to
+    // start on: what came before is setup.)
+    eprintln!("measuring: api pid {api_pid}, dispatcher pid {dispatcher_pid}");
     crate::pgstats::prepare(&mut admin_conn).await;
     let pg_before = crate::pgstats::read(&mut admin_conn, &tag, &db_url).await;
     let targets = vec![Target::Pid(api_pid), Target::Pid(dispatcher_pid), Target::Named("postgres")];

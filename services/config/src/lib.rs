@@ -89,7 +89,7 @@ pub const KNOBS: &[Knob] = &[
         "RELAY_DB_POOL_SIZE",
         Api,
         "20",
-        "Postgres connections (2–1000); a call that waits 5 s for one is answered 503 with `Retry-After`",
+        "Postgres connections for requests (2–1000), besides the seven the publish, expansion and outcome lanes and the relays hold; a call that waits 5 s for one (or for its lane) is answered 503 with `Retry-After`",
     ),
     knob(
         "RELAY_ENDPOINT_IN_FLIGHT_CAP",
