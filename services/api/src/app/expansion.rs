@@ -128,9 +128,15 @@ impl App {
             // endpoint is ever committed.
             rows = db::deliveries::create_for_subscribers(&mut tx, &events, cap).await?;
         }
+        // Rows beyond their endpoint's cap wait for an outcome of that
+        // endpoint to free a slot, which fills it: every api refills from
+        // now on (no relay pass could take them sooner).
         let waiting = rows.iter().any(|r| !r.leased && !r.held);
-        if waiting {
-            db::deliveries::notify_due(&mut tx).await?;
+        match (waiting, &self.direct) {
+            (true, Some(_)) => db::deliveries::notify_capped(&mut tx).await?,
+            // An api that hands nothing out leaves every row to the relays.
+            (true, None) => db::deliveries::notify_due(&mut tx).await?,
+            (false, _) => {}
         }
         // The leased first attempts: into the hands of the dispatcher that
         // asked, while a reply's payload budget lasts, claimed for it in
@@ -192,8 +198,10 @@ impl App {
         if !to_broker.is_empty() {
             self.dispatch_leased(&to_broker).await;
         }
-        if waiting {
-            self.deliveries_wake.wake();
+        match (waiting, &self.direct) {
+            (true, Some(_)) => self.slots_awaited.store(true, std::sync::atomic::Ordering::Relaxed),
+            (true, None) => self.deliveries_wake.wake(),
+            (false, _) => {}
         }
         for &i in &claimants {
             let key = (asks[i].item.environment_id, asks[i].item.event_id);

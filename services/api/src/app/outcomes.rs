@@ -91,9 +91,9 @@ impl App {
     /// dispatchers that reported them: each endpoint's due deliveries that
     /// wait for a slot go straight back to the lane that just sent its last
     /// attempt, instead of waiting for a relay pass and the broker. Only
-    /// while the relay says rows wait for slots; a refill that finds none
-    /// wakes the relay to look again, so the first look past a backlog ends
-    /// the refills.
+    /// while rows may wait for slots (an expansion wrote some behind a cap,
+    /// or the relay's last look found some due that it could not take); the
+    /// relay's next look past the backlog ends the refills.
     async fn refill_freed_slots(
         &self,
         conn: &mut PgConnection,
@@ -144,9 +144,7 @@ impl App {
                 }
             }
         }
-        if found == 0 {
-            self.deliveries_wake.wake();
-        }
+        tracing::trace!(found, "refilled freed slots");
         Ok(())
     }
 

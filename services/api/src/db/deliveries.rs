@@ -25,7 +25,23 @@ use crate::error::AppResult;
 pub const DUE_CHANNEL: &str = "relay_deliveries_due";
 
 pub async fn notify_due(tx: &mut PgConnection) -> AppResult<()> {
-    sqlx::query_scalar!(r#"SELECT 1 AS "notified!" FROM pg_notify($1, '')"#, DUE_CHANNEL).fetch_one(&mut *tx).await?;
+    notify(tx, DUE_NOW).await
+}
+
+/// Rows were written waiting behind their endpoints' in-flight caps: no
+/// relay pass can take them before an outcome frees a slot, and the outcome
+/// that does fills it (see `app::outcomes`), so this tells every api to
+/// refill rather than waking its relay for a pass that finds nothing.
+pub async fn notify_capped(tx: &mut PgConnection) -> AppResult<()> {
+    notify(tx, BEHIND_CAPS).await
+}
+
+/// What a notification on [`DUE_CHANNEL`] says.
+pub const DUE_NOW: &str = "";
+pub const BEHIND_CAPS: &str = "capped";
+
+async fn notify(tx: &mut PgConnection, what: &str) -> AppResult<()> {
+    sqlx::query_scalar!(r#"SELECT 1 AS "notified!" FROM pg_notify($1, $2)"#, DUE_CHANNEL, what).fetch_one(&mut *tx).await?;
     Ok(())
 }
 

@@ -47,10 +47,10 @@ async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error>
     l.listen_all([crate::db::deliveries::DUE_CHANNEL, crate::db::keys::REVOKED_CHANNEL]).await?;
     loop {
         let n = l.recv().await?;
-        if n.channel() == crate::db::keys::REVOKED_CHANNEL {
-            app.verified_keys.forget(n.payload());
-        } else {
-            app.deliveries_wake.wake();
+        match (n.channel(), n.payload()) {
+            (crate::db::keys::REVOKED_CHANNEL, prefix) => app.verified_keys.forget(prefix),
+            (_, crate::db::deliveries::BEHIND_CAPS) => app.slots_awaited.store(true, std::sync::atomic::Ordering::Relaxed),
+            _ => app.deliveries_wake.wake(),
         }
     }
 }
