@@ -54,7 +54,10 @@ pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Uuid, r
     Ok(sqlx::query!(
         "WITH ended AS (
            UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
-           WHERE state IN ('pending', 'held') AND endpoint_id = $1
+           -- Spelled as the three partial indexes that hold an endpoint's
+           -- live rows (waiting, leased, held), so each serves its part.
+           WHERE endpoint_id = $1
+             AND (state = 'pending' AND dispatched_at IS NULL OR state = 'pending' AND dispatched_at IS NOT NULL OR state = 'held')
            RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
          INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
          SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
@@ -573,9 +576,28 @@ pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: Uuid) -> AppRe
         == 1)
 }
 
-/// The earliest due time of any pending delivery.
+/// The earliest due time of any pending delivery: the earliest lease to
+/// run out, or the earliest waiting row, found endpoint by endpoint through
+/// the waiting index (one probe each, as the relay's walk does; no index
+/// orders every pending row by time, so that rows waiting and leased are
+/// each written into two indexes instead of three).
 pub async fn earliest_due<'e>(db: impl sqlx::PgExecutor<'e>) -> AppResult<Option<Timestamp>> {
-    Ok(sqlx::query_scalar!("SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending'").fetch_one(db).await?)
+    Ok(sqlx::query_scalar!(
+        "WITH RECURSIVE walk AS (
+           (SELECT endpoint_id, next_attempt_at FROM webhook_deliveries
+            WHERE state = 'pending' AND dispatched_at IS NULL ORDER BY endpoint_id, next_attempt_at LIMIT 1)
+           UNION ALL
+           SELECT n.endpoint_id, n.next_attempt_at
+           FROM walk w CROSS JOIN LATERAL (
+             SELECT d.endpoint_id, d.next_attempt_at FROM webhook_deliveries d
+             WHERE d.state = 'pending' AND d.dispatched_at IS NULL AND d.endpoint_id > w.endpoint_id
+             ORDER BY d.endpoint_id, d.next_attempt_at LIMIT 1) AS n)
+         SELECT least(
+           (SELECT min(next_attempt_at) FROM walk),
+           (SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL))"
+    )
+    .fetch_one(db)
+    .await?)
 }
 
 /// A row this pass locked and hands to the broker.

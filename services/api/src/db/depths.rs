@@ -12,8 +12,13 @@ pub async fn queue_depths(db: &PgPool) -> AppResult<QueueDepths> {
         QueueDepths,
         r#"SELECT
            (SELECT count(*) FROM events WHERE published_at IS NULL) AS "outbox_unpublished!",
-           (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending') AS "deliveries_pending!",
-           (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND next_attempt_at <= now()) AS "deliveries_due!",
+           -- Pending rows are counted as the partial indexes hold them:
+           -- waiting (not handed out) and leased.
+           (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NULL)
+             + (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL) AS "deliveries_pending!",
+           (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NULL AND next_attempt_at <= now())
+             + (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at <= now())
+             AS "deliveries_due!",
            (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at > now())
              AS "deliveries_in_flight!",
            (SELECT count(*) FROM webhook_dead_letters) AS "dead_letters!""#,

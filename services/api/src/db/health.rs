@@ -172,7 +172,12 @@ pub async fn hold_pending(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppRe
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'held', dispatched_at = NULL, updated_at = now(),
            next_attempt_at = CASE WHEN dispatched_at IS NULL THEN next_attempt_at ELSE now() END
-         WHERE id IN (SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'pending' FOR UPDATE SKIP LOCKED)",
+         -- The rows by id (as a join the planner may scan the whole table for them).
+         WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries
+                               WHERE endpoint_id = ANY ($1)
+                                 -- waiting and leased: each has its partial index
+                                 AND (state = 'pending' AND dispatched_at IS NULL OR state = 'pending' AND dispatched_at IS NOT NULL)
+                               FOR UPDATE SKIP LOCKED))",
         endpoint_ids,
     )
     .execute(&mut *tx)
@@ -204,7 +209,7 @@ pub async fn release_held(tx: &mut PgConnection, endpoint_ids: &[Uuid], per_seco
         "UPDATE webhook_deliveries d SET state = 'pending', dispatched_at = NULL, next_attempt_at = now() + (r.k - 1) * $2::interval,
            updated_at = now()
          FROM (SELECT id, row_number() OVER (PARTITION BY endpoint_id ORDER BY next_attempt_at, id) AS k FROM webhook_deliveries
-               WHERE id IN (SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'held' FOR UPDATE SKIP LOCKED)) r
+               WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'held' FOR UPDATE SKIP LOCKED))) r
          WHERE d.id = r.id",
         endpoint_ids,
         gap,
