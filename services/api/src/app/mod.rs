@@ -25,7 +25,7 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::{
-    db::lane::Lane,
+    db::lane::{Lane, Shape},
     error::{AppError, AppResult},
     schedule::RetrySchedule,
     secrets::Keyring,
@@ -96,32 +96,25 @@ pub struct Lanes {
     pub publishes: Lane<events::NewEvent, Option<i64>>,
 }
 
-/// Outcomes one batch of the outcome lane records at most.
-const OUTCOMES_PER_BATCH: usize = 512;
-/// Connections the outcome lane holds: one commits while the other gathers.
-const OUTCOME_CONNECTIONS: usize = 2;
-/// Events one batch of the expansion lane expands at most (what one call
-/// of the seam may carry).
-const EXPANSIONS_PER_BATCH: usize = 1000;
-/// Events one batch of the publish lane writes at most; two connections, so
-/// one gathers the next batch while the other waits for its commit.
-const PUBLISHES_PER_BATCH: usize = 256;
-const PUBLISH_CONNECTIONS: usize = 2;
+/// The outcome lane: two connections, one commits while the other gathers.
+const OUTCOMES: Shape = Shape { connections: 2, max_batch: 512, plan_once: true };
+/// The expansion lane: one connection (expansions take turns with the
+/// relay's leasing anyway, `lease_guard`, and a batch gathers what waits
+/// meanwhile), as many events as one call of the seam may carry.
+const EXPANSIONS: Shape = Shape { connections: 1, max_batch: 1000, plan_once: true };
+/// The publish lane: two connections, so one gathers the next batch while
+/// the other waits for its commit.
+const PUBLISHES: Shape = Shape { connections: 2, max_batch: 256, plan_once: false };
 
 impl App {
     /// Starts the lanes; each stops, between batches, once `stop` turns true.
     pub fn start_lanes(&self, queue_timeout: std::time::Duration, stop: tokio::sync::watch::Receiver<bool>) {
-        let outcomes = self.lane(OUTCOME_CONNECTIONS, OUTCOMES_PER_BATCH, queue_timeout, &stop, |app, conn, asks| {
-            Box::pin(async move { app.record_outcome_batch(conn, asks).await })
-        });
-        // One connection: expansions take turns with the relay's leasing
-        // anyway (`lease_guard`), and a batch gathers what waits meanwhile.
-        let expansions = self.lane(1, EXPANSIONS_PER_BATCH, queue_timeout, &stop, |app, conn, asks| {
-            Box::pin(async move { app.expand_on(conn, asks).await })
-        });
-        let publishes = self.lane(PUBLISH_CONNECTIONS, PUBLISHES_PER_BATCH, queue_timeout, &stop, |app, conn, events| {
-            Box::pin(async move { app.insert_events_on(conn, events).await })
-        });
+        let outcomes = self
+            .lane(OUTCOMES, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.record_outcome_batch(conn, asks).await }));
+        let expansions =
+            self.lane(EXPANSIONS, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.expand_on(conn, asks).await }));
+        let publishes = self
+            .lane(PUBLISHES, queue_timeout, &stop, |app, conn, events| Box::pin(async move { app.insert_events_on(conn, events).await }));
         if self.lanes.set(Lanes { outcomes, expansions, publishes }).is_err() {
             tracing::warn!("the lanes were started twice; the second start is ignored");
         }
@@ -130,21 +123,13 @@ impl App {
     /// A lane whose batches run `run` on this app.
     fn lane<Req: Send + Sync + 'static, Resp: Send + 'static>(
         &self,
-        connections: usize,
-        max_batch: usize,
+        shape: Shape,
         queue_timeout: std::time::Duration,
         stop: &tokio::sync::watch::Receiver<bool>,
         run: impl for<'c> Fn(App, &'c mut sqlx::PgConnection, &'c [Req]) -> crate::db::lane::BatchFuture<'c, Resp> + Send + Sync + 'static,
     ) -> Lane<Req, Resp> {
         let app = self.clone();
-        Lane::spawn(
-            &self.db,
-            connections,
-            max_batch,
-            queue_timeout,
-            stop.clone(),
-            Arc::new(move |conn, items| run(app.clone(), conn, items)),
-        )
+        Lane::spawn(&self.db, shape, queue_timeout, stop.clone(), Arc::new(move |conn, items| run(app.clone(), conn, items)))
     }
 
     fn lanes(&self) -> &Lanes {

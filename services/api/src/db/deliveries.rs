@@ -97,38 +97,75 @@ pub struct ToExpand {
     /// How long the first attempts of each event written already leased are
     /// leased for, in ms.
     pub lease_ms: Vec<i64>,
+    /// Who takes each event's leased first attempts in hand (`None`: the broker).
+    pub claimant: Vec<Option<Uuid>>,
 }
 
-/// A delivery row an expansion created.
-pub struct CreatedRow {
-    pub id: Uuid,
-    pub environment_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub event_id: Uuid,
+/// One row of an expansion's answer: an item as asked (by position, from 1)
+/// and what became of it, once for each delivery it created (or once, with
+/// no delivery, if it created none).
+pub struct ExpandedRow {
+    pub ord: i64,
+    /// The event's stored type; `None` when no such event exists.
+    pub stored_type: Option<String>,
+    /// This item claimed the event: it was the first mention of the event,
+    /// with its type, and the event had not been expanded before.
+    pub fresh: bool,
+    pub id: Option<Uuid>,
+    pub endpoint_id: Option<Uuid>,
     pub trace_context: Option<String>,
-    /// Written already leased: this api hands it out itself.
+    /// Written already leased: this api hands it out itself…
     pub leased: bool,
+    /// …into the asking dispatcher's hands, claimed for it (else to the broker).
+    pub in_hand: bool,
     /// Written held: its endpoint is down.
     pub held: bool,
-    /// For a leased row, what sending it needs from its endpoint.
+    /// For an attempt in hand, what sending it needs from its endpoint…
     pub url: Option<String>,
     pub secret_key_id: Option<String>,
     pub secret_ciphertext: Option<Vec<u8>>,
     pub previous_secret_key_id: Option<String>,
     pub previous_secret_ciphertext: Option<Vec<u8>>,
     pub secret_rotated_at: Option<Timestamp>,
+    /// …and its body, on the first such row of each event.
+    pub envelope: Option<Vec<u8>>,
 }
 
-/// One delivery per subscribed, active endpoint of each event, first
-/// attempt due now. Rows within their endpoint's in-flight `cap` (one for an
-/// endpoint that failed its last attempt) are written already leased for
-/// their event's `lease_ms`, and come back with their endpoint's URL and
-/// secrets (the caller hands them out after the commit); the rest wait, due,
-/// for the relay.
-pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, cap: i64) -> AppResult<Vec<CreatedRow>> {
+/// Expands events in one statement, so that it commits by itself: checks
+/// them, claims each in the `consumed_events` ledger once (its first mention
+/// with its stored type, in key order, so two expansions that share events
+/// cannot deadlock; an event claimed before is not expanded again), writes
+/// one delivery per subscribed, active endpoint of each claimed event
+/// (first attempt due now), and claims the attempts handed back.
+///
+/// Rows within their endpoint's in-flight `cap` (one for an endpoint that
+/// failed its last attempt) are written already leased for their event's
+/// `lease_ms`; those of an event with a claimant are also claimed for it, in
+/// the order asked, as far as `payload_budget` bytes of envelopes go, and
+/// come back with their material. The rest wait, due, for the relay.
+pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payload_budget: i64) -> AppResult<Vec<ExpandedRow>> {
     Ok(sqlx::query_as!(
-        CreatedRow,
-        r#"WITH -- The subscribers, share-locked: a disable or delete of one
+        ExpandedRow,
+        r#"WITH asked AS (
+                   SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::uuid[], $6::bigint[], $7::uuid[])
+                     WITH ORDINALITY AS a(environment_id, event_id, event_type, trace_context, target, lease_ms, claimant, ord)),
+                 found AS (
+                   SELECT a.ord, v.event_type AS stored_type FROM asked a
+                   JOIN events v ON v.environment_id = a.environment_id AND v.id = a.event_id
+                   -- The keys as an index condition too (INDEXED_LOOKUPS).
+                   WHERE v.environment_id = ANY ($1::uuid[]) AND v.id = ANY ($2::uuid[])),
+                 -- Each event's first mention that names its stored type.
+                 first AS (
+                   SELECT DISTINCT ON (a.environment_id, a.event_id) a.*
+                   FROM asked a JOIN found f ON f.ord = a.ord AND f.stored_type = a.event_type
+                   ORDER BY a.environment_id, a.event_id, a.ord),
+                 consumed AS (
+                   INSERT INTO consumed_events (consumer, environment_id, event_id)
+                   SELECT 'expand', environment_id, event_id FROM first ORDER BY environment_id, event_id
+                   ON CONFLICT DO NOTHING RETURNING environment_id, event_id),
+                 fresh AS (
+                   SELECT f.* FROM first f JOIN consumed c ON c.environment_id = f.environment_id AND c.event_id = f.event_id),
+                 -- The subscribers, share-locked: a disable or delete of one
                  -- of them waits for this expansion to commit (and then ends
                  -- the rows it wrote), or this expansion waits for it and
                  -- re-reads the endpoint as disabled. Either way no pending
@@ -137,9 +174,9 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                    SELECT e.id, e.environment_id, e.event_types, e.url, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
                           h.circuit <> 'closed' OR e.disabled_reason IS NOT NULL AS holding,
-                          CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $5::bigint END AS cap
+                          CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $8::bigint END AS cap
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
-                   WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($7::uuid[]))
+                   WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($5::uuid[]))
                      AND e.deleted_at IS NULL
                      AND (e.enabled OR e.disabled_reason IN ('gone', 'failing'))
                    -- KEY SHARE on the health row: a change of circuit (FOR
@@ -148,10 +185,9 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                    -- circuit or held behind a closed one unseen.
                    ORDER BY e.id FOR SHARE OF e FOR KEY SHARE OF h),
                  matched AS (
-                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, e.holding, c.lease_ms,
+                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, e.holding, c.lease_ms, c.claimant, c.ord,
                           row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
-                   FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $7::uuid[], $6::bigint[])
-                          WITH ORDINALITY AS c(environment_id, event_id, event_type, trace_context, target, lease_ms, ord)
+                   FROM fresh c
                    -- An operational event goes to its target alone; a
                    -- tenant's event to its subscribers.
                    JOIN live e ON e.environment_id = c.environment_id
@@ -177,24 +213,48 @@ pub async fn create_for_subscribers(tx: &mut PgConnection, events: &ToExpand, ca
                           CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END
                    FROM marked
                    ON CONFLICT (event_id, endpoint_id) DO NOTHING
-                   RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS leased, state = 'held' AS held)
-          SELECT c.id AS "id!", c.environment_id AS "environment_id!", c.endpoint_id AS "endpoint_id!", c.event_id AS "event_id!",
-                 c.trace_context, c.leased AS "leased!", c.held AS "held!",
-                 CASE WHEN c.leased THEN l.url END AS url, CASE WHEN c.leased THEN l.secret_key_id END AS secret_key_id,
-                 CASE WHEN c.leased THEN l.secret_ciphertext END AS secret_ciphertext,
-                 CASE WHEN c.leased THEN l.previous_secret_key_id END AS previous_secret_key_id,
-                 CASE WHEN c.leased THEN l.previous_secret_ciphertext END AS previous_secret_ciphertext,
-                 CASE WHEN c.leased THEN l.secret_rotated_at END AS secret_rotated_at
-          FROM created c JOIN live l ON l.id = c.endpoint_id"#,
+                   RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS leased, state = 'held' AS held),
+                 -- The leased first attempts of a claimant's events, in the
+                 -- order asked, with the running size of their bodies.
+                 handed AS (
+                   SELECT r.id, m.claimant, m.lease_ms, sum(octet_length(v.envelope)) OVER (ORDER BY m.ord, r.endpoint_id) AS upto
+                   FROM created r JOIN marked m ON m.event_id = r.event_id AND m.endpoint_id = r.endpoint_id
+                   JOIN events v ON v.environment_id = r.environment_id AND v.id = r.event_id
+                   WHERE r.leased AND m.claimant IS NOT NULL),
+                 claimed AS (
+                   INSERT INTO attempt_claims (delivery_id, attempt, generation, claimant, until)
+                   SELECT id, 1, 0, claimant, now() + lease_ms * interval '1 millisecond' FROM handed WHERE upto <= $9
+                   RETURNING delivery_id),
+                 answered AS (
+                   SELECT a.ord, a.environment_id, a.event_id, f.stored_type, fr.ord IS NOT NULL AS fresh,
+                          r.id, r.endpoint_id, r.trace_context, coalesce(r.leased, false) AS leased, coalesce(r.held, false) AS held,
+                          k.delivery_id IS NOT NULL AS in_hand,
+                          row_number() OVER (PARTITION BY a.ord, k.delivery_id IS NOT NULL ORDER BY r.id) AS nth
+                   FROM asked a
+                   LEFT JOIN found f ON f.ord = a.ord
+                   LEFT JOIN fresh fr ON fr.ord = a.ord
+                   LEFT JOIN created r ON fr.ord IS NOT NULL AND r.environment_id = a.environment_id AND r.event_id = a.event_id
+                   LEFT JOIN claimed k ON k.delivery_id = r.id)
+          SELECT w.ord AS "ord!", w.stored_type AS "stored_type?", w.fresh AS "fresh!", w.id AS "id?", w.endpoint_id AS "endpoint_id?",
+                 w.trace_context AS "trace_context?", w.leased AS "leased!", w.in_hand AS "in_hand!", w.held AS "held!",
+                 l.url AS "url?", l.secret_key_id AS "secret_key_id?", l.secret_ciphertext AS "secret_ciphertext?",
+                 l.previous_secret_key_id AS "previous_secret_key_id?", l.previous_secret_ciphertext AS "previous_secret_ciphertext?",
+                 l.secret_rotated_at AS "secret_rotated_at?", v.envelope AS "envelope?"
+          FROM answered w
+          LEFT JOIN live l ON w.in_hand AND l.id = w.endpoint_id
+          LEFT JOIN events v ON w.in_hand AND w.nth = 1 AND v.environment_id = w.environment_id AND v.id = w.event_id
+          ORDER BY w.ord, w.id"#,
         &events.environment_id,
         &events.event_id,
         &events.event_type,
         &events.trace_context as &[Option<String>],
-        cap,
-        &events.lease_ms,
         &events.target as &[Option<Uuid>],
+        &events.lease_ms,
+        &events.claimant as &[Option<Uuid>],
+        cap,
+        payload_budget,
     )
-    .fetch_all(&mut *tx)
+    .fetch_all(&mut *conn)
     .await?)
 }
 

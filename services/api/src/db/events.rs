@@ -1,67 +1,14 @@
-//! `events` (each row is also the outbox row) and the `consumed_events`
-//! ledger, as the outbox relay and expansion use them.
+//! `events` (each row is also the outbox row), as publishing and the
+//! outbox relay use them; expansion claims them in its `consumed_events`
+//! ledger in `deliveries::expand`.
 
-use std::{
-    collections::{HashMap, HashSet},
-    time::Duration,
-};
+use std::time::Duration;
 
 use sqlx::{PgConnection, postgres::types::PgInterval};
 use uuid::Uuid;
 
 use super::models::{Delivery, DeliveryState, Timestamp};
 use crate::error::AppResult;
-
-/// An event as the expansion reads it.
-pub struct Stored {
-    pub event_type: String,
-    /// The body its attempts send; read only when asked for.
-    pub envelope: Option<Vec<u8>>,
-}
-
-/// The stored type of each of these events that exists, by (environment,
-/// id), and for those `with_envelope` names (by position) its envelope too.
-pub async fn stored(
-    tx: &mut PgConnection,
-    environments: &[Uuid],
-    ids: &[Uuid],
-    with_envelope: &[bool],
-) -> AppResult<HashMap<(Uuid, Uuid), Stored>> {
-    Ok(sqlx::query!(
-        "SELECT v.environment_id, v.id, v.event_type, CASE WHEN k.with_envelope THEN v.envelope END AS envelope FROM events v
-         JOIN UNNEST($1::uuid[], $2::uuid[], $3::bool[]) AS k(environment_id, id, with_envelope)
-           ON v.environment_id = k.environment_id AND v.id = k.id
-         -- The keys as an index condition too (`db::deliveries` INDEXED_LOOKUPS).
-         WHERE v.environment_id = ANY ($1::uuid[]) AND v.id = ANY ($2::uuid[])",
-        environments,
-        ids,
-        with_envelope,
-    )
-    .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .map(|r| ((r.environment_id, r.id), Stored { event_type: r.event_type, envelope: r.envelope }))
-    .collect())
-}
-
-/// Marks these events consumed by `consumer`; returns those this call
-/// marked (the rest were consumed before). Pass them in key order, so two
-/// callers that share events cannot deadlock.
-pub async fn mark_consumed(tx: &mut PgConnection, consumer: &str, environments: &[Uuid], ids: &[Uuid]) -> AppResult<HashSet<(Uuid, Uuid)>> {
-    Ok(sqlx::query!(
-        "INSERT INTO consumed_events (consumer, environment_id, event_id)
-         SELECT $1, * FROM UNNEST($2::uuid[], $3::uuid[])
-         ON CONFLICT DO NOTHING RETURNING environment_id, event_id",
-        consumer,
-        environments,
-        ids,
-    )
-    .fetch_all(&mut *tx)
-    .await?
-    .into_iter()
-    .map(|r| (r.environment_id, r.event_id))
-    .collect())
-}
 
 /// An unpublished event as the outbox relay publishes it.
 #[derive(Debug, Clone)]

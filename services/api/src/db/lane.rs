@@ -68,22 +68,50 @@ impl<Req, Resp> std::fmt::Debug for Lane<Req, Resp> {
     }
 }
 
+/// How a lane runs.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    /// Connections it holds, each taking its own batches.
+    pub connections: usize,
+    /// Items one batch takes at most.
+    pub max_batch: usize,
+    /// Plan each statement once (`plan_cache_mode = force_generic_plan`).
+    /// By default Postgres plans a prepared statement again at every
+    /// execution while its plan for the given parameters looks cheaper than
+    /// the general one, which for a statement of many CTEs over arrays is
+    /// most of its cost: the expansion's took longer to plan than to run.
+    /// Only for statements written so that the general plan is the right
+    /// one (ids looked up by index whatever their number).
+    pub plan_once: bool,
+}
+
 /// A connection a long-running task holds for good, apart from the pool:
 /// opened when first needed, dropped after an error that may have broken
 /// it (the next use opens another).
 pub struct Held {
     options: Arc<PgConnectOptions>,
     conn: Option<PgConnection>,
+    plan_once: bool,
 }
 
 impl Held {
     pub fn new(pool: &PgPool) -> Self {
-        Self { options: pool.connect_options(), conn: None }
+        Self { options: pool.connect_options(), conn: None, plan_once: false }
+    }
+
+    /// A connection whose statements are planned once, for any parameters,
+    /// rather than again at every execution (see [`Shape::plan_once`]).
+    pub fn planning_once(pool: &PgPool) -> Self {
+        Self { plan_once: true, ..Self::new(pool) }
     }
 
     pub async fn get(&mut self) -> AppResult<&mut PgConnection> {
         if self.conn.is_none() {
-            self.conn = Some(PgConnection::connect_with(&self.options).await?);
+            let mut conn = PgConnection::connect_with(&self.options).await?;
+            if self.plan_once {
+                sqlx::raw_sql("SET plan_cache_mode = force_generic_plan").execute(&mut conn).await?;
+            }
+            self.conn = Some(conn);
         }
         Ok(self.conn.as_mut().expect("just opened"))
     }
@@ -116,18 +144,13 @@ impl<Req: Send + Sync + 'static, Resp: Send + 'static> Lane<Req, Resp> {
     /// `queue_timeout` is answered UNAVAILABLE, and its item never runs, as a
     /// pool call that waited that long for a connection: the caller may
     /// retry, knowing nothing was written.
-    pub fn spawn(
-        pool: &PgPool,
-        connections: usize,
-        max_batch: usize,
-        queue_timeout: Duration,
-        stop: watch::Receiver<bool>,
-        handler: Handler<Req, Resp>,
-    ) -> Self {
+    pub fn spawn(pool: &PgPool, shape: Shape, queue_timeout: Duration, stop: watch::Receiver<bool>, handler: Handler<Req, Resp>) -> Self {
+        let Shape { connections, max_batch, plan_once } = shape;
         let (tx, rx) = mpsc::unbounded_channel::<Queued<Req, Resp>>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..connections.max(1) {
-            let (rx, handler, mut stop, mut held) = (rx.clone(), handler.clone(), stop.clone(), Held::new(pool));
+            let held = if plan_once { Held::planning_once(pool) } else { Held::new(pool) };
+            let (rx, handler, mut stop, mut held) = (rx.clone(), handler.clone(), stop.clone(), held);
             tokio::spawn(async move {
                 loop {
                     let batch = {
