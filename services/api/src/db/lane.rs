@@ -75,15 +75,27 @@ pub struct Shape {
     pub connections: usize,
     /// Items one batch takes at most.
     pub max_batch: usize,
-    /// Plan each statement once (`plan_cache_mode = force_generic_plan`).
-    /// By default Postgres plans a prepared statement again at every
-    /// execution while its plan for the given parameters looks cheaper than
-    /// the general one, which for a statement of many CTEs over arrays is
-    /// most of its cost: the expansion's took longer to plan than to run.
-    /// Only for statements written so that the general plan is the right
-    /// one (ids looked up by index whatever their number).
+    /// Plan small batches' statements once (`plan_cache_mode =
+    /// force_generic_plan`) and large ones for their size. By default
+    /// Postgres plans a prepared statement again at every execution while
+    /// its plan for the given parameters looks cheaper than the general
+    /// one, which for a statement of many CTEs over arrays is most of its
+    /// cost at moderate load: the expansion's took longer to plan than to
+    /// run. The general plan takes every array for ten elements, though,
+    /// and joins the CTEs with nested loops: fine for a few items, and
+    /// quadratic for hundreds (an expansion of 209 events compared 11.6
+    /// million pairs, 2.6 s). Past [`PLAN_FOR_SIZE_FROM`] items a batch's
+    /// statements are planned for what they carry, which a large batch
+    /// pays for many times over (`force_custom_plan`: left to choose, Postgres
+    /// would take the general plan there, whose estimate a large batch's
+    /// exceeds). Only for statements whose lookups are
+    /// written as ids by index, so that the general plan is a good one.
     pub plan_once: bool,
 }
+
+/// Items from which a batch's statements are planned for their size (see
+/// [`Shape::plan_once`]).
+pub const PLAN_FOR_SIZE_FROM: usize = 24;
 
 /// A connection a long-running task holds for good, apart from the pool:
 /// opened when first needed, dropped after an error that may have broken
@@ -92,26 +104,39 @@ pub struct Held {
     options: Arc<PgConnectOptions>,
     conn: Option<PgConnection>,
     plan_once: bool,
+    /// The connection's `plan_cache_mode` is `force_generic_plan`.
+    generic: bool,
 }
 
 impl Held {
     pub fn new(pool: &PgPool) -> Self {
-        Self { options: pool.connect_options(), conn: None, plan_once: false }
+        Self { options: pool.connect_options(), conn: None, plan_once: false, generic: false }
     }
 
-    /// A connection whose statements are planned once, for any parameters,
-    /// rather than again at every execution (see [`Shape::plan_once`]).
+    /// A connection whose small batches' statements are planned once (see
+    /// [`Shape::plan_once`]).
     pub fn planning_once(pool: &PgPool) -> Self {
         Self { plan_once: true, ..Self::new(pool) }
     }
 
     pub async fn get(&mut self) -> AppResult<&mut PgConnection> {
         if self.conn.is_none() {
-            let mut conn = PgConnection::connect_with(&self.options).await?;
-            if self.plan_once {
-                sqlx::raw_sql("SET plan_cache_mode = force_generic_plan").execute(&mut conn).await?;
-            }
-            self.conn = Some(conn);
+            self.conn = Some(PgConnection::connect_with(&self.options).await?);
+            self.generic = false;
+        }
+        Ok(self.conn.as_mut().expect("just opened"))
+    }
+
+    /// The connection, its planning set for a batch of `items` (a round
+    /// trip only when that changes, which steady load makes rare).
+    pub async fn for_batch(&mut self, items: usize) -> AppResult<&mut PgConnection> {
+        let want = self.plan_once && items < PLAN_FOR_SIZE_FROM;
+        let generic = self.generic;
+        let conn = self.get().await?;
+        if want != generic {
+            let mode = if want { "SET plan_cache_mode = force_generic_plan" } else { "SET plan_cache_mode = force_custom_plan" };
+            sqlx::raw_sql(mode).execute(&mut *conn).await?;
+            self.generic = want;
         }
         Ok(self.conn.as_mut().expect("just opened"))
     }
@@ -272,7 +297,7 @@ async fn run<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, batch: Ve
 /// batch's failure.
 async fn run_once<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, reqs: &[Req]) -> BatchResult<Resp> {
     let n = reqs.len();
-    let conn = match held.get().await {
+    let conn = match held.for_batch(n).await {
         Ok(c) => c,
         Err(e) => {
             tokio::time::sleep(RECONNECT_PAUSE).await;
