@@ -220,7 +220,7 @@ pub fn materials(seam: Seam) -> Materials {
 /// an outcome to go on (the lane has moved to its next attempt; the job's ack
 /// and the endpoint's in-flight slot follow a few milliseconds later), and at
 /// moderate load it turns a call per attempt into one per several.
-const OUTCOME_LINGER: std::time::Duration = std::time::Duration::from_millis(5);
+const OUTCOME_LINGER: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Outcomes that ask for their endpoints' next attempts, for `claimant` for `hold`.
 pub fn outcomes(seam: Seam, claimant: String, hold: std::time::Duration) -> Outcomes {
