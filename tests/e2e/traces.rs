@@ -123,6 +123,26 @@ async fn one_events_path_arrives_as_one_trace(log: Option<&str>) -> anyhow::Resu
     numbers.sort();
     assert_eq!(numbers, ["1", "2", "3", "4", "5", "6", "7"]);
 
+    // The hop-by-hop timeline of the delivered attempt, printed for the
+    // record (`--nocapture`): each span's start after the publish began, and
+    // its length. Every step starts after the one it continues.
+    let delivered = attempts.iter().find(|a| a.attribute("http_status") == Some("200")).expect("the 200");
+    let path = [publish, outbox, expand_event, expand, delivered];
+    let t0 = publish.start_unix_nanos;
+    let ms = |ns: u64| ns as f64 / 1e6;
+    for s in path {
+        println!(
+            "trace timeline: {:>14} {:>16}  starts at {:>8.3} ms, lasts {:>8.3} ms",
+            s.name,
+            s.service,
+            ms(s.start_unix_nanos.saturating_sub(t0)),
+            ms(s.end_unix_nanos.saturating_sub(s.start_unix_nanos))
+        );
+    }
+    for pair in path.windows(2) {
+        assert!(pair[1].start_unix_nanos >= pair[0].start_unix_nanos, "{} starts before {}", pair[1].name, pair[0].name);
+    }
+
     // Nothing sensitive in any exported span, ours or not.
     let secret_parts = [ok_secret.trim_start_matches("whsec_"), failing_secret.trim_start_matches("whsec_")];
     for s in collector.spans() {

@@ -34,6 +34,9 @@ pub struct CollectedSpan {
     /// Values stringified: strings as they are, numbers and booleans as
     /// Rust prints them, arrays and maps in a Debug-like form.
     pub attributes: Vec<(String, String)>,
+    /// When the span started and ended, in ns since the Unix epoch.
+    pub start_unix_nanos: u64,
+    pub end_unix_nanos: u64,
 }
 
 impl CollectedSpan {
@@ -135,6 +138,8 @@ impl TraceService for Sink {
                     span_id: hex::encode(span.span_id),
                     parent_span_id: hex::encode(span.parent_span_id),
                     attributes: span.attributes.iter().map(|kv| (kv.key.clone(), stringify(kv.value.as_ref()))).collect(),
+                    start_unix_nanos: span.start_time_unix_nano,
+                    end_unix_nanos: span.end_time_unix_nano,
                 });
             }
         }
