@@ -100,8 +100,11 @@ pub struct Lanes {
 const OUTCOMES: Shape = Shape { connections: 2, max_batch: 512, plan_once: true };
 /// The expansion lane: one connection (expansions take turns with the
 /// relay's leasing anyway, `lease_guard`, and a batch gathers what waits
-/// meanwhile), as many events as one call of the seam may carry.
-const EXPANSIONS: Shape = Shape { connections: 1, max_batch: 1000, plan_once: true };
+/// meanwhile), at most 32 events a batch: an expansion holds its
+/// subscribers' health rows share-locked until it commits, so a batch of
+/// hundreds (a burst) made every outcome that changes a circuit wait for it,
+/// and handed out no first attempt before the last event was written.
+const EXPANSIONS: Shape = Shape { connections: 1, max_batch: 32, plan_once: true };
 /// The publish lane: two connections, so one gathers the next batch while
 /// the other waits for its commit.
 const PUBLISHES: Shape = Shape { connections: 2, max_batch: 256, plan_once: false };
