@@ -176,7 +176,7 @@ pub(crate) async fn deliver_loop(
             settle(&msg, AckKind::Term).await;
             continue;
         };
-        lanes.route(msg, job).await;
+        lanes.route(msg, job);
     }
     // At shutdown, closing the lanes' queues lets each finish its job in
     // hand and exit (a consumer that merely restarts keeps them).

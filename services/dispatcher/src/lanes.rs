@@ -95,7 +95,7 @@ type Unsettled = Arc<std::sync::Mutex<HashSet<AttemptKey>>>;
 /// Jobs a lane fetches material for in one go.
 const PREFETCH: usize = 32;
 
-/// The lanes of one DELIVERIES consumer.
+/// The lanes of one dispatcher, fed by its DELIVERIES consumer and its expansions.
 pub(crate) struct LaneSet {
     shared: Arc<LaneShared>,
 }
@@ -127,7 +127,7 @@ impl LaneSet {
     }
 
     /// Hands a DELIVERIES job to its endpoint's lane.
-    pub(crate) async fn route(&self, msg: Message, job: DeliveryJob) {
+    pub(crate) fn route(&self, msg: Message, job: DeliveryJob) {
         self.shared.enqueue(Job { source: Arc::new(Source::Broker(Arc::new(msg))), job, material: None })
     }
 
