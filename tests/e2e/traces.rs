@@ -51,6 +51,12 @@ async fn one_events_path_arrives_as_one_trace(log: Option<&str>) -> anyhow::Resu
     let (_, ok_secret) = rest.endpoint(&receiver.url("/ok"), &["t.traced"]).await?;
     let (_, failing_secret) = rest.endpoint(&receiver.url("/fails"), &["t.traced"]).await?;
 
+    // An event nobody subscribes to first, so the traced one meets a warm
+    // path (connections open, statements prepared) and its timeline is the
+    // steady state's, but for the receiver's connection.
+    rest.publish("t.warmup", json!({})).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
     // The caller's own trace context: the event's spans must join it.
     let marker = "payload-marker-7f3a";
     let resp = reqwest::Client::new()
