@@ -227,7 +227,13 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     drop(dispatcher);
     drop(api);
     tokio::time::sleep(Duration::from_millis(200)).await;
-    let _ = admin_conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {tag} WITH (FORCE)"))).await;
+    // RELAY_BENCH_KEEP_DB=1 leaves the run's database behind, to EXPLAIN its
+    // statements against the tables as the run left them.
+    if std::env::var_os("RELAY_BENCH_KEEP_DB").is_some_and(|v| v == "1") {
+        eprintln!("{}: kept database {tag}", w.name);
+    } else {
+        let _ = admin_conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {tag} WITH (FORCE)"))).await;
+    }
     delete_streams(&env.nats_url, &prefix).await;
     let _ = std::fs::remove_dir_all(&work);
     Ok((report, series))

@@ -10,6 +10,20 @@
 //! until an ANALYZE replaces it (seen: 8,700 rows read per material call at
 //! 20,000 deliveries). With the ids as an index condition the primary key
 //! serves the lookup at any size.
+//!
+//! `JOINS_BY_ESTIMATE`: the planner joins two row sets by nested loop when
+//! it expects one of them to hold a row, and it expects one row of most
+//! intermediate results of these statements: of a CTE joined to another on
+//! two keys, of the rows a data-modifying CTE returns, of deliveries read by
+//! id and filtered on a state the statistics say is rare. For a batch of n
+//! items such a loop compares n² pairs, and re-reads (and re-forms, with
+//! whole-row copies for an UPDATE's `FROM`) the inner set n times: 102,080
+//! pairs for an expansion of 32 events to 10 endpoints, 65,280 for an
+//! outcome batch of 256, most of the database's CPU per delivery under load.
+//! So these statements do not join batch-sized sets to each other: each
+//! step carries forward what the later ones need (ids minted before the
+//! insert that uses them, a report's values in `RETURNING`), and a batch
+//! meets a table only through an index.
 
 use std::{collections::HashSet, time::Duration};
 
@@ -102,8 +116,8 @@ pub struct ToExpand {
 }
 
 /// One row of an expansion's answer: an item as asked (by position, from 1)
-/// and what became of it, once for each delivery it created (or once, with
-/// no delivery, if it created none).
+/// and what became of it (its first row, with no delivery), then one row for
+/// each delivery it created.
 pub struct ExpandedRow {
     pub ord: i64,
     /// The event's stored type; `None` when no such event exists.
@@ -149,16 +163,17 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
         r#"WITH asked AS (
                    SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::uuid[], $6::bigint[], $7::uuid[])
                      WITH ORDINALITY AS a(environment_id, event_id, event_type, trace_context, target, lease_ms, claimant, ord)),
+                 -- Each item whose event exists, with the event's stored type
+                 -- and the size of its body.
                  found AS (
-                   SELECT a.ord, v.event_type AS stored_type FROM asked a
+                   SELECT a.*, v.event_type AS stored_type, octet_length(v.envelope) AS size FROM asked a
                    JOIN events v ON v.environment_id = a.environment_id AND v.id = a.event_id
                    -- The keys as an index condition too (INDEXED_LOOKUPS).
                    WHERE v.environment_id = ANY ($1::uuid[]) AND v.id = ANY ($2::uuid[])),
                  -- Each event's first mention that names its stored type.
                  first AS (
-                   SELECT DISTINCT ON (a.environment_id, a.event_id) a.*
-                   FROM asked a JOIN found f ON f.ord = a.ord AND f.stored_type = a.event_type
-                   ORDER BY a.environment_id, a.event_id, a.ord),
+                   SELECT DISTINCT ON (environment_id, event_id) * FROM found WHERE stored_type = event_type
+                   ORDER BY environment_id, event_id, ord),
                  consumed AS (
                    INSERT INTO consumed_events (consumer, environment_id, event_id)
                    SELECT 'expand', environment_id, event_id FROM first ORDER BY environment_id, event_id
@@ -184,66 +199,67 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                    -- it, so a row is never written pending behind an open
                    -- circuit or held behind a closed one unseen.
                    ORDER BY e.id FOR SHARE OF e FOR KEY SHARE OF h),
-                 matched AS (
-                   SELECT e.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, e.holding, c.lease_ms, c.claimant, c.ord,
-                          row_number() OVER (PARTITION BY e.id ORDER BY c.ord) AS rn
-                   FROM fresh c
-                   -- An operational event goes to its target alone; a
-                   -- tenant's event to its subscribers.
-                   JOIN live e ON e.environment_id = c.environment_id
-                     AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END),
                  -- Attempts each sending subscriber has handed out, counted
                  -- only up to its cap (all the answer needs): the cost is its
                  -- own few index entries, not every lease of every endpoint.
-                 busy AS MATERIALIZED (
-                   SELECT l.id AS endpoint_id, l.cap,
-                          (SELECT count(*) FROM (SELECT 1 FROM webhook_deliveries d
-                                                 WHERE d.state = 'pending' AND d.dispatched_at IS NOT NULL AND d.endpoint_id = l.id
-                                                 LIMIT l.cap) AS s) AS n
-                   FROM live l WHERE NOT l.holding AND l.id IN (SELECT endpoint_id FROM matched)),
-                 marked AS (
-                   SELECT m.*, NOT m.holding AND m.rn + b.n <= b.cap AS leased
-                   FROM matched m LEFT JOIN busy b ON b.endpoint_id = m.endpoint_id),
+                 counted AS MATERIALIZED (
+                   SELECT l.*, CASE WHEN l.holding THEN 0 ELSE
+                            (SELECT count(*) FROM (SELECT 1 FROM webhook_deliveries d
+                                                   WHERE d.state = 'pending' AND d.dispatched_at IS NOT NULL AND d.endpoint_id = l.id
+                                                   LIMIT l.cap) AS s) END AS n
+                   FROM live l),
+                 -- One delivery per fresh event and subscriber, its id minted
+                 -- here so that nothing after the insert has to find the rows
+                 -- again (JOINS_BY_ESTIMATE); those within their endpoint's
+                 -- cap are written leased. An operational event goes to its
+                 -- target alone, a tenant's event to its subscribers.
+                 marked AS MATERIALIZED (
+                   SELECT relay_uuid_v7() AS id, c.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, c.lease_ms,
+                          c.claimant, c.ord, c.size, e.holding, e.url, e.secret_key_id, e.secret_ciphertext,
+                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
+                          NOT e.holding AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
+                   FROM fresh c
+                   JOIN counted e ON e.environment_id = c.environment_id
+                     AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END),
                  -- An endpoint that is down gets its deliveries held: no
-                 -- relay pass looks at them until it recovers.
+                 -- relay pass looks at them until it recovers. No conflict
+                 -- is expected: the ledger claim makes this the event's only
+                 -- expansion, so a row already there would be a broken
+                 -- invariant, and it fails the statement rather than be
+                 -- answered for as written.
                  created AS (
                    INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at)
-                   SELECT relay_uuid_v7(), environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
+                   SELECT id, environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
                           CASE WHEN leased THEN now() END,
                           CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END
-                   FROM marked
-                   ON CONFLICT (event_id, endpoint_id) DO NOTHING
-                   RETURNING id, environment_id, endpoint_id, event_id, trace_context, dispatched_at IS NOT NULL AS leased, state = 'held' AS held),
-                 -- The leased first attempts of a claimant's events, in the
-                 -- order asked, with the running size of their bodies.
+                   FROM marked),
+                 -- The leased first attempts of a claimant's events go into
+                 -- its hands in the order asked, as far as the bodies fit.
                  handed AS (
-                   SELECT r.id, m.claimant, m.lease_ms, sum(octet_length(v.envelope)) OVER (ORDER BY m.ord, r.endpoint_id) AS upto
-                   FROM created r JOIN marked m ON m.event_id = r.event_id AND m.endpoint_id = r.endpoint_id
-                   JOIN events v ON v.environment_id = r.environment_id AND v.id = r.event_id
-                   WHERE r.leased AND m.claimant IS NOT NULL),
+                   SELECT m.*, m.leased AND m.claimant IS NOT NULL
+                            AND sum(m.size) FILTER (WHERE m.leased AND m.claimant IS NOT NULL) OVER (ORDER BY m.ord, m.endpoint_id) <= $9
+                            AS in_hand
+                   FROM marked m),
                  claimed AS (
                    INSERT INTO attempt_claims (delivery_id, attempt, generation, claimant, until)
-                   SELECT id, 1, 0, claimant, now() + lease_ms * interval '1 millisecond' FROM handed WHERE upto <= $9
-                   RETURNING delivery_id),
-                 answered AS (
-                   SELECT a.ord, a.environment_id, a.event_id, f.stored_type, fr.ord IS NOT NULL AS fresh,
-                          r.id, r.endpoint_id, r.trace_context, coalesce(r.leased, false) AS leased, coalesce(r.held, false) AS held,
-                          k.delivery_id IS NOT NULL AS in_hand,
-                          row_number() OVER (PARTITION BY a.ord, k.delivery_id IS NOT NULL ORDER BY r.id) AS nth
-                   FROM asked a
-                   LEFT JOIN found f ON f.ord = a.ord
-                   LEFT JOIN fresh fr ON fr.ord = a.ord
-                   LEFT JOIN created r ON fr.ord IS NOT NULL AND r.environment_id = a.environment_id AND r.event_id = a.event_id
-                   LEFT JOIN claimed k ON k.delivery_id = r.id)
-          SELECT w.ord AS "ord!", w.stored_type AS "stored_type?", w.fresh AS "fresh!", w.id AS "id?", w.endpoint_id AS "endpoint_id?",
-                 w.trace_context AS "trace_context?", w.leased AS "leased!", w.in_hand AS "in_hand!", w.held AS "held!",
-                 l.url AS "url?", l.secret_key_id AS "secret_key_id?", l.secret_ciphertext AS "secret_ciphertext?",
-                 l.previous_secret_key_id AS "previous_secret_key_id?", l.previous_secret_ciphertext AS "previous_secret_ciphertext?",
-                 l.secret_rotated_at AS "secret_rotated_at?", v.envelope AS "envelope?"
-          FROM answered w
-          LEFT JOIN live l ON w.in_hand AND l.id = w.endpoint_id
-          LEFT JOIN events v ON w.in_hand AND w.nth = 1 AND v.environment_id = w.environment_id AND v.id = w.event_id
-          ORDER BY w.ord, w.id"#,
+                   SELECT id, 1, 0, claimant, now() + lease_ms * interval '1 millisecond' FROM handed WHERE in_hand)
+          -- A row for each item as asked, then one for each delivery it created.
+          SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?",
+                 NULL::uuid AS "endpoint_id?", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
+                 NULL::text AS "url?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
+                 NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
+                 NULL::timestamptz AS "secret_rotated_at?", NULL::bytea AS "envelope?"
+          FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
+          UNION ALL
+          SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding,
+                 CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.secret_key_id END,
+                 CASE WHEN h.in_hand THEN h.secret_ciphertext END, CASE WHEN h.in_hand THEN h.previous_secret_key_id END,
+                 CASE WHEN h.in_hand THEN h.previous_secret_ciphertext END, CASE WHEN h.in_hand THEN h.secret_rotated_at END,
+                 -- The body once per event, on its first row in hand.
+                 CASE WHEN h.in_hand AND h.nth = 1 THEN
+                   (SELECT v.envelope FROM events v WHERE v.environment_id = h.environment_id AND v.id = h.event_id) END
+          FROM (SELECT *, row_number() OVER (PARTITION BY ord, in_hand ORDER BY id) AS nth FROM handed) h
+          ORDER BY 1, 4 NULLS FIRST"#,
         &events.environment_id,
         &events.event_id,
         &events.event_type,
@@ -391,42 +407,45 @@ pub async fn refill<'e>(
                                            LIMIT c.cap) AS s) AS n
              FROM capped c),
            -- Each endpoint's first waiting rows in due order, as many as it
-           -- has free slots, then those of them that are due (written as in
-           -- `due_candidates`, so only the waiting index serves the order).
+           -- has free slots, locked as they are read (a relay pass or
+           -- another refill taking some meanwhile: those are passed over),
+           -- then those of them that are due (written as in
+           -- `due_candidates`, so only the waiting index serves the order)…
            chosen AS (
-             SELECT d.id, d.environment_id, d.event_id, d.next_attempt_at FROM counted c CROSS JOIN LATERAL (
-               SELECT id, environment_id, event_id, next_attempt_at FROM webhook_deliveries d
+             SELECT d.id, d.environment_id, d.event_id, d.attempt, d.generation, d.next_attempt_at FROM counted c CROSS JOIN LATERAL (
+               SELECT id, environment_id, event_id, attempt, generation, next_attempt_at FROM webhook_deliveries d
                WHERE d.state = 'pending' AND d.dispatched_at IS NULL
                  AND d.endpoint_id >= c.endpoint_id AND d.endpoint_id <= c.endpoint_id
-               ORDER BY d.endpoint_id, d.next_attempt_at LIMIT c.cap - c.n) AS d
+               ORDER BY d.endpoint_id, d.next_attempt_at LIMIT c.cap - c.n
+               FOR UPDATE SKIP LOCKED) AS d
              WHERE c.n < c.cap AND d.next_attempt_at <= now()),
+           -- …as far as the reply's budget for bodies goes (the first row's always)…
            sized AS (
-             SELECT ch.id, octet_length(v.envelope) AS size,
+             SELECT ch.id, ch.attempt, ch.generation, octet_length(v.envelope) AS size,
                     sum(octet_length(v.envelope)) OVER (ORDER BY ch.next_attempt_at, ch.id) AS upto
              FROM chosen ch JOIN events v ON v.environment_id = ch.environment_id AND v.id = ch.event_id),
-           leased AS (
-             UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $4::bigint * interval '1 millisecond'
-             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
-             -- As arrays, so that each set is looked up by its ids whatever
-             -- the planner thinks of their sizes (as a join it once rescanned
-             -- the chosen rows once per waiting row: 1.8 s a call).
-             WHERE d.id = ANY (ARRAY(SELECT id FROM webhook_deliveries
-                                     WHERE id = ANY (ARRAY(SELECT id FROM sized WHERE upto <= $5 OR upto = size))
-                                       AND state = 'pending' AND dispatched_at IS NULL AND next_attempt_at <= now()
-                                     ORDER BY id FOR UPDATE SKIP LOCKED))
-             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.trace_context),
+           -- …claimed for the dispatcher (an attempt nobody else holds)…
            claimed AS (
              INSERT INTO attempt_claims AS c (delivery_id, attempt, generation, claimant, until)
-             SELECT id, attempt, generation, $3, now() + $4::bigint * interval '1 millisecond' FROM leased
+             SELECT id, attempt, generation, $3, now() + $4::bigint * interval '1 millisecond' FROM sized WHERE upto <= $5 OR upto = size
              ON CONFLICT (delivery_id) DO UPDATE
                SET attempt = excluded.attempt, generation = excluded.generation, claimant = excluded.claimant, until = excluded.until
                WHERE c.claimant = excluded.claimant OR c.until < now()
                   OR (c.generation, c.attempt) <> (excluded.generation, excluded.attempt)
-             RETURNING delivery_id)
+             RETURNING delivery_id),
+           -- …and leased, those claimed: the lease's rows come back with
+           -- what the answer needs, so no set is joined to another
+           -- (JOINS_BY_ESTIMATE). As arrays, so that each set is looked up
+           -- by its ids whatever the planner thinks of their sizes.
+           leased AS (
+             UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $4::bigint * interval '1 millisecond'
+             FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+             WHERE d.id = ANY (ARRAY(SELECT delivery_id FROM claimed))
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.trace_context)
          SELECT l.id AS "id!", l.environment_id AS "environment_id!", l.endpoint_id AS "endpoint_id!", l.event_id AS "event_id!",
                 l.attempt AS "attempt!", l.generation AS "generation!", l.trace_context, e.url, e.secret_key_id, e.secret_ciphertext,
                 e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, v.envelope
-         FROM leased l JOIN claimed k ON k.delivery_id = l.id
+         FROM leased l
          JOIN webhook_endpoints e ON e.id = l.endpoint_id
          JOIN events v ON v.environment_id = l.environment_id AND v.id = l.event_id"#,
         endpoints,
@@ -522,30 +541,33 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
     let states: Vec<&str> = o.state.iter().map(|s| s.as_str()).collect();
     Ok(sqlx::query_as!(
         AppliedOutcome,
-        r#"WITH u AS (
-             SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[],
-                                  $9::bigint[], $10::bytea[], $11::text[])
-               AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error, latency_ms, body, decision)),
-           applied AS (
+        r#"WITH applied AS (
              UPDATE webhook_deliveries d SET state = u.state, attempt = u.next_attempt, next_attempt_at = coalesce(u.next_attempt_at, d.next_attempt_at),
                dispatched_at = NULL, last_status = u.status, last_error = CASE WHEN u.state = 'delivered' THEN NULL ELSE u.error END,
                updated_at = now()
-             FROM u
-             -- The ids as an index condition too (INDEXED_LOOKUPS).
-             WHERE d.id = ANY ($1::uuid[]) AND d.id = u.id AND d.state IN ('pending', 'held')
-               AND d.generation = u.generation AND d.attempt = u.attempt
-             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id),
+             FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[],
+                         $9::bigint[], $10::bytea[], $11::text[])
+               AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error, latency_ms, body, decision)
+             -- The ids as an index condition too (INDEXED_LOOKUPS). The state
+             -- test names the report so that it stays a join condition
+             -- (JOINS_BY_ESTIMATE): the rows read by id are then as many as
+             -- the reports, not the one a pending-state estimate predicts.
+             WHERE d.id = ANY ($1::uuid[]) AND d.id = u.id AND d.generation = u.generation AND d.attempt = u.attempt
+               AND (d.state IN ('pending', 'held') OR u.id IS NULL)
+             -- What the log and the dead letters need comes with each row:
+             -- nothing joins the applied rows to the reports again.
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, u.generation, u.attempt, u.state AS reported_state,
+                       u.status, u.error, u.latency_ms, u.body, u.decision, u.next_attempt_at),
            logged AS (
              INSERT INTO delivery_attempts
                (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
-             SELECT a.id, u.generation, u.attempt, a.environment_id, u.status, u.error, u.latency_ms, u.body, u.decision, u.next_attempt_at
-             FROM applied a JOIN u ON u.id = a.id),
+             SELECT id, generation, attempt, environment_id, status, error, latency_ms, body, decision, next_attempt_at FROM applied),
            -- The dead letter and the state change commit together: a dead
            -- delivery always has its record.
            exhausted AS (
              INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
-             SELECT relay_uuid_v7(), a.environment_id, a.id, a.endpoint_id, a.event_id, u.attempt, u.status, u.error
-             FROM applied a JOIN u ON u.id = a.id WHERE u.state = 'dead')
+             SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt, status, error
+             FROM applied WHERE reported_state = 'dead')
          SELECT a.id AS "id!", a.environment_id AS "environment_id!", a.endpoint_id AS "endpoint_id!", a.event_id AS "event_id!",
                 h.circuit AS "circuit!: Circuit", h.consecutive_failures AS "consecutive_failures!", h.last_success_at,
                 e.disabled_reason AS "disabled_reason?: DisabledReason"
