@@ -75,27 +75,22 @@ pub struct Shape {
     pub connections: usize,
     /// Items one batch takes at most.
     pub max_batch: usize,
-    /// Plan small batches' statements once (`plan_cache_mode =
-    /// force_generic_plan`) and large ones for their size. By default
-    /// Postgres plans a prepared statement again at every execution while
-    /// its plan for the given parameters looks cheaper than the general
-    /// one, which for a statement of many CTEs over arrays is most of its
-    /// cost at moderate load: the expansion's took longer to plan than to
-    /// run. The general plan takes every array for ten elements, though,
-    /// and joins the CTEs with nested loops: fine for a few items, and
-    /// quadratic for hundreds (an expansion of 209 events compared 11.6
-    /// million pairs, 2.6 s). Past [`PLAN_FOR_SIZE_FROM`] items a batch's
-    /// statements are planned for what they carry, which a large batch
-    /// pays for many times over (`force_custom_plan`: left to choose, Postgres
-    /// would take the general plan there, whose estimate a large batch's
-    /// exceeds). Only for statements whose lookups are
-    /// written as ids by index, so that the general plan is a good one.
+    /// Plan each statement once per connection (`plan_cache_mode =
+    /// force_generic_plan`). By default Postgres plans a prepared statement
+    /// again at every execution while its plan for the given parameters
+    /// looks cheaper than the general one, which for a statement of many
+    /// CTEs over arrays is most of its cost: 3–5 ms to plan an expansion or
+    /// an outcome batch that runs in less. The general plan takes every
+    /// array for ten elements, so it is only for statements whose cost does
+    /// not hinge on that estimate: lookups written as ids by index
+    /// (`INDEXED_LOOKUPS`) and no batch-sized set joined to another
+    /// (`JOINS_BY_ESTIMATE`, both in `db::deliveries`). An earlier version
+    /// of these statements did join CTEs, and the general plan looped over
+    /// them (an expansion of 209 events compared 11.6 million pairs, 2.6 s),
+    /// so large batches were planned for their size; planning is now the
+    /// same at every size.
     pub plan_once: bool,
 }
-
-/// Items from which a batch's statements are planned for their size (see
-/// [`Shape::plan_once`]).
-pub const PLAN_FOR_SIZE_FROM: usize = 24;
 
 /// A connection a long-running task holds for good, apart from the pool:
 /// opened when first needed, dropped after an error that may have broken
@@ -104,24 +99,14 @@ pub struct Held {
     options: Arc<PgConnectOptions>,
     conn: Option<PgConnection>,
     plan_once: bool,
-    /// The connection's `plan_cache_mode`: `Some(true)` for
-    /// `force_generic_plan`, `Some(false)` for `force_custom_plan`, `None`
-    /// while it is the server's default. The default (`auto`) is never left
-    /// in place on a planning-once connection: after five executions it
-    /// keeps whichever plan looks cheaper, and a statement over arrays looks
-    /// cheapest in its general form (ten elements each), so a connection
-    /// whose first batches were large ran them all with the general plan —
-    /// quadratic joins at hundreds of items (an outcome batch of 256: 120 ms,
-    /// 65,280 rows compared).
-    generic: Option<bool>,
 }
 
 impl Held {
     pub fn new(pool: &PgPool) -> Self {
-        Self { options: pool.connect_options(), conn: None, plan_once: false, generic: None }
+        Self { options: pool.connect_options(), conn: None, plan_once: false }
     }
 
-    /// A connection whose small batches' statements are planned once (see
+    /// A connection whose statements are planned once (see
     /// [`Shape::plan_once`]).
     pub fn planning_once(pool: &PgPool) -> Self {
         Self { plan_once: true, ..Self::new(pool) }
@@ -129,25 +114,13 @@ impl Held {
 
     pub async fn get(&mut self) -> AppResult<&mut PgConnection> {
         if self.conn.is_none() {
-            self.conn = Some(PgConnection::connect_with(&self.options).await?);
-            self.generic = None;
+            let mut conn = PgConnection::connect_with(&self.options).await?;
+            if self.plan_once {
+                sqlx::raw_sql("SET plan_cache_mode = force_generic_plan").execute(&mut conn).await?;
+            }
+            self.conn = Some(conn);
         }
         Ok(self.conn.as_mut().expect("just opened"))
-    }
-
-    /// The connection, its planning set for a batch of `items` (a round
-    /// trip only when that changes, which steady load makes rare).
-    pub async fn for_batch(&mut self, items: usize) -> AppResult<&mut PgConnection> {
-        let want = self.plan_once.then_some(items < PLAN_FOR_SIZE_FROM);
-        self.get().await?;
-        let current = self.generic;
-        let conn = self.conn.as_mut().expect("just opened");
-        if let Some(want) = want.filter(|&w| current != Some(w)) {
-            let mode = if want { "SET plan_cache_mode = force_generic_plan" } else { "SET plan_cache_mode = force_custom_plan" };
-            sqlx::raw_sql(mode).execute(&mut *conn).await?;
-            self.generic = Some(want);
-        }
-        Ok(conn)
     }
 
     /// After an error other than a lost conflict (which leaves the
@@ -306,7 +279,7 @@ async fn run<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, batch: Ve
 /// batch's failure.
 async fn run_once<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, reqs: &[Req]) -> BatchResult<Resp> {
     let n = reqs.len();
-    let conn = match held.for_batch(n).await {
+    let conn = match held.get().await {
         Ok(c) => c,
         Err(e) => {
             tokio::time::sleep(RECONNECT_PAUSE).await;
