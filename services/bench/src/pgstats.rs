@@ -86,8 +86,26 @@ pub async fn prepare(admin: &mut PgConnection) {
     }
 }
 
-/// Reads the counters of database `db`. Backends publish their WAL and
-/// commit counts at most once a second, so read a second after the work.
+/// Waits (up to five seconds) until no backend serves database `db`: an
+/// exiting backend publishes the counts it has not reported yet.
+pub async fn await_backends_gone(admin: &mut PgConnection, db: &str) {
+    for _ in 0..50 {
+        let left: Option<i64> = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
+            .bind(db)
+            .fetch_one(&mut *admin)
+            .await
+            .ok();
+        if left == Some(0) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
+
+/// Reads the counters of database `db` (the commit count as published by
+/// its backends: read it once they have exited, see `await_backends_gone`).
+/// WAL is the insert position, which moves at once: every byte written
+/// since, by this database's work and anything else the server does.
 pub async fn read(admin: &mut PgConnection, db: &str, db_url: &str) -> PgCounters {
     // This connection's own pending counts (creating the database wrote a
     // copy of the template to the WAL) are published at the end of this.
@@ -100,7 +118,7 @@ pub async fn read(admin: &mut PgConnection, db: &str, db_url: &str) -> PgCounter
         .ok()
         .and_then(|r| r.try_get::<Option<i64>, _>(0).ok().flatten());
     let wal_bytes =
-        one("SELECT wal_bytes::bigint FROM pg_stat_wal").fetch_one(&mut *admin).await.ok().and_then(|r| r.try_get::<i64, _>(0).ok());
+        one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint").fetch_one(&mut *admin).await.ok().and_then(|r| r.try_get::<i64, _>(0).ok());
     let commits = one("SELECT xact_commit FROM pg_stat_database WHERE datname = $1")
         .bind(db)
         .fetch_one(&mut *admin)

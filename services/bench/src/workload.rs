@@ -218,15 +218,17 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     let cpu_after: Vec<f64> = targets.iter().map(Target::cpu).collect();
     let window = started.elapsed();
     let peaks = sampler.finish().await;
-    // Backends publish their WAL and commit counts within a second.
-    tokio::time::sleep(Duration::from_millis(1100)).await;
+    // A backend publishes its commit count at most once a second, and one
+    // that went idle sooner than that after its last report only ten seconds
+    // later, or when it exits: so the services stop (their connections
+    // close, their backends exit and report) before the counters are read.
+    drop(dispatcher);
+    drop(api);
+    crate::pgstats::await_backends_gone(&mut admin_conn, &tag).await;
     let pg = crate::pgstats::read(&mut admin_conn, &tag, &db_url).await.since(&pg_before);
 
     let measured = crate::report::Measured { cpu_before: &cpu_before, cpu_after: &cpu_after, peaks: &peaks, window, pg };
     let (report, series) = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, measured);
-    drop(dispatcher);
-    drop(api);
-    tokio::time::sleep(Duration::from_millis(200)).await;
     // RELAY_BENCH_KEEP_DB=1 leaves the run's database behind, to EXPLAIN its
     // statements against the tables as the run left them.
     if std::env::var_os("RELAY_BENCH_KEEP_DB").is_some_and(|v| v == "1") {
