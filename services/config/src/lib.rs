@@ -131,6 +131,12 @@ pub const KNOBS: &[Knob] = &[
     knob("RELAY_SEAM_TIMEOUT_MS", Both, "15000", "deadline of one call to the api's seam (100–60000); give both services the same value"),
     knob("RELAY_MAX_IN_FLIGHT", Dispatcher, "512", "attempts in flight across all endpoints (1–100000; one per endpoint)"),
     knob("RELAY_MAX_EXPANDING", Dispatcher, "256", "expansions in flight (1–10000)"),
+    knob(
+        "RELAY_DISPATCHER_THREADS",
+        Dispatcher,
+        "1",
+        "worker threads of the dispatcher (1–256); one spends a quarter less CPU per delivery at moderate load than two (cross-thread wake-ups) and kept up at saturation on 2 cores; add dispatcher processes, or threads, past one core",
+    ),
     knob("RELAY_EGRESS_PROXY", Dispatcher, "", "send webhooks through this HTTP proxy; the URL rules still apply"),
     knob("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", Both, "false", "development allowance: accept plain http endpoints (never in production)"),
     knob(

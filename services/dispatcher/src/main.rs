@@ -6,8 +6,13 @@ use relay_dispatcher::DispatcherConfig;
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-#[tokio::main]
-async fn main() -> Result<()> {
+fn main() -> Result<()> {
+    // Read before anything starts: the runtime is built to this size.
+    let threads = relay_config::Env.number::<usize>("RELAY_DISPATCHER_THREADS", 1..=256).context("invalid configuration")?;
+    tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?.block_on(serve())
+}
+
+async fn serve() -> Result<()> {
     let telemetry = relay_telemetry::init_with("relay-dispatcher").context("invalid telemetry configuration")?;
     let cfg = DispatcherConfig::from_env().context("invalid configuration")?;
     tracing::info!(api = %cfg.api_url, "relay-dispatcher starting");
