@@ -90,11 +90,8 @@ pub async fn prepare(admin: &mut PgConnection) {
 /// exiting backend publishes the counts it has not reported yet.
 pub async fn await_backends_gone(admin: &mut PgConnection, db: &str) {
     for _ in 0..50 {
-        let left: Option<i64> = sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1")
-            .bind(db)
-            .fetch_one(&mut *admin)
-            .await
-            .ok();
+        let left: Option<i64> =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = $1").bind(db).fetch_one(&mut *admin).await.ok();
         if left == Some(0) {
             return;
         }
@@ -117,8 +114,11 @@ pub async fn read(admin: &mut PgConnection, db: &str, db_url: &str) -> PgCounter
         .await
         .ok()
         .and_then(|r| r.try_get::<Option<i64>, _>(0).ok().flatten());
-    let wal_bytes =
-        one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint").fetch_one(&mut *admin).await.ok().and_then(|r| r.try_get::<i64, _>(0).ok());
+    let wal_bytes = one("SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::bigint")
+        .fetch_one(&mut *admin)
+        .await
+        .ok()
+        .and_then(|r| r.try_get::<i64, _>(0).ok());
     let commits = one("SELECT xact_commit FROM pg_stat_database WHERE datname = $1")
         .bind(db)
         .fetch_one(&mut *admin)
