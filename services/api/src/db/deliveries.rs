@@ -379,10 +379,11 @@ pub struct RefillRow {
 
 /// Fills the free slots of these endpoints (each within its in-flight cap,
 /// as the relay counts it: one for an endpoint that failed its last
-/// attempt) with their oldest due waiting deliveries, leased and claimed for
-/// `claimant` for `hold`, in one statement, up to `payload_budget` bytes of
-/// envelopes (the first row's always); returns them with what sending them
-/// needs. The caller holds the lease guard, as a relay pass does. Leases
+/// attempt) with their oldest due waiting deliveries, in one statement: each
+/// locked as it is read (rows another pass holds are passed over), claimed
+/// for `claimant` for `hold`, and leased where the claim was taken, up to
+/// `payload_budget` bytes of envelopes (the first row's always); returns the
+/// leased ones with what sending them needs. The caller holds the lease guard, as a relay pass does. Leases
 /// and claims are committed without waiting for the disk (a cheap commit,
 /// see `relay`): lost, each is only a lease that runs out.
 pub async fn refill<'e>(
