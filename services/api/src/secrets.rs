@@ -100,11 +100,20 @@ impl Keyring {
     }
 }
 
-/// A new signing secret: 32 random bytes, base64url, with a recognisable prefix.
+/// A new signing secret as Standard Webhooks writes one: `whsec_` + the
+/// standard base64 of 32 random bytes. relay-v1 keys its HMAC with the whole
+/// text, the Standard Webhooks scheme with the decoded bytes, so one secret
+/// serves both. (Until issue 13 secrets were URL-safe base64, which the
+/// Standard Webhooks libraries misread; those still sign relay-v1.)
 pub fn mint_signing_secret() -> SigningSecret {
-    use base64::engine::general_purpose::URL_SAFE_NO_PAD;
     let bytes: [u8; 32] = rand::random();
-    SigningSecret::new(format!("whsec_{}", URL_SAFE_NO_PAD.encode(bytes)))
+    SigningSecret::new(format!("{}{}", relay_signing::standard::SECRET_PREFIX, STANDARD.encode(bytes)))
+}
+
+/// A new ed25519 key pair: the private key (`whsk_…`, to be encrypted like a
+/// secret) and the public key receivers verify with (`whpk_…`).
+pub fn mint_ed25519_key_pair() -> (SigningSecret, String) {
+    relay_signing::standard::ed25519_key_pair(rand::random())
 }
 
 #[cfg(test)]
@@ -132,6 +141,16 @@ mod tests {
         let both = Keyring::parse(&format!("new:{},old:{}", STANDARD.encode([2u8; 32]), STANDARD.encode([1u8; 32]))).unwrap();
         assert_eq!(both.decrypt(&old_id, &stored).unwrap().expose(), "s");
         assert_eq!(both.encrypt(&SigningSecret::new("s")).0, "new");
+    }
+
+    #[test]
+    fn minted_secrets_key_both_symmetric_schemes_and_key_pairs_sign() {
+        let secret = mint_signing_secret();
+        assert_eq!(relay_signing::standard::symmetric_key(&secret).unwrap().len(), 32);
+        assert_ne!(mint_signing_secret(), secret);
+        let (private, public) = mint_ed25519_key_pair();
+        let key = relay_signing::standard::ed25519_key(&private).unwrap();
+        assert_eq!(relay_signing::standard::public_key(&key), public);
     }
 
     #[test]

@@ -1,13 +1,17 @@
 //! `relay-dev certs <dir>`: write a dev CA and the internal port's certificates.
-//! `relay-dev receive [--port N] [--secret S]`: listen on 127.0.0.1, verify each
-//! webhook's signature, and print it. The secret may also come from
-//! `RELAY_RECEIVER_SECRET`; without one, webhooks are printed unverified.
+//! `relay-dev receive [--port N] [--secret S] [--public-key K]`: listen on
+//! 127.0.0.1, verify each webhook's signature with `relay-webhook-verify` (the
+//! receiver-side crate customers use) under whichever scheme it came signed
+//! with, and print it. The secret (relay-v1 or standard-webhooks) may also
+//! come from `RELAY_RECEIVER_SECRET`, the `whpk_` public key
+//! (standard-webhooks-ed25519) from `RELAY_RECEIVER_PUBLIC_KEY`; without
+//! either, webhooks are printed unverified.
 
 use std::{net::SocketAddr, path::PathBuf};
 
 use anyhow::{Context, Result, bail};
 use axum::{Router, body::Bytes, http::HeaderMap, routing::post};
-use relay_signing::{DEFAULT_TOLERANCE_SECS, ID_HEADER, SIGNATURE_HEADER, SigningSecret, TIMESTAMP_HEADER, verify};
+use relay_webhook_verify::Verifier;
 
 #[tokio::main]
 async fn main() -> Result<()> {
@@ -56,35 +60,52 @@ async fn bootstrap(args: &[String]) -> Result<()> {
 
 async fn receive(args: &[String]) -> Result<()> {
     let mut port = 9000u16;
-    let mut secret = std::env::var("RELAY_RECEIVER_SECRET").ok().filter(|s| !s.is_empty());
+    let from_env = |name: &str| std::env::var(name).ok().filter(|s| !s.is_empty());
+    let mut secret = from_env("RELAY_RECEIVER_SECRET");
+    let mut public_key = from_env("RELAY_RECEIVER_PUBLIC_KEY");
     let mut it = args.iter();
     while let Some(a) = it.next() {
         match a.as_str() {
             "--port" => port = it.next().context("--port needs a value")?.parse().context("--port")?,
             "--secret" => secret = Some(it.next().context("--secret needs a value")?.clone()),
+            "--public-key" => public_key = Some(it.next().context("--public-key needs a value")?.clone()),
             other => bail!("unknown argument {other:?}"),
         }
     }
-    let secret = secret.map(SigningSecret::new);
+    // A secret verifies relay-v1 and, when it is Standard Webhooks base64
+    // (every secret Relay mints now), standard-webhooks too.
+    let mut verifier: Option<Verifier> = None;
+    let mut add = |v: Verifier| {
+        verifier = Some(match verifier.take() {
+            Some(all) => all.or(v),
+            None => v,
+        })
+    };
+    if let Some(s) = &secret {
+        add(Verifier::relay_v1(s));
+        if let Ok(v) = Verifier::standard(s) {
+            add(v);
+        }
+    }
+    if let Some(k) = &public_key {
+        add(Verifier::ed25519(k).context("--public-key")?);
+    }
     let app = Router::new().fallback(post(move |headers: HeaderMap, body: Bytes| {
-        let secret = secret.clone();
+        let verifier = verifier.clone();
         async move {
             let h = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
-            let verdict = match &secret {
-                None => "unverified (no secret given)".to_owned(),
-                Some(s) => match verify(
-                    s,
-                    &h(SIGNATURE_HEADER),
-                    &h(TIMESTAMP_HEADER),
-                    &body,
-                    chrono::Utc::now().timestamp(),
-                    DEFAULT_TOLERANCE_SECS,
-                ) {
-                    Ok(()) => "signature OK".to_owned(),
+            let (id, ts) = match h("relay-webhook-id") {
+                id if !id.is_empty() => (id, h("relay-webhook-timestamp")),
+                _ => (h("webhook-id"), h("webhook-timestamp")),
+            };
+            let verdict = match &verifier {
+                None => "unverified (no secret or public key given)".to_owned(),
+                Some(v) => match v.verify(&headers, &body) {
+                    Ok(_) => "signature OK".to_owned(),
                     Err(e) => format!("signature REJECTED: {e}"),
                 },
             };
-            println!("webhook {} at {} — {verdict}\n  {}", h(ID_HEADER), h(TIMESTAMP_HEADER), String::from_utf8_lossy(&body));
+            println!("webhook {id} at {ts} — {verdict}\n  {}", String::from_utf8_lossy(&body));
             "ok"
         }
     }));

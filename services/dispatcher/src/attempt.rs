@@ -5,8 +5,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use relay_contracts::relay::dispatch::v1::{MaterialResponse, OutcomeRequest};
-use relay_signing::{ID_HEADER, SIGNATURE_HEADER, SigningSecret, TIMESTAMP_HEADER, signature_header};
+use relay_contracts::relay::dispatch::v1::{MaterialResponse, OutcomeRequest, SignatureScheme};
+use relay_signing::{Scheme, SigningSecret, signed_headers};
 use url::Host;
 
 use crate::http_client::Sender;
@@ -72,17 +72,22 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
         }
         _ => {}
     }
+    let scheme = scheme_of(m.signature_scheme)
+        .ok_or_else(|| format!("signing: signature scheme {} is newer than this dispatcher", m.signature_scheme))?;
     let secrets: Vec<SigningSecret> = m.secrets.into_iter().map(SigningSecret::new).collect();
     let timestamp = chrono_free_unix_now().to_string();
-    let signature = signature_header(&secrets, &timestamp, &m.payload);
+    // The event id is the message id under every scheme: stable across
+    // attempts and replays, so a receiver deduplicates on it.
+    let [id, ts, signature] = signed_headers(scheme, &secrets, &m.event_id, &timestamp, &m.payload)
+        .map_err(|e| format!("signing: the endpoint's {scheme} key cannot sign: {e}"))?;
     drop(secrets);
     let response = sender
         .client
         .post(url)
         .header("content-type", "application/json")
-        .header(ID_HEADER, &m.event_id)
-        .header(TIMESTAMP_HEADER, &timestamp)
-        .header(SIGNATURE_HEADER, signature)
+        .header(id.0, id.1)
+        .header(ts.0, ts.1)
+        .header(signature.0, signature.1)
         .body(m.payload)
         .send()
         .await
@@ -90,6 +95,16 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
     let status = response.status().as_u16();
     let retry_after = retry_after(status, response.headers(), std::time::SystemTime::now());
     Ok(Answer { status, body: read_prefix(response).await, retry_after })
+}
+
+/// The material's scheme; an api that predates the field sends none, which
+/// meant relay-v1. A value this build does not know is not guessed at.
+fn scheme_of(wire: i32) -> Option<Scheme> {
+    Some(match SignatureScheme::try_from(wire).ok()? {
+        SignatureScheme::Unspecified | SignatureScheme::RelayV1 => Scheme::RelayV1,
+        SignatureScheme::StandardWebhooks => Scheme::StandardWebhooks,
+        SignatureScheme::StandardWebhooksEd25519 => Scheme::StandardWebhooksEd25519,
+    })
 }
 
 async fn read_prefix(mut response: reqwest::Response) -> Vec<u8> {

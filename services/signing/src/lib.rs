@@ -1,6 +1,8 @@
-//! Webhook signatures, scheme v1 — the one place a signature is made or checked.
+//! Webhook signatures — the one place a signature is made (and relay-v1's
+//! checked). Each endpoint picks a [`Scheme`]: `relay-v1` (below) or one of
+//! the two Standard Webhooks schemes ([`standard`]).
 //!
-//! The contract (`shared/contracts/README.md`, restated in `docs/webhooks.md`):
+//! relay-v1's contract (`shared/contracts/README.md`, restated in `docs/webhooks.md`):
 //! `relay-webhook-signature` carries one `v1=<hex>` per valid secret, joined by
 //! `,`, current secret first; `<hex>` is the lowercase hex HMAC-SHA256, keyed
 //! with the UTF-8 bytes of the secret as shown to the customer, over
@@ -11,6 +13,8 @@ use std::fmt;
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
 use subtle::ConstantTimeEq;
+
+pub mod standard;
 
 pub const SCHEME: &str = "v1";
 pub const ID_HEADER: &str = "relay-webhook-id";
@@ -61,6 +65,96 @@ pub fn sign(secret: &SigningSecret, timestamp: &str, body: &[u8]) -> String {
 /// given (the current secret first during a rotation window).
 pub fn signature_header(secrets: &[SigningSecret], timestamp: &str, body: &[u8]) -> String {
     secrets.iter().map(|s| format!("{SCHEME}={}", sign(s, timestamp, body))).collect::<Vec<_>>().join(",")
+}
+
+/// How an endpoint's deliveries are signed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Scheme {
+    /// The shared contract: `relay-webhook-*` headers, `v1=<hex>` entries.
+    #[default]
+    RelayV1,
+    /// Standard Webhooks, HMAC-SHA256 keyed with the secret's decoded bytes.
+    StandardWebhooks,
+    /// Standard Webhooks, ed25519: receivers hold only the public key.
+    StandardWebhooksEd25519,
+}
+
+impl Scheme {
+    pub const ALL: [Scheme; 3] = [Scheme::RelayV1, Scheme::StandardWebhooks, Scheme::StandardWebhooksEd25519];
+
+    /// The name the API, the database and the docs use.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::RelayV1 => "relay-v1",
+            Self::StandardWebhooks => "standard-webhooks",
+            Self::StandardWebhooksEd25519 => "standard-webhooks-ed25519",
+        }
+    }
+
+    pub fn parse(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|s| s.as_str() == name)
+    }
+
+    /// Signed with a key pair rather than a shared secret.
+    pub fn is_asymmetric(self) -> bool {
+        self == Self::StandardWebhooksEd25519
+    }
+}
+
+impl fmt::Display for Scheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// The id, timestamp and signature headers of one request, signed with each
+/// of `secrets` in order (the current one first during a rotation window).
+///
+/// Under a Standard Webhooks scheme the current secret must key it (else the
+/// error); an older one that cannot — a secret minted before Standard
+/// Webhooks support, kept through a rotation window — is left out.
+pub fn signed_headers(
+    scheme: Scheme,
+    secrets: &[SigningSecret],
+    msg_id: &str,
+    timestamp: &str,
+    body: &[u8],
+) -> Result<[(&'static str, String); 3], standard::KeyError> {
+    fn entries<K>(
+        secrets: &[SigningSecret],
+        key: impl Fn(&SigningSecret) -> Result<K, standard::KeyError>,
+        sign: impl Fn(&K) -> String,
+    ) -> Result<String, standard::KeyError> {
+        let mut out = Vec::with_capacity(secrets.len());
+        for (i, secret) in secrets.iter().enumerate() {
+            match key(secret) {
+                Ok(k) => out.push(sign(&k)),
+                Err(e) if i == 0 => return Err(e),
+                Err(_) => {}
+            }
+        }
+        Ok(out.join(" "))
+    }
+    Ok(match scheme {
+        Scheme::RelayV1 => [
+            (ID_HEADER, msg_id.to_owned()),
+            (TIMESTAMP_HEADER, timestamp.to_owned()),
+            (SIGNATURE_HEADER, signature_header(secrets, timestamp, body)),
+        ],
+        Scheme::StandardWebhooks => [
+            (standard::ID_HEADER, msg_id.to_owned()),
+            (standard::TIMESTAMP_HEADER, timestamp.to_owned()),
+            (
+                standard::SIGNATURE_HEADER,
+                entries(secrets, standard::symmetric_key, |k| standard::sign_symmetric(k, msg_id, timestamp, body))?,
+            ),
+        ],
+        Scheme::StandardWebhooksEd25519 => [
+            (standard::ID_HEADER, msg_id.to_owned()),
+            (standard::TIMESTAMP_HEADER, timestamp.to_owned()),
+            (standard::SIGNATURE_HEADER, entries(secrets, standard::ed25519_key, |k| standard::sign_ed25519(k, msg_id, timestamp, body))?),
+        ],
+    })
 }
 
 #[derive(Debug, PartialEq, Eq)]
@@ -163,6 +257,46 @@ mod tests {
             Err(VerifyError::TimestampOutOfTolerance { skew_secs: 301 })
         );
         assert_eq!(verify(&s, &header, "17e8", b"{}", 1_700_000_000, 300), Err(VerifyError::MalformedTimestamp));
+    }
+
+    #[test]
+    fn each_scheme_names_its_headers_and_rotation_signs_current_first() {
+        use base64::Engine;
+        let b64 = |b: [u8; 32]| base64::engine::general_purpose::STANDARD.encode(b);
+        let current = SigningSecret::new(format!("whsec_{}", b64([1; 32])));
+        let previous = SigningSecret::new(format!("whsec_{}", b64([2; 32])));
+        let legacy = SigningSecret::new("whsec_Ab-cd_EfGhIjKlMnOpQrStUvWxYz0123456789abcd");
+
+        let v1 = signed_headers(Scheme::RelayV1, &[current.clone(), legacy.clone()], "evt", "1700000000", b"{}").unwrap();
+        assert_eq!(v1.clone().map(|h| h.0), [ID_HEADER, TIMESTAMP_HEADER, SIGNATURE_HEADER]);
+        assert_eq!(v1[2].1.split(',').count(), 2, "relay-v1 signs with any secret text: {}", v1[2].1);
+
+        let sw = signed_headers(Scheme::StandardWebhooks, &[current.clone(), previous.clone()], "evt", "1700000000", b"{}").unwrap();
+        assert_eq!(sw.clone().map(|h| h.0), ["webhook-id", "webhook-timestamp", "webhook-signature"]);
+        let entries: Vec<&str> = sw[2].1.split(' ').collect();
+        let key = |s: &SigningSecret| standard::symmetric_key(s).unwrap();
+        assert_eq!(
+            entries,
+            [
+                standard::sign_symmetric(&key(&current), "evt", "1700000000", b"{}"),
+                standard::sign_symmetric(&key(&previous), "evt", "1700000000", b"{}")
+            ]
+        );
+        // A legacy previous secret is left out; a legacy current one is an error.
+        let kept = signed_headers(Scheme::StandardWebhooks, &[current.clone(), legacy.clone()], "evt", "1", b"{}").unwrap();
+        assert_eq!(kept[2].1.split(' ').count(), 1);
+        assert!(signed_headers(Scheme::StandardWebhooks, &[legacy, current.clone()], "evt", "1", b"{}").is_err());
+
+        let (a, _) = standard::ed25519_key_pair([3; 32]);
+        let (b, _) = standard::ed25519_key_pair([4; 32]);
+        let ed = signed_headers(Scheme::StandardWebhooksEd25519, &[a, b], "evt", "1", b"{}").unwrap();
+        assert!(ed[2].1.split(' ').all(|e| e.starts_with("v1a,")) && ed[2].1.split(' ').count() == 2, "{}", ed[2].1);
+        assert!(signed_headers(Scheme::StandardWebhooksEd25519, &[current], "evt", "1", b"{}").is_err());
+
+        for s in Scheme::ALL {
+            assert_eq!(Scheme::parse(s.as_str()), Some(s));
+        }
+        assert_eq!(Scheme::parse("v1"), None);
     }
 
     #[test]

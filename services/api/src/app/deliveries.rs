@@ -6,7 +6,7 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use relay_signing::SigningSecret;
+use relay_signing::{Scheme, SigningSecret};
 use uuid::Uuid;
 
 pub use super::state::Decision;
@@ -17,9 +17,7 @@ use crate::{
     error::{AppError, AppResult},
 };
 
-/// How long a rotated-out secret keeps signing. A promise recipients code
-/// against, not a tuning knob.
-pub const ROTATION_WINDOW: Duration = Duration::from_secs(24 * 3600);
+pub use crate::db::models::ROTATION_WINDOW;
 
 #[derive(Debug)]
 pub struct Expanded {
@@ -50,6 +48,8 @@ pub struct Material {
     pub url: String,
     pub attempt: u32,
     pub generation: u32,
+    /// How `secrets` sign (the endpoint's scheme when the material was read).
+    pub scheme: Scheme,
     pub secrets: Vec<SigningSecret>,
     pub payload: Vec<u8>,
     /// The trace the delivery's attempts continue, for an attempt handed

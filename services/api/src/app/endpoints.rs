@@ -4,16 +4,20 @@ use std::net::IpAddr;
 
 use anyhow::Context;
 use relay_netguard::Rejection;
-use relay_signing::SigningSecret;
+use relay_signing::{Scheme, SigningSecret};
 use url::Host;
 use uuid::Uuid;
 
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
-use crate::db::{self, deliveries::end_pending_of_endpoint};
+use crate::db::{
+    self,
+    deliveries::end_pending_of_endpoint,
+    endpoints::{EndpointUpdate, NewSigningMaterial},
+};
 use crate::{
     error::{AppError, AppResult},
-    secrets::mint_signing_secret,
+    secrets::{mint_ed25519_key_pair, mint_signing_secret},
 };
 
 const MAX_EVENT_TYPES: usize = 100;
@@ -22,6 +26,55 @@ const MAX_URL_LEN: usize = 2048;
 
 fn rejection(e: Rejection) -> AppError {
     AppError::invalid("endpoint_url_rejected", e.to_string())
+}
+
+/// What an update asks for; empty or `None` fields stay as they are.
+#[derive(Debug, Default)]
+pub struct EndpointChange {
+    pub url: Option<String>,
+    pub event_types: Vec<String>,
+    pub signature_scheme: Option<String>,
+}
+
+fn parse_scheme(name: &str) -> AppResult<Scheme> {
+    Scheme::parse(name).ok_or_else(|| {
+        AppError::invalid(
+            "invalid_signature_scheme",
+            format!("signature_scheme must be one of {}; got {}", Scheme::ALL.map(Scheme::as_str).join(", "), crate::error::quoted(name)),
+        )
+    })
+}
+
+/// Signing material minted for a scheme: what is stored (encrypted) and,
+/// for a key pair, the public half.
+struct Minted {
+    stored: SigningSecret,
+    public_key: Option<String>,
+}
+
+impl Minted {
+    fn for_scheme(scheme: Scheme) -> Self {
+        if scheme.is_asymmetric() {
+            let (private, public) = mint_ed25519_key_pair();
+            Self { stored: private, public_key: Some(public) }
+        } else {
+            Self { stored: mint_signing_secret(), public_key: None }
+        }
+    }
+
+    /// What the customer is shown once: a shared secret; never a private key.
+    fn shown(self) -> Option<SigningSecret> {
+        self.public_key.is_none().then_some(self.stored)
+    }
+}
+
+/// A live endpoint of the tenant's, its row locked, with its scheme.
+async fn lock_signing(tx: &mut sqlx::PgConnection, tenant: Tenant, id: Uuid) -> AppResult<(db::endpoints::LockedSigning, Scheme)> {
+    let locked =
+        db::endpoints::lock_signing(tx, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))?;
+    let scheme = Scheme::parse(&locked.signature_scheme)
+        .with_context(|| format!("endpoint {id} has signature scheme {:?}, which this api does not know", locked.signature_scheme))?;
+    Ok((locked, scheme))
 }
 
 /// Event types: at least one, each a short token, duplicates folded.
@@ -71,10 +124,19 @@ impl App {
         Ok(url.to_string())
     }
 
-    pub async fn create_endpoint(&self, tenant: Tenant, url: &str, event_types: &[String]) -> AppResult<(Endpoint, SigningSecret)> {
+    /// Registers an endpoint; returns it and its secret (none under the
+    /// ed25519 scheme: receivers verify with its public key).
+    pub async fn create_endpoint(
+        &self,
+        tenant: Tenant,
+        url: &str,
+        event_types: &[String],
+        scheme: &str,
+    ) -> AppResult<(Endpoint, Option<SigningSecret>)> {
         require_nonempty("url", url)?;
         let url = self.check_endpoint_url(url).await?;
         let event_types = normalise_event_types(event_types)?;
+        let scheme = if scheme.is_empty() { Scheme::default() } else { parse_scheme(scheme)? };
 
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
@@ -87,13 +149,75 @@ impl App {
                 format!("an environment may have at most {quota} webhook endpoints; this one already has {live}"),
             ));
         }
-        let secret = mint_signing_secret();
-        let (key_id, ciphertext) = self.keyring.encrypt(&secret);
-        let id = db::endpoints::insert(&mut tx, tenant.environment_id, &url, &event_types, &key_id, &ciphertext).await?;
+        let minted = Minted::for_scheme(scheme);
+        let (key_id, ciphertext) = self.keyring.encrypt(&minted.stored);
+        let material = NewSigningMaterial { key_id: &key_id, ciphertext: &ciphertext, public_key: minted.public_key.as_deref() };
+        let id = db::endpoints::insert(&mut tx, tenant.environment_id, &url, &event_types, scheme, material).await?;
         db::health::insert(&mut tx, id).await?;
         let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back a new endpoint")?;
         tx.commit().await.context("committing a new endpoint")?;
-        Ok((endpoint, secret))
+        Ok((endpoint, minted.shown()))
+    }
+
+    /// Changes an endpoint's url, event types or signature scheme (see the
+    /// proto's UpdateWebhookEndpoint); returns it, and a secret when the
+    /// change minted one.
+    pub async fn update_endpoint(&self, tenant: Tenant, id: Uuid, change: EndpointChange) -> AppResult<(Endpoint, Option<SigningSecret>)> {
+        // Another tenant's endpoint answers 404 whatever the body says, as
+        // one that never existed does; then everything is checked before the
+        // row is locked (the URL check resolves the host).
+        if db::endpoints::environment_of(&self.db, id).await? != Some(tenant.environment_id) {
+            return Err(AppError::not_found("webhook endpoint"));
+        }
+        let url = match &change.url {
+            Some(url) => {
+                require_nonempty("url", url)?;
+                Some(self.check_endpoint_url(url).await?)
+            }
+            None => None,
+        };
+        let event_types = if change.event_types.is_empty() { None } else { Some(normalise_event_types(&change.event_types)?) };
+        let scheme = change.signature_scheme.as_deref().map(parse_scheme).transpose()?;
+
+        let mut tx = self.db.begin().await?;
+        // Locked: an expansion share-locks the endpoint, so it reads the row
+        // wholly before or wholly after this change.
+        let (locked, current) = lock_signing(&mut tx, tenant, id).await?;
+        // Material of the other kind when the change crosses between a shared
+        // secret and a key pair; a symmetric-to-symmetric change keeps the
+        // secret, which must then key the Standard Webhooks HMAC.
+        let minted = match scheme {
+            Some(new) if new.is_asymmetric() != current.is_asymmetric() => Some(Minted::for_scheme(new)),
+            Some(Scheme::StandardWebhooks) if current != Scheme::StandardWebhooks => {
+                let secret =
+                    self.keyring.decrypt(&locked.secret_key_id, &locked.secret_ciphertext).context("decrypting a signing secret")?;
+                if let Err(e) = relay_signing::standard::symmetric_key(&secret) {
+                    return Err(AppError::precondition(
+                        "secret_not_standard_webhooks",
+                        format!(
+                            "this endpoint's signing secret cannot key a Standard Webhooks signature ({e}): it was minted before \
+                             Relay supported the scheme; rotate the secret (POST /v1/webhooks/{id}/rotate-secret), then switch"
+                        ),
+                    ));
+                }
+                None
+            }
+            _ => None,
+        };
+        let sealed = minted.as_ref().map(|m| self.keyring.encrypt(&m.stored));
+        let material = sealed.as_ref().zip(minted.as_ref()).map(|((key_id, ciphertext), m)| NewSigningMaterial {
+            key_id,
+            ciphertext,
+            public_key: m.public_key.as_deref(),
+        });
+        let update = EndpointUpdate { url: url.as_deref(), event_types: event_types.as_deref(), scheme, material };
+        db::endpoints::update(&mut tx, id, update).await?;
+        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back an updated endpoint")?;
+        tx.commit().await.context("committing an endpoint update")?;
+        if scheme.is_some_and(|s| s != current) {
+            tracing::info!(endpoint_id = %id, from = %current, to = %endpoint.signature_scheme, "signature scheme changed");
+        }
+        Ok((endpoint, minted.and_then(Minted::shown)))
     }
 
     pub async fn list_endpoints(&self, tenant: Tenant) -> AppResult<Vec<Endpoint>> {
@@ -105,18 +229,20 @@ impl App {
         db::endpoints::get(&mut conn, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))
     }
 
-    /// Mints a new secret; the current one becomes the previous one and keeps
-    /// signing for the 24 h window.
-    pub async fn rotate_endpoint_secret(&self, tenant: Tenant, id: Uuid) -> AppResult<(Endpoint, SigningSecret)> {
-        let secret = mint_signing_secret();
-        let (key_id, ciphertext) = self.keyring.encrypt(&secret);
+    /// Mints new material of the endpoint's scheme (a secret, or a key
+    /// pair); the current one becomes the previous one and keeps signing for
+    /// the 24 h window. Returns the new secret; none for a key pair, whose
+    /// public half is on the endpoint.
+    pub async fn rotate_endpoint_secret(&self, tenant: Tenant, id: Uuid) -> AppResult<(Endpoint, Option<SigningSecret>)> {
         let mut tx = self.db.begin().await?;
-        if !db::endpoints::rotate_secret(&mut tx, tenant.environment_id, id, &key_id, &ciphertext).await? {
-            return Err(AppError::not_found("webhook endpoint"));
-        }
+        let (_, scheme) = lock_signing(&mut tx, tenant, id).await?;
+        let minted = Minted::for_scheme(scheme);
+        let (key_id, ciphertext) = self.keyring.encrypt(&minted.stored);
+        let material = NewSigningMaterial { key_id: &key_id, ciphertext: &ciphertext, public_key: minted.public_key.as_deref() };
+        db::endpoints::rotate_secret(&mut tx, id, material).await?;
         let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back a rotated endpoint")?;
         tx.commit().await.context("committing a secret rotation")?;
-        Ok((endpoint, secret))
+        Ok((endpoint, minted.shown()))
     }
 
     /// Disabling ends every pending or held delivery of the endpoint as a

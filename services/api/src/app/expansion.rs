@@ -167,12 +167,18 @@ impl App {
         now: super::Timestamp,
         secrets_of: &mut SecretsByEndpoint,
     ) -> AppResult<Material> {
-        let (Some(key_id), Some(ciphertext)) = (&row.secret_key_id, &row.secret_ciphertext) else {
+        let (Some(scheme), Some(key_id), Some(ciphertext)) = (&row.signature_scheme, &row.secret_key_id, &row.secret_ciphertext) else {
             return Err(AppError::internal(anyhow::anyhow!("an attempt in hand came back without its endpoint's secret")));
         };
-        let stored =
-            StoredSecrets::new(key_id, ciphertext, &row.previous_secret_key_id, &row.previous_secret_ciphertext, row.secret_rotated_at);
-        let secrets = self.signing_secrets(secrets_of, endpoint_id, stored, now)?;
+        let stored = StoredSecrets::new(
+            scheme,
+            key_id,
+            ciphertext,
+            &row.previous_secret_key_id,
+            &row.previous_secret_ciphertext,
+            row.secret_rotated_at,
+        );
+        let (scheme, secrets) = self.signing_secrets(secrets_of, endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
             endpoint_id,
@@ -181,6 +187,7 @@ impl App {
             url: row.url.clone().context("an attempt in hand carries its endpoint's URL")?,
             attempt: 1,
             generation: 0,
+            scheme,
             secrets,
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,

@@ -12,7 +12,7 @@ use crate::{
     error::{AppError, AppResult, ErrorCode},
 };
 
-use relay_signing::SigningSecret;
+use relay_signing::{Scheme, SigningSecret};
 
 impl App {
     /// What one attempt needs, if that attempt is still the delivery's current one.
@@ -153,13 +153,14 @@ impl App {
             ));
         }
         let stored = StoredSecrets::new(
+            &row.signature_scheme,
             &row.secret_key_id,
             &row.secret_ciphertext,
             &row.previous_secret_key_id,
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
         );
-        let secrets = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
+        let (scheme, secrets) = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
             endpoint_id: row.endpoint_id,
@@ -168,6 +169,7 @@ impl App {
             url: row.url.clone(),
             attempt,
             generation,
+            scheme,
             secrets,
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
             traceparent: None,
@@ -177,6 +179,8 @@ impl App {
 
 /// An endpoint's signing secrets as stored: encrypted, under their key ids.
 pub(crate) struct StoredSecrets<'a> {
+    /// The endpoint's `signature_scheme`: what the secrets are and sign.
+    scheme: &'a str,
     current: (&'a str, &'a [u8]),
     previous: Option<(&'a str, &'a [u8])>,
     rotated_at: Option<Timestamp>,
@@ -184,6 +188,7 @@ pub(crate) struct StoredSecrets<'a> {
 
 impl<'a> StoredSecrets<'a> {
     pub(crate) fn new(
+        scheme: &'a str,
         key_id: &'a str,
         ciphertext: &'a [u8],
         previous_key_id: &'a Option<String>,
@@ -194,17 +199,17 @@ impl<'a> StoredSecrets<'a> {
             (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
             _ => None,
         };
-        Self { current: (key_id, ciphertext), previous, rotated_at }
+        Self { scheme, current: (key_id, ciphertext), previous, rotated_at }
     }
 }
 
 /// Signing secrets decrypted in one batch, by endpoint: each endpoint's
 /// once, however many of its attempts the batch hands out.
-pub(crate) type SecretsByEndpoint = HashMap<Uuid, Vec<SigningSecret>>;
+pub(crate) type SecretsByEndpoint = HashMap<Uuid, (Scheme, Vec<SigningSecret>)>;
 
 impl App {
-    /// An endpoint's signing secrets, decrypted (once per batch): the
-    /// current one, and the previous one while its rotation window lasts
+    /// An endpoint's scheme and signing secrets, decrypted (once per batch):
+    /// the current one, and the previous one while its rotation window lasts
     /// (current first).
     pub(crate) fn signing_secrets(
         &self,
@@ -212,10 +217,12 @@ impl App {
         endpoint_id: Uuid,
         stored: StoredSecrets<'_>,
         now: Timestamp,
-    ) -> AppResult<Vec<SigningSecret>> {
+    ) -> AppResult<(Scheme, Vec<SigningSecret>)> {
         if let Some(s) = decrypted.get(&endpoint_id) {
             return Ok(s.clone());
         }
+        let scheme = Scheme::parse(stored.scheme)
+            .with_context(|| format!("endpoint {endpoint_id} has signature scheme {:?}, which this api does not know", stored.scheme))?;
         let (key_id, ciphertext) = stored.current;
         let mut secrets = vec![self.keyring.decrypt(key_id, ciphertext).context("decrypting a signing secret")?];
         if let (Some((key_id, ct)), Some(at)) = (stored.previous, stored.rotated_at) {
@@ -224,8 +231,8 @@ impl App {
                 secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
             }
         }
-        decrypted.insert(endpoint_id, secrets.clone());
-        Ok(secrets)
+        decrypted.insert(endpoint_id, (scheme, secrets.clone()));
+        Ok((scheme, secrets))
     }
 }
 

@@ -150,13 +150,14 @@ impl App {
 
     fn refilled(&self, row: db::deliveries::RefillRow, now: Timestamp, secrets_of: &mut SecretsByEndpoint) -> AppResult<Material> {
         let stored = StoredSecrets::new(
+            &row.signature_scheme,
             &row.secret_key_id,
             &row.secret_ciphertext,
             &row.previous_secret_key_id,
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
         );
-        let secrets = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
+        let (scheme, secrets) = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id: row.id,
             endpoint_id: row.endpoint_id,
@@ -165,6 +166,7 @@ impl App {
             url: row.url,
             attempt: row.attempt as u32,
             generation: row.generation as u32,
+            scheme,
             secrets,
             payload: row.envelope,
             traceparent: row.trace_context,

@@ -136,6 +136,7 @@ pub struct ExpandedRow {
     pub held: bool,
     /// For an attempt in hand, what sending it needs from its endpoint…
     pub url: Option<String>,
+    pub signature_scheme: Option<String>,
     pub secret_key_id: Option<String>,
     pub secret_ciphertext: Option<Vec<u8>>,
     pub previous_secret_key_id: Option<String>,
@@ -186,7 +187,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- re-reads the endpoint as disabled. Either way no pending
                  -- delivery of an inactive endpoint is ever committed.
                  live AS (
-                   SELECT e.id, e.environment_id, e.event_types, e.url, e.secret_key_id, e.secret_ciphertext,
+                   SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
                           h.circuit <> 'closed' OR e.disabled_reason IS NOT NULL AS holding,
                           CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $8::bigint END AS cap
@@ -215,7 +216,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- target alone, a tenant's event to its subscribers.
                  marked AS MATERIALIZED (
                    SELECT relay_uuid_v7() AS id, c.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, c.lease_ms,
-                          c.claimant, c.ord, c.size, e.holding, e.url, e.secret_key_id, e.secret_ciphertext,
+                          c.claimant, c.ord, c.size, e.holding, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
                           NOT e.holding AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
                    FROM fresh c
@@ -246,13 +247,13 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
           -- A row for each item as asked, then one for each delivery it created.
           SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?",
                  NULL::uuid AS "endpoint_id?", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
-                 NULL::text AS "url?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
+                 NULL::text AS "url?", NULL::text AS "signature_scheme?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
                  NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
                  NULL::timestamptz AS "secret_rotated_at?", NULL::bytea AS "envelope?"
           FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
           UNION ALL
           SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding,
-                 CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.secret_key_id END,
+                 CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.signature_scheme END, CASE WHEN h.in_hand THEN h.secret_key_id END,
                  CASE WHEN h.in_hand THEN h.secret_ciphertext END, CASE WHEN h.in_hand THEN h.previous_secret_key_id END,
                  CASE WHEN h.in_hand THEN h.previous_secret_ciphertext END, CASE WHEN h.in_hand THEN h.secret_rotated_at END,
                  -- The body once per event, on its first row in hand.
@@ -303,6 +304,7 @@ pub struct MaterialRow {
     pub enabled: bool,
     pub disabled_reason: Option<DisabledReason>,
     pub deleted: bool,
+    pub signature_scheme: String,
     pub secret_key_id: String,
     pub secret_ciphertext: Vec<u8>,
     pub previous_secret_key_id: Option<String>,
@@ -327,7 +329,7 @@ pub async fn read_material(
         r#"WITH asked AS (
            SELECT w.ord, d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
                   e.url, e.enabled, e.disabled_reason, e.deleted_at IS NOT NULL AS deleted,
-                  e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
+                  e.signature_scheme, e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
                   e.secret_rotated_at, v.envelope,
                   d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
                     AND (e.enabled OR e.disabled_reason = 'failing') AND e.deleted_at IS NULL AS servable
@@ -345,7 +347,7 @@ pub async fn read_material(
                 endpoint_id AS "endpoint_id!", event_id AS "event_id!", attempt AS "attempt!", generation AS "generation!",
                 state AS "state!: DeliveryState", url AS "url!", enabled AS "enabled!",
                 disabled_reason AS "disabled_reason?: DisabledReason", deleted AS "deleted!",
-                secret_key_id AS "secret_key_id!", secret_ciphertext AS "secret_ciphertext!",
+                signature_scheme AS "signature_scheme!", secret_key_id AS "secret_key_id!", secret_ciphertext AS "secret_ciphertext!",
                 previous_secret_key_id AS "previous_secret_key_id?", previous_secret_ciphertext AS "previous_secret_ciphertext?",
                 secret_rotated_at AS "secret_rotated_at?",
                 CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS "envelope?"
@@ -369,6 +371,7 @@ pub struct RefillRow {
     pub generation: i32,
     pub trace_context: Option<String>,
     pub url: String,
+    pub signature_scheme: String,
     pub secret_key_id: String,
     pub secret_ciphertext: Vec<u8>,
     pub previous_secret_key_id: Option<String>,
@@ -444,7 +447,8 @@ pub async fn refill<'e>(
              WHERE d.id = ANY (ARRAY(SELECT delivery_id FROM claimed))
              RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.trace_context)
          SELECT l.id AS "id!", l.environment_id AS "environment_id!", l.endpoint_id AS "endpoint_id!", l.event_id AS "event_id!",
-                l.attempt AS "attempt!", l.generation AS "generation!", l.trace_context, e.url, e.secret_key_id, e.secret_ciphertext,
+                l.attempt AS "attempt!", l.generation AS "generation!", l.trace_context, e.url, e.signature_scheme, e.secret_key_id,
+                e.secret_ciphertext,
                 e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, v.envelope
          FROM leased l
          JOIN webhook_endpoints e ON e.id = l.endpoint_id

@@ -4,7 +4,10 @@
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, Timestamp};
+use anyhow::Context as _;
+use relay_signing::Scheme;
+
+use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, ROTATION_WINDOW, Timestamp};
 use crate::error::AppResult;
 
 /// The environment's endpoint quota, its row locked: concurrent creates
@@ -34,6 +37,10 @@ struct EndpointRow {
     disabled_reason: Option<DisabledReason>,
     created_at: Timestamp,
     secret_rotated_at: Option<Timestamp>,
+    signature_scheme: String,
+    public_key: Option<String>,
+    previous_public_key: Option<String>,
+    signature_scheme_changed_at: Option<Timestamp>,
     circuit: Circuit,
     consecutive_failures: i32,
     failing_since: Option<Timestamp>,
@@ -44,9 +51,16 @@ struct EndpointRow {
     held: i64,
 }
 
-impl From<EndpointRow> for Endpoint {
-    fn from(r: EndpointRow) -> Self {
-        Endpoint {
+impl TryFrom<EndpointRow> for Endpoint {
+    type Error = anyhow::Error;
+
+    fn try_from(r: EndpointRow) -> anyhow::Result<Self> {
+        let signature_scheme = Scheme::parse(&r.signature_scheme)
+            .with_context(|| format!("endpoint {} has signature scheme {:?}, which this api does not know", r.id, r.signature_scheme))?;
+        // The previous key is shown while it still signs.
+        let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
+        let previous_public_key = r.previous_public_key.filter(|_| r.secret_rotated_at.is_some_and(|at| chrono::Utc::now() < at + window));
+        Ok(Endpoint {
             id: r.id,
             url: r.url,
             event_types: r.event_types,
@@ -54,6 +68,10 @@ impl From<EndpointRow> for Endpoint {
             disabled_reason: r.disabled_reason,
             created_at: r.created_at,
             secret_rotated_at: r.secret_rotated_at,
+            signature_scheme,
+            public_key: r.public_key,
+            previous_public_key,
+            signature_scheme_changed_at: r.signature_scheme_changed_at,
             health: EndpointHealth {
                 circuit: r.circuit,
                 consecutive_failures: r.consecutive_failures,
@@ -64,8 +82,16 @@ impl From<EndpointRow> for Endpoint {
                 probe_interval_ms: r.probe_interval_ms,
             },
             held: r.held,
-        }
+        })
     }
+}
+
+/// Signing material as stored: a secret (or private key) encrypted under a
+/// key id, and under the asymmetric scheme its public half.
+pub struct NewSigningMaterial<'a> {
+    pub key_id: &'a str,
+    pub ciphertext: &'a [u8],
+    pub public_key: Option<&'a str>,
 }
 
 /// The new endpoint's id.
@@ -74,18 +100,20 @@ pub async fn insert(
     environment_id: Uuid,
     url: &str,
     event_types: &[String],
-    secret_key_id: &str,
-    secret_ciphertext: &[u8],
+    scheme: Scheme,
+    material: NewSigningMaterial<'_>,
 ) -> AppResult<Uuid> {
     Ok(sqlx::query_scalar!(
-        "INSERT INTO webhook_endpoints (id, environment_id, url, event_types, secret_key_id, secret_ciphertext)
-         VALUES ($1, $2, $3, $4, $5, $6) RETURNING id",
+        "INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id",
         Uuid::now_v7(),
         environment_id,
         url,
         event_types,
-        secret_key_id,
-        secret_ciphertext,
+        scheme.as_str(),
+        material.key_id,
+        material.ciphertext,
+        material.public_key,
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -93,10 +121,11 @@ pub async fn insert(
 
 /// The live endpoints of an environment (`id` = `None`), or one of them.
 async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>) -> AppResult<Vec<Endpoint>> {
-    Ok(sqlx::query_as!(
+    sqlx::query_as!(
         EndpointRow,
         r#"SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason AS "disabled_reason?: DisabledReason", e.created_at,
-                  e.secret_rotated_at, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
+                  e.secret_rotated_at, e.signature_scheme, e.public_key, e.previous_public_key, e.signature_scheme_changed_at,
+                  h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!"
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
@@ -108,8 +137,8 @@ async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>)
     .fetch_all(&mut *conn)
     .await?
     .into_iter()
-    .map(Endpoint::from)
-    .collect())
+    .map(|r| Endpoint::try_from(r).map_err(Into::into))
+    .collect()
 }
 
 pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<Endpoint>> {
@@ -120,24 +149,85 @@ pub async fn get(conn: &mut PgConnection, environment_id: Uuid, id: Uuid) -> App
     Ok(select(conn, environment_id, Some(id)).await?.pop())
 }
 
-/// The new secret becomes current; the current one becomes the previous one.
-/// False when there is no such live endpoint.
-pub async fn rotate_secret(tx: &mut PgConnection, environment_id: Uuid, id: Uuid, key_id: &str, ciphertext: &[u8]) -> AppResult<bool> {
-    Ok(sqlx::query!(
+/// A live endpoint's scheme and current secret, its row locked for a change
+/// of either; `None` when there is no such endpoint.
+pub struct LockedSigning {
+    pub signature_scheme: String,
+    pub secret_key_id: String,
+    pub secret_ciphertext: Vec<u8>,
+}
+
+pub async fn lock_signing(tx: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<Option<LockedSigning>> {
+    Ok(sqlx::query_as!(
+        LockedSigning,
+        "SELECT signature_scheme, secret_key_id, secret_ciphertext FROM webhook_endpoints
+         WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL FOR UPDATE",
+        id,
+        environment_id,
+    )
+    .fetch_optional(&mut *tx)
+    .await?)
+}
+
+/// The new material becomes current; the current one becomes the previous
+/// one (public key too), signing beside it for the rotation window.
+pub async fn rotate_secret(tx: &mut PgConnection, id: Uuid, material: NewSigningMaterial<'_>) -> AppResult<()> {
+    sqlx::query!(
         "UPDATE webhook_endpoints SET
            previous_secret_key_id = secret_key_id,
            previous_secret_ciphertext = secret_ciphertext,
-           secret_key_id = $3, secret_ciphertext = $4, secret_rotated_at = now()
-         WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL",
+           previous_public_key = public_key,
+           secret_key_id = $2, secret_ciphertext = $3, public_key = $4, secret_rotated_at = now()
+         WHERE id = $1",
         id,
-        environment_id,
-        key_id,
-        ciphertext,
+        material.key_id,
+        material.ciphertext,
+        material.public_key,
     )
     .execute(&mut *tx)
-    .await?
-    .rows_affected()
-        == 1)
+    .await?;
+    Ok(())
+}
+
+/// What an update changes; `None` leaves a column as it is.
+pub struct EndpointUpdate<'a> {
+    pub url: Option<&'a str>,
+    pub event_types: Option<&'a [String]>,
+    pub scheme: Option<Scheme>,
+    /// Material of another kind for a new scheme: it replaces the current
+    /// material outright (no rotation window: the old material cannot sign
+    /// under the new scheme).
+    pub material: Option<NewSigningMaterial<'a>>,
+}
+
+/// Applies an update to an endpoint locked by `lock_signing`.
+pub async fn update(tx: &mut PgConnection, id: Uuid, change: EndpointUpdate<'_>) -> AppResult<()> {
+    let material = change.material.as_ref();
+    sqlx::query!(
+        "UPDATE webhook_endpoints SET
+           url = COALESCE($2, url),
+           event_types = COALESCE($3, event_types),
+           signature_scheme_changed_at = CASE WHEN $4::text <> signature_scheme THEN now() ELSE signature_scheme_changed_at END,
+           signature_scheme = COALESCE($4, signature_scheme),
+           secret_key_id = COALESCE($5, secret_key_id),
+           secret_ciphertext = COALESCE($6, secret_ciphertext),
+           public_key = CASE WHEN $5::text IS NULL THEN public_key ELSE $7 END,
+           previous_secret_key_id = CASE WHEN $5::text IS NULL THEN previous_secret_key_id END,
+           previous_secret_ciphertext = CASE WHEN $5::text IS NULL THEN previous_secret_ciphertext END,
+           previous_public_key = CASE WHEN $5::text IS NULL THEN previous_public_key END,
+           secret_rotated_at = CASE WHEN $5::text IS NULL THEN secret_rotated_at END
+         WHERE id = $1",
+        id,
+        change.url,
+        change.event_types,
+        change.scheme.map(Scheme::as_str),
+        material.map(|m| m.key_id),
+        material.map(|m| m.ciphertext),
+        material.and_then(|m| m.public_key),
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
 }
 
 /// Enables (`reason` = `None`) or disables a live endpoint; returns why it

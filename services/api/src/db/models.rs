@@ -3,6 +3,10 @@
 //! spelling each; the rules that move between them are in `app::state`.
 
 use chrono::{DateTime, Utc};
+
+/// How long a rotated-out secret (or key pair) keeps signing. A promise
+/// recipients code against, not a tuning knob.
+pub const ROTATION_WINDOW: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
 use uuid::Uuid;
 
 pub type Timestamp = DateTime<Utc>;
@@ -159,6 +163,12 @@ pub struct Endpoint {
     pub disabled_reason: Option<DisabledReason>,
     pub created_at: Timestamp,
     pub secret_rotated_at: Option<Timestamp>,
+    pub signature_scheme: relay_signing::Scheme,
+    /// `whpk_…`, under the ed25519 scheme.
+    pub public_key: Option<String>,
+    /// The previous public key, while its rotation window lasts.
+    pub previous_public_key: Option<String>,
+    pub signature_scheme_changed_at: Option<Timestamp>,
     pub health: EndpointHealth,
     /// Deliveries held for this endpoint's recovery.
     pub held: i64,

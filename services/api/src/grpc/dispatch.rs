@@ -45,6 +45,15 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         secrets: m.secrets.iter().map(|s| s.expose().to_owned()).collect(),
         payload: m.payload,
         traceparent: m.traceparent.unwrap_or_default(),
+        signature_scheme: scheme_message(m.scheme) as i32,
+    }
+}
+
+fn scheme_message(scheme: relay_signing::Scheme) -> pb::SignatureScheme {
+    match scheme {
+        relay_signing::Scheme::RelayV1 => pb::SignatureScheme::RelayV1,
+        relay_signing::Scheme::StandardWebhooks => pb::SignatureScheme::StandardWebhooks,
+        relay_signing::Scheme::StandardWebhooksEd25519 => pb::SignatureScheme::StandardWebhooksEd25519,
     }
 }
 

@@ -13,7 +13,7 @@ use crate::{
     app::{
         App,
         deliveries::DeadLetter,
-        endpoints::Endpoint,
+        endpoints::{Endpoint, EndpointChange},
         events::{Attempt, Delivery},
         state::DeliveryState,
     },
@@ -44,7 +44,17 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
             next_probe_at: e.health.next_probe_at.map(ts),
         }),
         held_deliveries: e.held.max(0) as u64,
+        signature_scheme: e.signature_scheme.as_str().to_owned(),
+        public_key: e.public_key,
+        previous_public_key: e.previous_public_key,
+        signature_scheme_changed_at: e.signature_scheme_changed_at.map(ts),
     }
+}
+
+/// The one response field that shows a secret: empty when none was minted
+/// (or the scheme has none to show).
+fn shown(secret: Option<relay_signing::SigningSecret>) -> String {
+    secret.map(|s| s.expose().to_owned()).unwrap_or_default()
 }
 
 fn held_delivery(endpoint_id: uuid::Uuid, h: HeldRow) -> pb::Delivery {
@@ -138,8 +148,20 @@ impl WebhookEndpointService for TenantApi {
     ) -> Result<Response<pb::CreateWebhookEndpointResponse>, Status> {
         let tenant = auth::tenant(&self.app, &req).await?;
         let r = req.into_inner();
-        let (e, secret) = self.app.create_endpoint(tenant, &r.url, &r.event_types).await.map_err(status)?;
-        Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: secret.expose().to_owned() }))
+        let (e, secret) = self.app.create_endpoint(tenant, &r.url, &r.event_types, &r.signature_scheme).await.map_err(status)?;
+        Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
+    }
+
+    async fn update_webhook_endpoint(
+        &self,
+        req: Request<pb::UpdateWebhookEndpointRequest>,
+    ) -> Result<Response<pb::UpdateWebhookEndpointResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let endpoint_id = id("id", &req.get_ref().id)?;
+        let r = req.into_inner();
+        let change = EndpointChange { url: r.url, event_types: r.event_types, signature_scheme: r.signature_scheme };
+        let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
+        Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
     }
 
     async fn list_webhook_endpoints(
@@ -166,7 +188,7 @@ impl WebhookEndpointService for TenantApi {
     ) -> Result<Response<pb::RotateWebhookEndpointSecretResponse>, Status> {
         let tenant = auth::tenant(&self.app, &req).await?;
         let (e, secret) = self.app.rotate_endpoint_secret(tenant, id("id", &req.get_ref().id)?).await.map_err(status)?;
-        Ok(Response::new(pb::RotateWebhookEndpointSecretResponse { endpoint: Some(endpoint(e)), secret: secret.expose().to_owned() }))
+        Ok(Response::new(pb::RotateWebhookEndpointSecretResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
     }
 
     async fn list_held_deliveries(
