@@ -48,7 +48,10 @@ impl Guide {
                 c
             }
             "rust" => {
-                let binary = root().join("target/debug/examples/receiver");
+                // Beside this test binary's profile directory (deps/..), wherever
+                // the target directory is.
+                let profile = std::env::current_exe()?.parent().and_then(|deps| deps.parent()).context("the profile directory")?.to_owned();
+                let binary = profile.join("examples/receiver");
                 ensure!(binary.exists(), "{} is not built: deploy/local/test builds the examples", binary.display());
                 Command::new(binary)
             }
