@@ -86,7 +86,7 @@ ensure_grpcurl() {
 # against captured deliveries and the receiver guides (docs/receiving/, run by
 # tests/e2e/receiving.rs) use: PyPI standardwebhooks, svix and cryptography
 # in a venv under .relay/, npm standardwebhooks in tests/verifiers/ and
-# docs/receiving/node/, at the versions their lock files pin.
+# docs/receiving/node/, at the versions their lock files pin; and Go.
 ensure_verifiers() {
   command -v python3 >/dev/null || apt_install python3
   local venv="$STATE/verifiers"
@@ -106,6 +106,8 @@ ensure_verifiers() {
       cp "$dir/package-lock.json" "$dir/node_modules/.installed-lock.json"
     fi
   done
+  # The Go receiver guide's toolchain (Debian's; the guide needs Go 1.19).
+  command -v go >/dev/null || apt_install golang-go
   export RELAY_VERIFIERS_PYTHON="$venv/bin/python"
 }
 

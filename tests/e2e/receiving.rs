@@ -47,6 +47,18 @@ impl Guide {
                 c.arg(guides.join("node/receiver.mjs"));
                 c
             }
+            "go" => {
+                // Built first, so the receiver's start is not a compile.
+                let binary = std::env::temp_dir().join(format!("relay-go-receiver-{}", std::process::id()));
+                let built = Command::new("go")
+                    .args(["build", "-o"])
+                    .arg(&binary)
+                    .arg(guides.join("go/main.go"))
+                    .output()
+                    .context("running go build (deploy/local/test installs Go: ensure_verifiers)")?;
+                ensure!(built.status.success(), "go build failed: {}", String::from_utf8_lossy(&built.stderr));
+                Command::new(binary)
+            }
             "rust" => {
                 // Beside this test binary's profile directory (deps/..), wherever
                 // the target directory is.
@@ -144,11 +156,11 @@ async fn run_guide(rest: &Rest, name: &str) -> Result<()> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_python_node_and_rust_receiver_guides_verify_deduplicate_and_refuse() -> Result<()> {
+async fn the_python_node_rust_and_go_receiver_guides_verify_deduplicate_and_refuse() -> Result<()> {
     let stack = Stack::start(Options::default()).await?;
     let tenant = stack.tenant("guides").await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
-    for name in ["python", "node", "rust"] {
+    for name in ["python", "node", "rust", "go"] {
         run_guide(&rest, name).await.with_context(|| format!("the {name} guide"))?;
     }
     stack.stop().await

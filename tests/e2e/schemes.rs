@@ -9,7 +9,7 @@ use std::{path::PathBuf, process::Command, time::Duration};
 
 use anyhow::{Context, Result, ensure};
 use base64::{Engine, engine::general_purpose::STANDARD};
-use relay_tests::{Options, Received, Receiver, Reply, Rest, Stack, contract_signature};
+use relay_tests::{Options, Received, Receiver, Reply, Rest, Stack, contract_signature, eventually};
 use reqwest::Method;
 use serde_json::{Value, json};
 
@@ -157,7 +157,7 @@ async fn a_scheme_change_signs_the_next_attempt_and_crossing_to_a_key_pair_and_b
     // First attempt under relay-v1 fails; the scheme changes; the retry is
     // signed the new way with the same secret.
     receiver.reply("/r", Reply::Status(500));
-    rest.publish("s", json!({"retry": true})).await?;
+    let retried_event = rest.publish("s", json!({"retry": true})).await?;
     let failed = receiver.wait_at("/r", 1, Duration::from_secs(20)).await.remove(0);
     assert!(!failed.header("relay-webhook-signature").is_empty());
     let (status, switched) = patch(&rest, &id, json!({"signature_scheme": "standard-webhooks"})).await?;
@@ -169,6 +169,16 @@ async fn a_scheme_change_signs_the_next_attempt_and_crossing_to_a_key_pair_and_b
     let retried = receiver.wait_at("/r", 2, Duration::from_secs(20)).await.remove(1);
     assert_eq!(retried.header("webhook-id"), failed.header("relay-webhook-id"), "the same message id across attempts");
     assert!(retried.header("relay-webhook-signature").is_empty());
+    // The attempt log records which scheme signed each attempt.
+    let logged = eventually(Duration::from_secs(10), || async {
+        let d = rest.deliveries(&retried_event).await.ok()?;
+        let attempts = d.first()?["attempts"].as_array()?.clone();
+        (attempts.len() == 2).then_some(attempts)
+    })
+    .await
+    .context("both attempts logged")?;
+    let schemes: Vec<&str> = logged.iter().map(|a| a["signature_scheme"].as_str().unwrap_or("")).collect();
+    assert_eq!(schemes, ["relay-v1", "standard-webhooks"], "{logged:?}");
 
     // To a key pair: the secret is replaced, the public key shown.
     let (status, to_ed) = patch(&rest, &id, json!({"signature_scheme": "standard-webhooks-ed25519"})).await?;

@@ -87,7 +87,8 @@ func verify(h http.Header, body []byte) (string, error) {
 	}
 	expected := hex.EncodeToString(mac([]byte(secret), "v1:", ts, ":", string(body)))
 	for _, entry := range strings.Split(h.Get("relay-webhook-signature"), ",") {
-		if v, ok := strings.CutPrefix(strings.TrimSpace(entry), "v1="); ok && hmac.Equal([]byte(v), []byte(expected)) {
+		entry = strings.TrimSpace(entry)
+		if strings.HasPrefix(entry, "v1=") && hmac.Equal([]byte(entry[3:]), []byte(expected)) {
 			return h.Get("relay-webhook-id"), nil
 		}
 	}

@@ -22,6 +22,7 @@ pub async fn send(sender: &Sender, material: MaterialResponse) -> OutcomeRequest
         delivery_id: material.delivery_id.clone(),
         attempt: material.attempt,
         generation: material.generation,
+        signature_scheme: material.signature_scheme,
         ..Default::default()
     };
     match post(sender, material).await {

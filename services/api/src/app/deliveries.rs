@@ -84,6 +84,9 @@ pub struct AttemptReport {
     pub response_body: Vec<u8>,
     /// The receiver's `Retry-After` on a 429 or 503.
     pub retry_after: Option<std::time::Duration>,
+    /// The scheme the attempt was signed with; `None` from a dispatcher
+    /// that does not say.
+    pub signature_scheme: Option<Scheme>,
 }
 
 /// One event to expand. `trace_context` is the traceparent its deliveries

@@ -4,6 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
+use relay_signing::Scheme;
 use uuid::Uuid;
 
 use sqlx::{Connection, PgConnection};
@@ -209,6 +210,7 @@ impl App {
             latency_ms: candidates.iter().map(|&(i, _)| i64::try_from(reports[i].latency_ms).unwrap_or(i64::MAX)).collect(),
             response_body: candidates.iter().map(|&(i, _)| body(&reports[i])).collect(),
             decision: candidates.iter().map(|(_, d)| d.as_str()).collect(),
+            signature_scheme: candidates.iter().map(|&(i, _)| reports[i].signature_scheme.map(Scheme::as_str)).collect(),
         };
         let all_succeeded = reports.iter().all(|r| Seen::of(r.http_status) == Seen::Success);
         let mut batch = OutcomeBatch::new(reports, &candidates);
@@ -384,6 +386,7 @@ impl App {
                 report.latency_ms,
                 body,
                 decision,
+                report.signature_scheme,
             );
             recorded.insert(key, decision);
             out.push(Ok(decision));

@@ -6,6 +6,8 @@ use std::collections::HashMap;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
+use relay_signing::Scheme;
+
 use super::models::{Attempt, Decision, Timestamp};
 use crate::error::AppResult;
 
@@ -22,6 +24,7 @@ pub struct AttemptRows {
     pub response_body: Vec<Vec<u8>>,
     pub decision: Vec<&'static str>,
     pub next_attempt_at: Vec<Option<Timestamp>>,
+    pub signature_scheme: Vec<Option<&'static str>>,
 }
 
 impl AttemptRows {
@@ -37,6 +40,7 @@ impl AttemptRows {
         latency_ms: u64,
         body: Vec<u8>,
         decision: Decision,
+        signature_scheme: Option<Scheme>,
     ) {
         self.delivery_id.push(delivery_id);
         self.generation.push(generation as i32);
@@ -48,6 +52,7 @@ impl AttemptRows {
         self.response_body.push(body);
         self.decision.push(decision.as_str());
         self.next_attempt_at.push(decision.next_attempt_at());
+        self.signature_scheme.push(signature_scheme.map(Scheme::as_str));
     }
 }
 
@@ -58,9 +63,10 @@ pub async fn insert(tx: &mut PgConnection, log: &AttemptRows) -> AppResult<()> {
     }
     sqlx::query!(
         "INSERT INTO delivery_attempts
-           (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
+           (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at,
+            signature_scheme)
          SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bytea[],
-                              $9::text[], $10::timestamptz[])",
+                              $9::text[], $10::timestamptz[], $11::text[])",
         &log.delivery_id,
         &log.generation,
         &log.attempt,
@@ -71,6 +77,7 @@ pub async fn insert(tx: &mut PgConnection, log: &AttemptRows) -> AppResult<()> {
         &log.response_body,
         &log.decision as &[&str],
         &log.next_attempt_at as &[Option<Timestamp>],
+        &log.signature_scheme as &[Option<&str>],
     )
     .execute(&mut *tx)
     .await?;
@@ -101,7 +108,8 @@ pub async fn recorded_decisions(tx: &mut PgConnection, delivery_ids: &[Uuid]) ->
 pub async fn of_deliveries(tx: &mut PgConnection, environment_id: Uuid, delivery_ids: &[Uuid]) -> AppResult<Vec<Attempt>> {
     Ok(sqlx::query_as!(
         Attempt,
-        "SELECT delivery_id, generation, attempt, attempted_at, http_status, error, latency_ms, response_body, next_attempt_at
+        "SELECT delivery_id, generation, attempt, attempted_at, http_status, error, latency_ms, response_body, next_attempt_at,
+                signature_scheme
          FROM delivery_attempts WHERE delivery_id = ANY ($1) AND environment_id = $2
          ORDER BY generation, attempt",
         delivery_ids,

@@ -521,6 +521,7 @@ pub struct CurrentOutcomes {
     pub latency_ms: Vec<i64>,
     pub response_body: Vec<Vec<u8>>,
     pub decision: Vec<&'static str>,
+    pub signature_scheme: Vec<Option<&'static str>>,
 }
 
 /// A delivery an outcome applied to, with its endpoint's health as it
@@ -551,8 +552,8 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
                dispatched_at = NULL, last_status = u.status, last_error = CASE WHEN u.state = 'delivered' THEN NULL ELSE u.error END,
                updated_at = now()
              FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[], $5::int[], $6::timestamptz[], $7::int[], $8::text[],
-                         $9::bigint[], $10::bytea[], $11::text[])
-               AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error, latency_ms, body, decision)
+                         $9::bigint[], $10::bytea[], $11::text[], $12::text[])
+               AS u(id, generation, attempt, state, next_attempt, next_attempt_at, status, error, latency_ms, body, decision, scheme)
              -- The ids as an index condition too (INDEXED_LOOKUPS). The state
              -- test names the report so that it stays a join condition
              -- (JOINS_BY_ESTIMATE): the rows read by id are then as many as
@@ -562,11 +563,12 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
              -- What the log and the dead letters need comes with each row:
              -- nothing joins the applied rows to the reports again.
              RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, u.generation, u.attempt, u.state AS reported_state,
-                       u.status, u.error, u.latency_ms, u.body, u.decision, u.next_attempt_at),
+                       u.status, u.error, u.latency_ms, u.body, u.decision, u.next_attempt_at, u.scheme),
            logged AS (
              INSERT INTO delivery_attempts
-               (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at)
-             SELECT id, generation, attempt, environment_id, status, error, latency_ms, body, decision, next_attempt_at FROM applied),
+               (delivery_id, generation, attempt, environment_id, http_status, error, latency_ms, response_body, decision, next_attempt_at,
+                signature_scheme)
+             SELECT id, generation, attempt, environment_id, status, error, latency_ms, body, decision, next_attempt_at, scheme FROM applied),
            -- The dead letter and the state change commit together: a dead
            -- delivery always has its record.
            exhausted AS (
@@ -588,6 +590,7 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
         &o.latency_ms,
         &o.response_body,
         &o.decision as &[&str],
+        &o.signature_scheme as &[Option<&str>],
     )
     .fetch_all(&mut *conn)
     .await?)

@@ -150,6 +150,8 @@ pub struct Attempt {
     pub latency_ms: i64,
     pub response_body: Option<Vec<u8>>,
     pub next_attempt_at: Option<Timestamp>,
+    /// The scheme it was signed with, as the log stores it.
+    pub signature_scheme: Option<String>,
 }
 
 /// An endpoint as every read shows it. The ciphertexts are not even selected.

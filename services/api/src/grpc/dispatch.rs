@@ -126,6 +126,15 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
         latency_ms: r.latency_ms,
         response_body: r.response_body,
         retry_after: r.retry_after_ms.map(std::time::Duration::from_millis),
+        signature_scheme: match pb::SignatureScheme::try_from(r.signature_scheme) {
+            Ok(pb::SignatureScheme::Unspecified) => None,
+            Ok(pb::SignatureScheme::RelayV1) => Some(relay_signing::Scheme::RelayV1),
+            Ok(pb::SignatureScheme::StandardWebhooks) => Some(relay_signing::Scheme::StandardWebhooks),
+            Ok(pb::SignatureScheme::StandardWebhooksEd25519) => Some(relay_signing::Scheme::StandardWebhooksEd25519),
+            Err(_) => {
+                return Err(invalid("unknown_signature_scheme", format!("signature_scheme {} is not a known scheme", r.signature_scheme)));
+            }
+        },
     })
 }
 
@@ -338,6 +347,7 @@ mod tests {
             error_len in 0usize..70_000,
             latency_ms in any::<u64>(),
             retry_after_ms in proptest::option::of(any::<u64>()),
+            signature_scheme in -2i32..6,
         ) {
             let r = pb::OutcomeRequest {
                 delivery_id: id.clone(),
@@ -348,13 +358,15 @@ mod tests {
                 latency_ms,
                 response_body: Vec::new(),
                 retry_after_ms,
+                signature_scheme,
             };
             let valid = uuid::Uuid::parse_str(id.trim()).is_ok()
                 && (1..=MAX_ATTEMPT).contains(&attempt)
                 && generation <= i32::MAX as u32
                 && http_status.is_none_or(|s| (100..=599).contains(&s))
                 && error_len <= MAX_REPORT_TEXT
-                && latency_ms <= MAX_LATENCY_MS;
+                && latency_ms <= MAX_LATENCY_MS
+                && (0..=3).contains(&signature_scheme);
             match report(r) {
                 Ok(taken) => {
                     prop_assert!(valid);

@@ -123,6 +123,7 @@ fn attempt(a: Attempt) -> pb::DeliveryAttempt {
         latency_ms: a.latency_ms.clamp(0, i64::from(u32::MAX)) as u32,
         response_body: a.response_body.map(|b| String::from_utf8_lossy(&b).into_owned()).unwrap_or_default(),
         next_attempt_at: a.next_attempt_at.map(ts),
+        signature_scheme: a.signature_scheme.unwrap_or_default(),
     }
 }
 
