@@ -149,6 +149,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 // Whatever waits from before this process started is found by a look first.
                 backlogged: std::sync::atomic::AtomicBool::new(true),
                 conn: tokio::sync::Mutex::new(db::lane::Held::new(&app.db)),
+                unmarked: Default::default(),
             };
             app.outbox_offers.open();
             let listen = DeliveryRelay::listen(app.clone(), rx.clone());
