@@ -974,3 +974,29 @@ async fn a_tenant_holding_bodies_open_cannot_starve_another_and_is_timed_out() -
     assert!(out.starts_with(b"HTTP/1.1 200"), "{}", String::from_utf8_lossy(&out));
     stack.stop().await
 }
+
+/// Published events are marked in batches (`relay::outbox::MARK_DELAY`), and
+/// a quiet relay writes the last batch within that delay, not at its next
+/// look at the outbox: with the look 30 s away, the marks still land.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn published_events_are_marked_soon_after_the_last_one_without_waiting_for_a_look() -> anyhow::Result<()> {
+    let mut options = Options::default();
+    options.relay_idle = Duration::from_secs(30);
+    let stack = Stack::start(options).await?;
+    let tenant = stack.tenant("marks").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/m"), &["m"]).await?;
+    for i in 0..5 {
+        rest.publish("m", json!({ "i": i })).await?;
+    }
+    receiver.wait_at("/m", 5, Duration::from_secs(20)).await;
+    let pg = stack.pg().await?;
+    let unmarked = relay_tests::eventually(Duration::from_secs(3), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE published_at IS NULL").fetch_one(&pg).await.ok()?;
+        (n == 0).then_some(n)
+    })
+    .await;
+    assert_eq!(unmarked, Some(0), "every delivered event is marked published within seconds, long before the next look");
+    stack.stop().await
+}
