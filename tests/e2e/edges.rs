@@ -980,9 +980,7 @@ async fn a_tenant_holding_bodies_open_cannot_starve_another_and_is_timed_out() -
 /// look at the outbox: with the look 30 s away, the marks still land.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn published_events_are_marked_soon_after_the_last_one_without_waiting_for_a_look() -> anyhow::Result<()> {
-    let mut options = Options::default();
-    options.relay_idle = Duration::from_secs(30);
-    let stack = Stack::start(options).await?;
+    let stack = Stack::start(Options { relay_idle: Duration::from_secs(30), ..Options::default() }).await?;
     let tenant = stack.tenant("marks").await?;
     let receiver = Receiver::start().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
