@@ -323,3 +323,66 @@ async fn a_first_attempt_leased_but_never_published_is_sent_once_its_lease_lapse
     assert_eq!(deliveries.len(), 1, "the expansion added no second row");
     stack.stop().await
 }
+
+/// Issue 14: on a 3-node JetStream cluster with both streams replicated ×3,
+/// the node leading DELIVERIES is killed (SIGKILL) under publishing, comes
+/// back, and then another node is killed: every event is delivered, nothing
+/// is restarted but the broker nodes, and the api and dispatcher, given all
+/// three servers, fail over on their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nats_cluster_loses_its_deliveries_leader_then_another_node_and_every_event_arrives() -> anyhow::Result<()> {
+    let mut cluster = relay_tests::NatsCluster::start().await?;
+    let stack = Stack::start(Options { nats_url: cluster.url(), stream_replicas: 3, ..Options::default() }).await?;
+    let tenant = stack.tenant("cluster").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/c"), &["c"]).await?;
+    let mut published = HashSet::new();
+    let publish = async |n: usize, published: &mut HashSet<String>| -> anyhow::Result<()> {
+        for i in 0..n {
+            published.insert(rest.publish("c", json!({ "i": i })).await?);
+        }
+        Ok(())
+    };
+    let all_arrive = async |published: &HashSet<String>, fault: &str| {
+        let started = std::time::Instant::now();
+        let arrived = eventually(Duration::from_secs(60), || async {
+            let (_, distinct) = arrivals(&receiver, "/c");
+            published.is_subset(&distinct).then_some(())
+        })
+        .await;
+        let (_, distinct) = arrivals(&receiver, "/c");
+        let missing = published.difference(&distinct).count();
+        assert!(arrived.is_some(), "{missing} of {} events missing after {fault}", published.len());
+        println!("cluster: after {fault}: every one of {} events arrived within {:?}", published.len(), started.elapsed());
+    };
+
+    publish(10, &mut published).await?;
+    all_arrive(&published, "start-up").await;
+    let deliveries = StreamNames::new(&stack.prefix).map_err(anyhow::Error::msg)?.deliveries_stream();
+    let js = jetstream::new(async_nats::connect(cluster.nodes[0].url()).await?);
+    for name in [deliveries.clone(), StreamNames::new(&stack.prefix).map_err(anyhow::Error::msg)?.events_stream()] {
+        assert_eq!(js.get_stream(&name).await?.info().await?.config.num_replicas, 3, "{name} is replicated ×3");
+    }
+
+    // The leader of DELIVERIES dies mid-stream.
+    let leader = cluster.leader_of(&deliveries).await?;
+    cluster.nodes[leader].kill9().await?;
+    publish(15, &mut published).await?;
+    all_arrive(&published, "killing the DELIVERIES leader").await;
+
+    // It comes back; then another node dies (two down at once would take the
+    // streams' quorum, which is what three replicas cannot promise).
+    cluster.nodes[leader].resume().await?;
+    publish(10, &mut published).await?;
+    all_arrive(&published, "the old leader's restart").await;
+    let other = (leader + 1) % 3;
+    cluster.nodes[other].kill9().await?;
+    publish(15, &mut published).await?;
+    all_arrive(&published, "killing a second node").await;
+    cluster.nodes[other].resume().await?;
+
+    let (all, distinct) = arrivals(&receiver, "/c");
+    println!("cluster: {} events, {} arrivals, {} repeated", published.len(), all.len(), all.len() - distinct.len());
+    stack.stop().await
+}

@@ -217,8 +217,18 @@ async fn production_refuses_to_start_without_a_proper_key_or_with_dev_allowances
     let good = ("RELAY_SECRET_KEYS", format!("k:{}", STANDARD.encode([9u8; 32])));
     let (ok, err) = run(&[good.clone(), ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into())])?;
     assert!(!ok && err.contains("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"), "{err}");
-    let (ok, err) = run(&[good, ("RELAY_RETRY_TIERS", "0,10".into())])?;
+    let (ok, err) = run(&[good.clone(), ("RELAY_RETRY_TIERS", "0,10".into())])?;
     assert!(!ok && err.contains("RELAY_RETRY_TIERS"), "{err}");
+    // Streams on one NATS node: refused unless said out loud; the override
+    // taken, the next check (a server list with a hole) is the one that speaks.
+    let (ok, err) = run(std::slice::from_ref(&good))?;
+    assert!(!ok && err.contains("RELAY_STREAM_REPLICAS is 1"), "{err}");
+    let (ok, err) = run(&[
+        good,
+        ("RELAY_ALLOW_FEWER_STREAM_REPLICAS", "true".into()),
+        ("RELAY_NATS_URL", "nats://127.0.0.1:4222,,nats://127.0.0.1:4223".into()),
+    ])?;
+    assert!(!ok && !err.contains("RELAY_STREAM_REPLICAS") && err.contains("server 2 of them is empty"), "{err}");
     let _ = std::fs::remove_dir_all(&certs);
     Ok(())
 }

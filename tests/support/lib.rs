@@ -93,7 +93,10 @@ pub struct Options {
     pub max_in_flight: usize,
     /// Start the api in-process (tests that run it as a process set false).
     pub api: bool,
+    /// One URL, or a cluster's as a comma-separated list.
     pub nats_url: String,
+    /// Copies of each stream (`RELAY_STREAM_REPLICAS`): 3 on a `NatsCluster`.
+    pub stream_replicas: usize,
     /// The relay's per-endpoint cap on attempts handed out and unreported.
     pub endpoint_cap: i64,
     /// Production URL rules (https only, nothing blocked allowed) instead of
@@ -127,6 +130,7 @@ impl Default for Options {
             max_in_flight: 256,
             api: true,
             nats_url: NATS_URL.into(),
+            stream_replicas: 1,
             endpoint_cap: 4,
             strict_urls: false,
             api_resolver: None,
@@ -234,6 +238,8 @@ impl Stack {
             deployment: relay_api::config::Deployment::Development,
             database_url: db.url.clone(),
             nats_url: opts.nats_url.clone(),
+            stream_replicas: opts.stream_replicas,
+            allow_fewer_stream_replicas: false,
             stream_prefix: prefix.clone(),
             internal_tls: relay_api::config::InternalTls {
                 client_ca: certs.join("ca.pem"),
@@ -416,6 +422,7 @@ impl Stack {
         vec![
             ("DATABASE_URL", c.database_url.clone()),
             ("RELAY_NATS_URL", c.nats_url.clone()),
+            ("RELAY_STREAM_REPLICAS", c.stream_replicas.to_string()),
             ("RELAY_STREAM_PREFIX", c.stream_prefix.clone()),
             ("RELAY_TLS_CLIENT_CA", c.internal_tls.client_ca.display().to_string()),
             ("RELAY_TLS_CERT", c.internal_tls.cert.display().to_string()),
@@ -879,15 +886,22 @@ pub struct PrivateNats {
     pub port: u16,
     dir: PathBuf,
     child: Option<tokio::process::Child>,
+    /// As a node of a cluster: its name, its route port and its peers' routes.
+    cluster: Option<(String, u16, Vec<String>)>,
 }
 
 impl PrivateNats {
     pub async fn start() -> Result<Self> {
         let port = free_addr().await?.port();
         let dir = std::env::temp_dir().join(format!("relay-test-nats-{}", Uuid::new_v4().simple()));
-        let mut n = Self { port, dir, child: None };
+        let mut n = Self { port, dir, child: None, cluster: None };
         n.resume().await?;
         Ok(n)
+    }
+
+    /// The node's server name in its cluster (what stream info calls the leader).
+    pub fn server_name(&self) -> Option<&str> {
+        self.cluster.as_ref().map(|c| c.0.as_str())
     }
 
     pub fn url(&self) -> String {
@@ -900,13 +914,17 @@ impl PrivateNats {
             .into_iter()
             .find(|p| std::path::Path::new(p).exists())
             .context("nats-server is not installed")?;
-        let child = tokio::process::Command::new(bin)
-            .args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"])
-            .arg(&self.dir)
-            .kill_on_drop(true)
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()?;
+        let mut command = tokio::process::Command::new(bin);
+        command.args(["-a", "127.0.0.1", "-p", &self.port.to_string(), "-js", "-sd"]).arg(&self.dir);
+        if let Some((name, route_port, routes)) = &self.cluster {
+            command.args(["--server_name", name, "--cluster_name", "relay-test"]).args([
+                "--cluster",
+                &format!("nats://127.0.0.1:{route_port}"),
+                "--routes",
+                &routes.join(","),
+            ]);
+        }
+        let child = command.kill_on_drop(true).stdout(std::process::Stdio::null()).stderr(std::process::Stdio::null()).spawn()?;
         self.child = Some(child);
         for _ in 0..100 {
             if tokio::net::TcpStream::connect(("127.0.0.1", self.port)).await.is_ok() {
@@ -935,6 +953,71 @@ impl PrivateNats {
             c.wait().await?;
         }
         Ok(())
+    }
+}
+
+/// Three NATS servers of the test's own, routed to each other as one
+/// JetStream cluster (streams replicated ×3 survive the loss of any one).
+pub struct NatsCluster {
+    pub nodes: Vec<PrivateNats>,
+}
+
+impl NatsCluster {
+    pub async fn start() -> Result<Self> {
+        let mut ports = Vec::new();
+        for _ in 0..3 {
+            ports.push((free_addr().await?.port(), free_addr().await?.port()));
+        }
+        let mut nodes = Vec::new();
+        for (i, &(port, route_port)) in ports.iter().enumerate() {
+            let routes = ports.iter().enumerate().filter(|&(j, _)| j != i).map(|(_, (_, r))| format!("nats://127.0.0.1:{r}")).collect();
+            let dir = std::env::temp_dir().join(format!("relay-test-nats-{}", Uuid::new_v4().simple()));
+            nodes.push(PrivateNats { port, dir, child: None, cluster: Some((format!("n{}", i + 1), route_port, routes)) });
+        }
+        for n in &mut nodes {
+            n.resume().await?;
+        }
+        let cluster = Self { nodes };
+        // JetStream answers once the cluster has elected its meta leader.
+        let js = async_nats::jetstream::new(async_nats::connect(cluster.nodes[0].url()).await?);
+        // Ready when it can place a stream on all three nodes.
+        let probe = format!("probe_{}", Uuid::new_v4().simple());
+        let mut last = None;
+        for _ in 0..200 {
+            let config = async_nats::jetstream::stream::Config {
+                name: probe.clone(),
+                subjects: vec![format!("{probe}.>")],
+                num_replicas: 3,
+                ..Default::default()
+            };
+            match js.create_stream(config).await {
+                Ok(_) => {
+                    js.delete_stream(&probe).await?;
+                    return Ok(cluster);
+                }
+                Err(e) => last = Some(e),
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        anyhow::bail!("the NATS cluster elected no JetStream leader within 20 s: {last:?}")
+    }
+
+    /// Every node, comma-separated, as `RELAY_NATS_URL` takes them.
+    pub fn url(&self) -> String {
+        self.nodes.iter().map(PrivateNats::url).collect::<Vec<_>>().join(",")
+    }
+
+    /// The node that leads a stream now, by index.
+    pub async fn leader_of(&self, stream: &str) -> Result<usize> {
+        for n in &self.nodes {
+            let Ok(client) = async_nats::connect(n.url()).await else { continue };
+            let js = async_nats::jetstream::new(client);
+            let Ok(mut s) = js.get_stream(stream).await else { continue };
+            let info = s.info().await?;
+            let leader = info.cluster.as_ref().and_then(|c| c.leader.clone()).context("a clustered stream names its leader")?;
+            return self.nodes.iter().position(|n| n.server_name() == Some(leader.as_str())).context("the leader is one of the nodes");
+        }
+        anyhow::bail!("no node answered for stream {stream}")
     }
 }
 

@@ -15,36 +15,57 @@ use relay_contracts::StreamNames;
 /// How long a re-publish of the same message id is recognised and dropped.
 pub const DUPLICATE_WINDOW: Duration = Duration::from_secs(120);
 
+/// `RELAY_NATS_URL`'s servers, as the client takes them: with several, it
+/// connects to any and fails over between them (and those the cluster
+/// announces) on its own.
+pub fn servers(url: &str) -> Result<Vec<async_nats::ServerAddr>> {
+    relay_config::nats_servers(url)?
+        .iter()
+        .map(|s| s.parse::<async_nats::ServerAddr>().with_context(|| format!("RELAY_NATS_URL: {s:?} is not a NATS server address")))
+        .collect()
+}
+
 pub async fn connect(url: &str) -> Result<jetstream::Context> {
     // Retry on initial connect: the api must come up, and keep its outbox,
     // while the broker is away; the relays keep trying.
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .name("relay-api")
-        .connect(url)
+        .connect(servers(url)?)
         .await
         .with_context(|| format!("connecting to NATS at {url}"))?;
     Ok(jetstream::new(client))
 }
 
-pub async fn ensure_streams(js: &jetstream::Context, names: &StreamNames) -> Result<()> {
+/// Creates both streams, or brings an existing one to this configuration
+/// (a changed replica count is applied by the cluster, which copies or drops
+/// replicas while the stream serves).
+pub async fn ensure_streams(js: &jetstream::Context, names: &StreamNames, replicas: usize) -> Result<()> {
     for (name, subject, max_age) in [
         // Sized for how long the dispatcher may be down, not for retry tiers:
         // nothing waits in the broker for its time to come.
         (names.events_stream(), names.all_events(), Duration::from_secs(7 * 24 * 3600)),
         (names.deliveries_stream(), names.all_deliveries(), Duration::from_secs(7 * 24 * 3600)),
     ] {
-        js.get_or_create_stream(stream::Config {
+        let config = stream::Config {
             name: name.clone(),
             subjects: vec![subject],
             max_age,
             duplicate_window: DUPLICATE_WINDOW,
             storage: stream::StorageType::File,
             retention: stream::RetentionPolicy::Limits,
+            num_replicas: replicas,
             ..Default::default()
-        })
-        .await
-        .with_context(|| format!("creating stream {name}"))?;
+        };
+        let mut existing =
+            js.get_or_create_stream(config.clone()).await.with_context(|| format!("creating stream {name} with {replicas} replicas"))?;
+        let info = existing.info().await.with_context(|| format!("reading stream {name}"))?;
+        if info.config.num_replicas != replicas {
+            tracing::info!(stream = %name, from = info.config.num_replicas, to = replicas, "changing the stream's replicas");
+            js.update_stream(config).await.with_context(|| {
+                format!("changing stream {name} from {} to {replicas} replicas (RELAY_STREAM_REPLICAS)", info.config.num_replicas)
+            })?;
+        }
     }
     Ok(())
 }

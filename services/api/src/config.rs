@@ -29,6 +29,10 @@ pub struct ApiConfig {
     pub deployment: Deployment,
     pub database_url: String,
     pub nats_url: String,
+    /// Copies of each stream on the NATS cluster (`RELAY_STREAM_REPLICAS`).
+    pub stream_replicas: usize,
+    /// Production may run fewer than 3 (`RELAY_ALLOW_FEWER_STREAM_REPLICAS`).
+    pub allow_fewer_stream_replicas: bool,
     /// Prepended to stream, subject and durable names, so tests and stacks that
     /// share one NATS never see each other's messages. Empty in production.
     pub stream_prefix: String,
@@ -121,6 +125,8 @@ impl ApiConfig {
             deployment,
             database_url: env.string_or_default("DATABASE_URL"),
             nats_url: env.string_or_default("RELAY_NATS_URL"),
+            stream_replicas: env.number("RELAY_STREAM_REPLICAS", 1..=5)?,
+            allow_fewer_stream_replicas: env.flag("RELAY_ALLOW_FEWER_STREAM_REPLICAS")?,
             stream_prefix: env.string_or_default("RELAY_STREAM_PREFIX"),
             internal_tls: InternalTls {
                 client_ca: env.path("RELAY_TLS_CLIENT_CA")?,
@@ -176,7 +182,15 @@ impl ApiConfig {
             if self.schedule != RetrySchedule::production() {
                 bail!("RELAY_RETRY_TIERS shortens the retry schedule for tests; production runs the published schedule");
             }
+            if self.stream_replicas < 3 && !self.allow_fewer_stream_replicas {
+                bail!(
+                    "RELAY_STREAM_REPLICAS is {}; production keeps each stream on 3 NATS nodes, so one node's loss loses \
+                     nothing (RELAY_ALLOW_FEWER_STREAM_REPLICAS=true runs fewer, knowingly)",
+                    self.stream_replicas
+                );
+            }
         }
+        relay_config::nats_servers(&self.nats_url)?;
         if self.endpoint_in_flight_cap < 1 {
             bail!("RELAY_ENDPOINT_IN_FLIGHT_CAP must be at least 1, got {}", self.endpoint_in_flight_cap);
         }

@@ -131,10 +131,10 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     if cfg.run_relays {
         let (js, names, app, rx) = (js.clone(), names.clone(), app.clone(), stop_rx.clone());
         let (batch, idle, lease, endpoint_cap) = (cfg.relay_batch, cfg.relay_idle, cfg.delivery_lease, cfg.endpoint_in_flight_cap);
-        let events_backlog = cfg.events_backlog;
+        let (events_backlog, replicas) = (cfg.events_backlog, cfg.stream_replicas);
         tasks.spawn(async move {
             let mut rx2 = rx.clone();
-            if !ensure_streams_until_ready(&js, &names, &mut rx2).await {
+            if !ensure_streams_until_ready(&js, &names, replicas, &mut rx2).await {
                 return Ok(());
             }
             let outbox = OutboxRelay {
@@ -355,10 +355,15 @@ fn reflection_builder(services: &[&str]) -> tonic_reflection::server::Builder<'s
 
 /// Streams are created by the api, which publishes to them. The broker may be
 /// away at start-up; keep trying without holding anything else up.
-async fn ensure_streams_until_ready(js: &async_nats::jetstream::Context, names: &StreamNames, stop: &mut watch::Receiver<bool>) -> bool {
+async fn ensure_streams_until_ready(
+    js: &async_nats::jetstream::Context,
+    names: &StreamNames,
+    replicas: usize,
+    stop: &mut watch::Receiver<bool>,
+) -> bool {
     let mut failures = 0;
     loop {
-        match broker::ensure_streams(js, names).await {
+        match broker::ensure_streams(js, names, replicas).await {
             Ok(()) => return true,
             Err(e) => {
                 failures += 1;

@@ -58,7 +58,24 @@ pub const KNOBS: &[Knob] = &[
         "`development` or `production`; production refuses dev allowances, the dev secret key and shortened retry tiers",
     ),
     knob("DATABASE_URL", Api, "postgres://postgres@127.0.0.1:5432/relay", "Postgres"),
-    knob("RELAY_NATS_URL", Both, "nats://127.0.0.1:4222", "NATS with JetStream"),
+    knob(
+        "RELAY_NATS_URL",
+        Both,
+        "nats://127.0.0.1:4222",
+        "NATS with JetStream: one URL, or a cluster's servers as a comma-separated list (the client fails over between them)",
+    ),
+    knob(
+        "RELAY_STREAM_REPLICAS",
+        Api,
+        "1",
+        "copies of each stream (and its consumers) on a NATS cluster (1–5; 3 in production, where fewer is refused unless `RELAY_ALLOW_FEWER_STREAM_REPLICAS`); changed on a running system, the streams are updated at the next start",
+    ),
+    knob(
+        "RELAY_ALLOW_FEWER_STREAM_REPLICAS",
+        Api,
+        "false",
+        "let production run streams on fewer than 3 NATS nodes (a node's loss then loses what it held)",
+    ),
     knob("RELAY_STREAM_PREFIX", Both, "", "prefix for stream, subject and consumer names (tests and stacks sharing a NATS)"),
     knob("RELAY_REST_ADDR", Api, "127.0.0.1:8080", "the tenants' REST/JSON listen address"),
     knob("RELAY_GRPC_ADDR", Api, "127.0.0.1:50051", "the tenants' gRPC listen address"),
@@ -157,6 +174,15 @@ pub const KNOBS: &[Knob] = &[
 
 /// The knob of that name; a name not in the catalogue is a programming
 /// error, caught by the tests of the service that reads it.
+/// The servers `RELAY_NATS_URL` names: one URL, or a comma-separated list.
+pub fn nats_servers(spec: &str) -> Result<Vec<String>> {
+    let servers: Vec<String> = spec.split(',').map(|s| s.trim().to_owned()).collect();
+    if let Some(i) = servers.iter().position(String::is_empty) {
+        bail!("RELAY_NATS_URL lists {} servers and server {} of them is empty: {spec:?}", servers.len(), i + 1);
+    }
+    Ok(servers)
+}
+
 pub fn knob_named(name: &str) -> &'static Knob {
     KNOBS.iter().find(|k| k.name == name).unwrap_or_else(|| panic!("{name} is not in relay_config::KNOBS"))
 }
@@ -338,6 +364,18 @@ pub mod timing {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nats_url_takes_one_server_or_a_clusters_list() {
+        assert_eq!(nats_servers("nats://127.0.0.1:4222").unwrap(), ["nats://127.0.0.1:4222"]);
+        assert_eq!(
+            nats_servers("nats://a:4222, nats://b:4222,nats://c:4222").unwrap(),
+            ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+        );
+        let e = nats_servers("nats://a:4222,,nats://c:4222").unwrap_err().to_string();
+        assert!(e.contains("lists 3 servers and server 2 of them is empty"), "{e}");
+        assert!(nats_servers("").is_err());
+    }
 
     #[test]
     fn relay_env_has_one_meaning_everywhere() {

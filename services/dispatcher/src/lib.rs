@@ -46,10 +46,16 @@ pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
     let cfg = Arc::new(cfg);
     let names = StreamNames::new(&cfg.stream_prefix).map_err(anyhow::Error::msg)?;
     let seam = seam::connect(&cfg)?;
+    // With several servers the client connects to any and fails over between
+    // them (and those the cluster announces) on its own.
+    let servers = relay_config::nats_servers(&cfg.nats_url)?
+        .iter()
+        .map(|s| s.parse::<async_nats::ServerAddr>().with_context(|| format!("RELAY_NATS_URL: {s:?} is not a NATS server address")))
+        .collect::<Result<Vec<_>>>()?;
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .name("relay-dispatcher")
-        .connect(&cfg.nats_url)
+        .connect(servers)
         .await
         .with_context(|| format!("connecting to NATS at {}", cfg.nats_url))?;
     let js = async_nats::jetstream::new(client);
