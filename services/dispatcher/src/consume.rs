@@ -78,7 +78,7 @@ pub(crate) async fn expand_loop(
         },
     )
     .await?;
-    let mut messages = consumer.messages().await.context("subscribing to EVENTS")?;
+    let mut messages = pull(&consumer).await.context("subscribing to EVENTS")?;
     let permits = Arc::new(Semaphore::new(cfg.max_expanding));
     // First attempts come back with their expansion, into this process's
     // lanes, instead of through DELIVERIES.
@@ -169,7 +169,7 @@ pub(crate) async fn deliver_loop(
         },
     )
     .await?;
-    let mut messages = consumer.messages().await.context("subscribing to DELIVERIES")?;
+    let mut messages = pull(&consumer).await.context("subscribing to DELIVERIES")?;
     while let Some(msg) = next_message(&mut messages, &mut stop, "DELIVERIES").await {
         let Ok(job) = DeliveryJob::decode(msg.payload.as_ref()) else {
             tracing::error!(subject = %msg.subject, "undecodable delivery job; terminating it");
@@ -184,4 +184,20 @@ pub(crate) async fn deliver_loop(
         lanes.close().await;
     }
     Ok(())
+}
+
+/// How long one pull request waits on the server, and how often the server
+/// says it is alive meanwhile. A pull request lives on the server that took
+/// it: when that node dies (a NATS cluster losing a node), the client
+/// reconnects elsewhere at once but the request is only renewed when it
+/// expires or its heartbeats stop. The client's defaults (30 s, 15 s) made
+/// that a 30 s stall in the cluster test; these bound it to a few seconds,
+/// for a request every few seconds on an idle consumer.
+const PULL_EXPIRES: std::time::Duration = std::time::Duration::from_secs(6);
+const PULL_HEARTBEAT: std::time::Duration = std::time::Duration::from_secs(2);
+
+async fn pull(
+    consumer: &async_nats::jetstream::consumer::PullConsumer,
+) -> Result<async_nats::jetstream::consumer::pull::Stream, async_nats::jetstream::consumer::StreamError> {
+    consumer.stream().expires(PULL_EXPIRES).heartbeat(PULL_HEARTBEAT).messages().await
 }
