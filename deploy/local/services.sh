@@ -111,6 +111,16 @@ ensure_verifiers() {
   export RELAY_VERIFIERS_PYTHON="$venv/bin/python"
 }
 
+# Postgres's server binaries and, under root, the user they run as: tests
+# that crash and restart a database start a private server of their own
+# (tests/support PrivatePostgres), even when a Postgres already answers.
+ensure_postgres_binaries() {
+  [ -n "$(pg_bin)" ] || apt_install postgresql
+  if [ "$(id -u)" = 0 ] && ! id postgres >/dev/null 2>&1; then
+    useradd --system --home /var/lib/postgresql postgres
+  fi
+}
+
 ensure_services() {
   ensure_postgres
   ensure_nats

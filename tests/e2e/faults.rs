@@ -386,3 +386,49 @@ async fn a_nats_cluster_loses_its_deliveries_leader_then_another_node_and_every_
     println!("cluster: {} events, {} arrivals, {} repeated", published.len(), all.len(), all.len() - distinct.len());
     stack.stop().await
 }
+
+/// Issue 14: the database goes away as in a crash (`pg_ctl stop -m
+/// immediate`) and comes back; the api, never restarted, serves again on its
+/// own, and every event it acknowledged is delivered — those before the
+/// crash, and those after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_serves_again_after_its_postgres_crashes_and_restarts_and_no_acknowledged_event_is_lost() -> anyhow::Result<()> {
+    let pg = relay_tests::PrivatePostgres::start().await?;
+    let stack = Stack::start(Options { pg_port: pg.port, ..Options::default() }).await?;
+    let tenant = stack.tenant("pg-crash").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/p"), &["p"]).await?;
+    let mut acknowledged = HashSet::new();
+    for i in 0..10 {
+        acknowledged.insert(rest.publish("p", json!({ "before": i })).await?);
+    }
+
+    pg.crash()?;
+    // Down: a publish is refused (never acknowledged and then lost).
+    let (status, body) = rest.post("/v1/events", json!({"type": "p", "payload": {"during": true}})).await?;
+    assert!(status >= 500 || status == 429, "a publish while the database is down answered {status}: {body}");
+    pg.resume()?;
+    let started = std::time::Instant::now();
+    let back = eventually(Duration::from_secs(30), || async {
+        let (status, body) = rest.post("/v1/events", json!({"type": "p", "payload": {"after": 0}})).await.ok()?;
+        (status == 202).then(|| body["event_id"].as_str().map(str::to_owned)).flatten()
+    })
+    .await;
+    let first = back.ok_or_else(|| anyhow::anyhow!("the api did not accept a publish within 30 s of the database's return"))?;
+    println!("postgres: the api accepted again {:?} after the database returned", started.elapsed());
+    acknowledged.insert(first);
+    for i in 1..10 {
+        acknowledged.insert(rest.publish("p", json!({ "after": i })).await?);
+    }
+    let arrived = eventually(Duration::from_secs(60), || async {
+        let (_, distinct) = arrivals(&receiver, "/p");
+        acknowledged.is_subset(&distinct).then_some(())
+    })
+    .await;
+    let (all, distinct) = arrivals(&receiver, "/p");
+    let missing = acknowledged.difference(&distinct).count();
+    assert!(arrived.is_some(), "{missing} of {} acknowledged events never arrived", acknowledged.len());
+    println!("postgres: {} acknowledged, all arrived, {} repeated", acknowledged.len(), all.len() - distinct.len());
+    stack.stop().await
+}

@@ -66,18 +66,29 @@ impl Rng {
 pub struct TestDb {
     pub name: String,
     pub url: String,
+    pub port: u16,
 }
 
 impl TestDb {
     pub async fn create() -> Result<Self> {
+        Self::create_on(5432).await
+    }
+
+    /// A fresh database on the Postgres at this loopback port.
+    pub async fn create_on(port: u16) -> Result<Self> {
         let name = format!("relay_test_{}", Uuid::new_v4().simple());
-        let mut conn = PgConnection::connect(PG_ADMIN_URL).await.context("connecting to Postgres on 127.0.0.1:5432")?;
+        let admin = format!("postgres://postgres@127.0.0.1:{port}/postgres");
+        let mut conn = PgConnection::connect(&admin).await.with_context(|| format!("connecting to Postgres on 127.0.0.1:{port}"))?;
         conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}"))).await?;
-        Ok(Self { url: format!("postgres://postgres@127.0.0.1:5432/{name}"), name })
+        Ok(Self { url: format!("postgres://postgres@127.0.0.1:{port}/{name}"), name, port })
     }
 
     pub async fn cleanup(self) -> Result<()> {
-        let mut conn = PgConnection::connect(PG_ADMIN_URL).await?;
+        let admin = format!("postgres://postgres@127.0.0.1:{}/postgres", self.port);
+        let Ok(mut conn) = PgConnection::connect(&admin).await else {
+            // A private server already stopped takes its databases with it.
+            return Ok(());
+        };
         conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name))).await?;
         Ok(())
     }
@@ -97,6 +108,8 @@ pub struct Options {
     pub nats_url: String,
     /// Copies of each stream (`RELAY_STREAM_REPLICAS`): 3 on a `NatsCluster`.
     pub stream_replicas: usize,
+    /// The Postgres the stack's database is made on (a `PrivatePostgres`'s port).
+    pub pg_port: u16,
     /// The relay's per-endpoint cap on attempts handed out and unreported.
     pub endpoint_cap: i64,
     /// Production URL rules (https only, nothing blocked allowed) instead of
@@ -131,6 +144,7 @@ impl Default for Options {
             api: true,
             nats_url: NATS_URL.into(),
             stream_replicas: 1,
+            pg_port: 5432,
             endpoint_cap: 4,
             strict_urls: false,
             api_resolver: None,
@@ -229,7 +243,7 @@ impl Stack {
         // services all run as processes still makes HTTPS-capable clients.
         let _ = rustls::crypto::ring::default_provider().install_default();
         init_logs();
-        let db = TestDb::create().await?;
+        let db = TestDb::create_on(opts.pg_port).await?;
         let prefix = format!("t{}_", &Uuid::new_v4().simple().to_string()[..12]);
         let certs = std::env::temp_dir().join(format!("relay-test-{prefix}"));
         relay_devkit::generate_pki()?.write(&certs)?;
@@ -954,6 +968,82 @@ impl PrivateNats {
         }
         Ok(())
     }
+}
+
+/// A Postgres server of the test's own (Debian's binaries, a fresh cluster
+/// in a temporary directory, trust auth, loopback only), so a test can stop
+/// and restart the database without disturbing anything else.
+pub struct PrivatePostgres {
+    pub port: u16,
+    dir: PathBuf,
+}
+
+impl PrivatePostgres {
+    fn bin(name: &str) -> Result<PathBuf> {
+        let dirs = std::fs::read_dir("/usr/lib/postgresql").context("Postgres's binaries are not installed")?;
+        let mut found: Vec<PathBuf> = dirs.filter_map(|d| Some(d.ok()?.path().join("bin").join(name))).filter(|p| p.exists()).collect();
+        found.sort();
+        found.pop().with_context(|| format!("no {name} under /usr/lib/postgresql"))
+    }
+
+    /// As the `postgres` user when this runs as root (initdb refuses root).
+    fn command(name: &str) -> Result<std::process::Command> {
+        let bin = Self::bin(name)?;
+        Ok(if running_as_root() {
+            let mut c = std::process::Command::new("runuser");
+            c.args(["-u", "postgres", "--"]).arg(bin);
+            c
+        } else {
+            std::process::Command::new(bin)
+        })
+    }
+
+    pub async fn start() -> Result<Self> {
+        let port = free_addr().await?.port();
+        let dir = std::env::temp_dir().join(format!("relay-test-pg-{}", Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&dir)?;
+        if running_as_root() {
+            std::process::Command::new("chown").arg("postgres").arg(&dir).status()?;
+        }
+        let out = Self::command("initdb")?.arg("-D").arg(&dir).args(["-U", "postgres", "--auth=trust", "-N"]).output()?;
+        anyhow::ensure!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
+        let pg = Self { port, dir };
+        pg.resume()?;
+        Ok(pg)
+    }
+
+    /// (Re)starts the server on the same port and data, and waits for it.
+    pub fn resume(&self) -> Result<()> {
+        let out = Self::command("pg_ctl")?
+            .arg("-D")
+            .arg(&self.dir)
+            .args(["-w", "-l"])
+            .arg(self.dir.join("log"))
+            .args(["-o", &format!("-p {} -c listen_addresses=127.0.0.1 -k {}", self.port, self.dir.display())])
+            .arg("start")
+            .output()?;
+        anyhow::ensure!(out.status.success(), "pg_ctl start failed: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    }
+
+    /// Stops the server at once, as a crash would (`-m immediate`: no
+    /// checkpoint, clients cut off), and waits.
+    pub fn crash(&self) -> Result<()> {
+        let out = Self::command("pg_ctl")?.arg("-D").arg(&self.dir).args(["-w", "-m", "immediate", "stop"]).output()?;
+        anyhow::ensure!(out.status.success(), "pg_ctl stop failed: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    }
+}
+
+impl Drop for PrivatePostgres {
+    fn drop(&mut self) {
+        let _ = self.crash();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn running_as_root() -> bool {
+    std::process::Command::new("id").arg("-u").output().map(|o| o.stdout.starts_with(b"0")).unwrap_or(false)
 }
 
 /// Three NATS servers of the test's own, routed to each other as one
