@@ -16,6 +16,13 @@ fn arrivals(receiver: &Receiver, path: &str) -> (Vec<String>, HashSet<String>) {
     (all, distinct)
 }
 
+/// How many of `expected` have not arrived at `path` once they all have, or
+/// `within` has passed.
+async fn missing_after(receiver: &Receiver, path: &str, expected: &HashSet<String>, within: Duration) -> usize {
+    eventually(within, || async { expected.is_subset(&arrivals(receiver, path).1).then_some(()) }).await;
+    expected.difference(&arrivals(receiver, path).1).count()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn undecodable_messages_are_terminated_on_first_sight() -> anyhow::Result<()> {
     let stack = Stack::start(Options::default()).await?;
@@ -346,14 +353,8 @@ async fn a_nats_cluster_loses_its_deliveries_leader_then_another_node_and_every_
     };
     let all_arrive = async |published: &HashSet<String>, fault: &str| {
         let started = std::time::Instant::now();
-        let arrived = eventually(Duration::from_secs(60), || async {
-            let (_, distinct) = arrivals(&receiver, "/c");
-            published.is_subset(&distinct).then_some(())
-        })
-        .await;
-        let (_, distinct) = arrivals(&receiver, "/c");
-        let missing = published.difference(&distinct).count();
-        assert!(arrived.is_some(), "{missing} of {} events missing after {fault}", published.len());
+        let missing = missing_after(&receiver, "/c", published, Duration::from_secs(60)).await;
+        assert_eq!(missing, 0, "{missing} of {} events missing after {fault}", published.len());
         println!("cluster: after {fault}: every one of {} events arrived within {:?}", published.len(), started.elapsed());
     };
 
@@ -421,14 +422,9 @@ async fn the_api_serves_again_after_its_postgres_crashes_and_restarts_and_no_ack
     for i in 1..10 {
         acknowledged.insert(rest.publish("p", json!({ "after": i })).await?);
     }
-    let arrived = eventually(Duration::from_secs(60), || async {
-        let (_, distinct) = arrivals(&receiver, "/p");
-        acknowledged.is_subset(&distinct).then_some(())
-    })
-    .await;
+    let missing = missing_after(&receiver, "/p", &acknowledged, Duration::from_secs(60)).await;
+    assert_eq!(missing, 0, "{missing} of {} acknowledged events never arrived", acknowledged.len());
     let (all, distinct) = arrivals(&receiver, "/p");
-    let missing = acknowledged.difference(&distinct).count();
-    assert!(arrived.is_some(), "{missing} of {} acknowledged events never arrived", acknowledged.len());
     println!("postgres: {} acknowledged, all arrived, {} repeated", acknowledged.len(), all.len() - distinct.len());
     stack.stop().await
 }
