@@ -1,6 +1,8 @@
-//! Webhook signatures — the one place a signature is made (and relay-v1's
-//! checked). Each endpoint picks a [`Scheme`]: `relay-v1` (below) or one of
-//! the two Standard Webhooks schemes ([`standard`]).
+//! Webhook signatures — the one place a signature is made. Each endpoint
+//! picks a [`Scheme`]: `relay-v1` (below) or one of the two Standard Webhooks
+//! schemes ([`standard`]). Receivers (and `relay-dev receive`) verify with
+//! `relay-webhook-verify`; the relay-v1 check here only serves this crate's
+//! own tests.
 //!
 //! relay-v1's contract (`shared/contracts/README.md`, restated in `docs/webhooks.md`):
 //! `relay-webhook-signature` carries one `v1=<hex>` per valid secret, joined by
@@ -12,6 +14,7 @@ use std::fmt;
 
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+#[cfg(test)]
 use subtle::ConstantTimeEq;
 
 pub mod standard;
@@ -21,6 +24,7 @@ pub const ID_HEADER: &str = "relay-webhook-id";
 pub const TIMESTAMP_HEADER: &str = "relay-webhook-timestamp";
 pub const SIGNATURE_HEADER: &str = "relay-webhook-signature";
 /// How far a recipient should let a timestamp stray from its clock.
+#[cfg(test)]
 pub const DEFAULT_TOLERANCE_SECS: i64 = 5 * 60;
 
 /// A signing secret in clear. Its `Debug` never shows the value, so it can sit
@@ -157,6 +161,7 @@ pub fn signed_headers(
     })
 }
 
+#[cfg(test)]
 #[derive(Debug, PartialEq, Eq)]
 pub enum VerifyError {
     MalformedTimestamp,
@@ -164,6 +169,7 @@ pub enum VerifyError {
     NoMatchingSignature,
 }
 
+#[cfg(test)]
 impl fmt::Display for VerifyError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
@@ -176,10 +182,12 @@ impl fmt::Display for VerifyError {
     }
 }
 
+#[cfg(test)]
 impl std::error::Error for VerifyError {}
 
 /// Verifies a received webhook the way a recipient should: the timestamp is
 /// within `tolerance_secs` of `now_unix`, and any `v1=` entry matches.
+#[cfg(test)]
 pub fn verify(
     secret: &SigningSecret,
     signature_header: &str,
