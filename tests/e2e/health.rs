@@ -193,7 +193,17 @@ async fn handed_out(pg: &sqlx::PgPool, endpoint: &str) -> anyhow::Result<i64> {
 /// may be timing out); its first success gives it its whole cap back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_endpoint_whose_last_attempt_failed_is_handed_one_attempt_at_a_time_until_it_succeeds() -> anyhow::Result<()> {
-    let stack = Stack::start(Options { endpoint_cap: 16, attempt_timeout: Duration::from_secs(10), ..Options::default() }).await?;
+    // The retry comes 500 ms after the first failure: time for the test to
+    // see that failure and make the receiver slow before the retry arrives
+    // (with the default 50 ms, a loaded CI machine once let the retry meet
+    // the 500 too, and the receiver counted eleven requests).
+    let stack = Stack::start(Options {
+        endpoint_cap: 16,
+        attempt_timeout: Duration::from_secs(10),
+        retry_tiers: relay_api::schedule::RetrySchedule::parse("0,500,500,500,500,500,500")?,
+        ..Options::default()
+    })
+    .await?;
     let tenant = stack.tenant("wobbly").await?;
     let receiver = Receiver::start().await?;
     receiver.reply("/wobbly", Reply::Status(500));
