@@ -29,12 +29,10 @@ struct Guide {
 
 impl Guide {
     fn start(name: &str, port: u16, secret: &str) -> Result<Self> {
-        let python =
-            std::env::var("RELAY_VERIFIERS_PYTHON").map(PathBuf::from).unwrap_or_else(|_| root().join(".relay/verifiers/bin/python"));
         let guides = root().join("docs/receiving");
         let mut command = match name {
             "python" => {
-                let mut c = Command::new(python);
+                let mut c = Command::new(relay_tests::verifiers_python()?);
                 c.arg(guides.join("python/receiver.py"));
                 c
             }

@@ -33,14 +33,10 @@ fn verify_with_other_libraries(deliveries: Vec<Value>) -> Result<String> {
     let dir = tempfile_dir()?;
     let path = dir.join("capture.json");
     std::fs::write(&path, serde_json::to_vec_pretty(&json!({ "deliveries": deliveries }))?)?;
-    let python = std::env::var("RELAY_VERIFIERS_PYTHON")
-        .map(PathBuf::from)
-        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.relay/verifiers/bin/python"));
+    let python = relay_tests::verifiers_python()?;
     ensure!(
-        python.exists() && verifiers_dir().join("node_modules/standardwebhooks").exists(),
-        "the verifiers are not installed ({} and tests/verifiers/node_modules): deploy/local/test installs them \
-         (deploy/local/services.sh ensure_verifiers)",
-        python.display()
+        verifiers_dir().join("node_modules/standardwebhooks").exists(),
+        "tests/verifiers/node_modules is not installed: deploy/local/test installs it (deploy/local/services.sh ensure_verifiers)"
     );
     let mut said = String::new();
     for (program, script) in [(python.as_os_str().to_owned(), "verify.py"), ("node".into(), "verify.mjs")] {

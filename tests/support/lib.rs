@@ -970,6 +970,21 @@ impl PrivateNats {
     }
 }
 
+/// The Python of the verifiers' venv (`RELAY_VERIFIERS_PYTHON`, else where
+/// `deploy/local/services.sh ensure_verifiers` puts it); an error saying how
+/// to install it when it is not there.
+pub fn verifiers_python() -> Result<PathBuf> {
+    let python = std::env::var("RELAY_VERIFIERS_PYTHON")
+        .map(PathBuf::from)
+        .unwrap_or_else(|_| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../.relay/verifiers/bin/python"));
+    anyhow::ensure!(
+        python.exists(),
+        "the verifiers' Python is not installed ({}): deploy/local/test installs it (deploy/local/services.sh ensure_verifiers)",
+        python.display()
+    );
+    Ok(python)
+}
+
 /// A Postgres server of the test's own (Debian's binaries, a fresh cluster
 /// in a temporary directory, trust auth, loopback only), so a test can stop
 /// and restart the database without disturbing anything else.

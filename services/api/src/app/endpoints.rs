@@ -72,8 +72,7 @@ impl Minted {
 async fn lock_signing(tx: &mut sqlx::PgConnection, tenant: Tenant, id: Uuid) -> AppResult<(db::endpoints::LockedSigning, Scheme)> {
     let locked =
         db::endpoints::lock_signing(tx, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))?;
-    let scheme = Scheme::parse(&locked.signature_scheme)
-        .with_context(|| format!("endpoint {id} has signature scheme {:?}, which this api does not know", locked.signature_scheme))?;
+    let scheme = db::models::stored_scheme(id, &locked.signature_scheme)?;
     Ok((locked, scheme))
 }
 

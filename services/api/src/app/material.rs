@@ -221,8 +221,7 @@ impl App {
         if let Some(s) = decrypted.get(&endpoint_id) {
             return Ok(s.clone());
         }
-        let scheme = Scheme::parse(stored.scheme)
-            .with_context(|| format!("endpoint {endpoint_id} has signature scheme {:?}, which this api does not know", stored.scheme))?;
+        let scheme = db::models::stored_scheme(endpoint_id, stored.scheme)?;
         let (key_id, ciphertext) = stored.current;
         let mut secrets = vec![self.keyring.decrypt(key_id, ciphertext).context("decrypting a signing secret")?];
         if let (Some((key_id, ct)), Some(at)) = (stored.previous, stored.rotated_at) {

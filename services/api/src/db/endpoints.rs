@@ -4,7 +4,6 @@
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use anyhow::Context as _;
 use relay_signing::Scheme;
 
 use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, ROTATION_WINDOW, Timestamp};
@@ -55,8 +54,7 @@ impl TryFrom<EndpointRow> for Endpoint {
     type Error = anyhow::Error;
 
     fn try_from(r: EndpointRow) -> anyhow::Result<Self> {
-        let signature_scheme = Scheme::parse(&r.signature_scheme)
-            .with_context(|| format!("endpoint {} has signature scheme {:?}, which this api does not know", r.id, r.signature_scheme))?;
+        let signature_scheme = super::models::stored_scheme(r.id, &r.signature_scheme)?;
         // The previous key is shown while it still signs.
         let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
         let previous_public_key = r.previous_public_key.filter(|_| r.secret_rotated_at.is_some_and(|at| chrono::Utc::now() < at + window));

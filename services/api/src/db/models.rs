@@ -7,6 +7,13 @@ use chrono::{DateTime, Utc};
 /// How long a rotated-out secret (or key pair) keeps signing. A promise
 /// recipients code against, not a tuning knob.
 pub const ROTATION_WINDOW: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
+/// An endpoint's stored `signature_scheme`, read. The column's CHECK allows
+/// only known names; one this build does not know means a newer schema.
+pub fn stored_scheme(endpoint_id: Uuid, stored: &str) -> anyhow::Result<relay_signing::Scheme> {
+    relay_signing::Scheme::parse(stored)
+        .ok_or_else(|| anyhow::anyhow!("endpoint {endpoint_id} has signature scheme {stored:?}, which this api does not know"))
+}
 use uuid::Uuid;
 
 pub type Timestamp = DateTime<Utc>;
