@@ -101,7 +101,7 @@ async fn every_event_answered_202_is_committed_even_while_clients_hang_up_mid_re
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_ended_to_break_a_deadlock_is_a_retry_not_an_internal_error() -> anyhow::Result<()> {
     let db = TestDb::create().await?;
-    let pool = relay_api::db::connect(&db.url, 4, Duration::from_secs(5)).await?;
+    let (pool, _) = relay_api::db::connect(&db.url, 4, Duration::from_secs(5)).await?;
     sqlx::query("CREATE TABLE locked (n int PRIMARY KEY)").execute(&pool).await?;
     sqlx::query("INSERT INTO locked VALUES (1), (2)").execute(&pool).await?;
     let (mut a, mut b) = (pool.begin().await?, pool.begin().await?);
@@ -136,7 +136,7 @@ async fn a_transaction_ended_to_break_a_deadlock_is_a_retry_not_an_internal_erro
 async fn a_connection_left_inside_a_dropped_begin_is_never_handed_out_again() -> anyhow::Result<()> {
     let db = TestDb::create().await?;
     // One connection, so the next statement would get the very same one.
-    let pool = relay_api::db::connect(&db.url, 1, Duration::from_secs(5)).await?;
+    let (pool, _) = relay_api::db::connect(&db.url, 1, Duration::from_secs(5)).await?;
     sqlx::query("CREATE TABLE published (n int)").execute(&pool).await?;
     // A healthy connection is kept: the check must not discard it (opening
     // a backend per query would cost more than everything else).

@@ -428,3 +428,61 @@ async fn the_api_serves_again_after_its_postgres_crashes_and_restarts_and_no_ack
     println!("postgres: {} acknowledged, all arrived, {} repeated", acknowledged.len(), all.len() - distinct.len());
     stack.stop().await
 }
+
+/// Publishes `id` until it is answered 202 (each try waits for its answer),
+/// within `within`; how long that took.
+async fn publish_until_accepted(rest: &Rest, id: &str, within: Duration) -> anyhow::Result<Duration> {
+    let started = std::time::Instant::now();
+    let accepted = eventually(within, || async {
+        let (status, _) = rest.post("/v1/events", json!({"id": id, "type": "p", "payload": {"id": id}})).await.ok()?;
+        (status == 202).then_some(())
+    })
+    .await;
+    accepted.ok_or_else(|| anyhow::anyhow!("event {id} was not accepted within {within:?}"))?;
+    Ok(started.elapsed())
+}
+
+/// Issue 14: a synchronous standby is promoted after its primary goes away
+/// (`pg_ctl stop -m immediate`, then `pg_ctl promote`). The api, given both
+/// servers libpq-style and never restarted, finds the new primary by itself,
+/// accepts again within seconds, and every event it acknowledged — before
+/// the failover and after — is delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_follows_a_promoted_standby_and_no_acknowledged_event_is_lost() -> anyhow::Result<()> {
+    let primary = relay_tests::PrivatePostgres::synchronous_primary().await?;
+    let standby = relay_tests::PrivatePostgres::standby_of(&primary).await?;
+    primary.wait_for_synchronous_standby().await?;
+    let mut stack = Stack::start(Options { pg_port: primary.port, standby_pg_port: Some(standby.port), ..Options::default() }).await?;
+    let tenant = stack.tenant("pg-failover").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/p"), &["p"]).await?;
+    let mut acknowledged = HashSet::new();
+    for _ in 0..10 {
+        let id = uuid::Uuid::new_v4().to_string();
+        publish_until_accepted(&rest, &id, Duration::from_secs(10)).await?;
+        acknowledged.insert(id);
+    }
+
+    primary.crash()?;
+    // Down, not yet promoted: a publish is refused, never acknowledged and lost.
+    let (status, body) = rest.post("/v1/events", json!({"type": "p", "payload": {"during": true}})).await?;
+    assert!(status >= 500 || status == 429, "a publish with no primary answered {status}: {body}");
+    standby.promote()?;
+    let first = uuid::Uuid::new_v4().to_string();
+    let took = publish_until_accepted(&rest, &first, Duration::from_secs(30)).await?;
+    println!("postgres failover: the api accepted again {took:?} after the standby's promotion");
+    assert!(took < Duration::from_secs(10), "the api took {took:?} to write to the promoted standby");
+    acknowledged.insert(first);
+    for _ in 0..9 {
+        let id = uuid::Uuid::new_v4().to_string();
+        publish_until_accepted(&rest, &id, Duration::from_secs(10)).await?;
+        acknowledged.insert(id);
+    }
+    stack.db.moved_to(standby.port);
+    let missing = missing_after(&receiver, "/p", &acknowledged, Duration::from_secs(60)).await;
+    assert_eq!(missing, 0, "{missing} of {} acknowledged events never arrived", acknowledged.len());
+    let (all, distinct) = arrivals(&receiver, "/p");
+    println!("postgres failover: {} acknowledged, all arrived, {} repeated", acknowledged.len(), all.len() - distinct.len());
+    stack.stop().await
+}

@@ -83,6 +83,12 @@ impl TestDb {
         Ok(Self { url: format!("postgres://postgres@127.0.0.1:{port}/{name}"), name, port })
     }
 
+    /// The same database on another server (a promoted standby's port).
+    pub fn moved_to(&mut self, port: u16) {
+        self.url = format!("postgres://postgres@127.0.0.1:{port}/{}", self.name);
+        self.port = port;
+    }
+
     pub async fn cleanup(self) -> Result<()> {
         let admin = format!("postgres://postgres@127.0.0.1:{}/postgres", self.port);
         let Ok(mut conn) = PgConnection::connect(&admin).await else {
@@ -110,6 +116,9 @@ pub struct Options {
     pub stream_replicas: usize,
     /// The Postgres the stack's database is made on (a `PrivatePostgres`'s port).
     pub pg_port: u16,
+    /// A standby of that Postgres: the api is given both servers, libpq-style
+    /// (`127.0.0.1:primary,127.0.0.1:standby`), and follows the primary.
+    pub standby_pg_port: Option<u16>,
     /// The relay's per-endpoint cap on attempts handed out and unreported.
     pub endpoint_cap: i64,
     /// Production URL rules (https only, nothing blocked allowed) instead of
@@ -145,6 +154,7 @@ impl Default for Options {
             nats_url: NATS_URL.into(),
             stream_replicas: 1,
             pg_port: 5432,
+            standby_pg_port: None,
             endpoint_cap: 4,
             strict_urls: false,
             api_resolver: None,
@@ -250,7 +260,10 @@ impl Stack {
         let addrs = api_addrs().await?;
         let api_cfg = ApiConfig {
             deployment: relay_api::config::Deployment::Development,
-            database_url: db.url.clone(),
+            database_url: match opts.standby_pg_port {
+                Some(standby) => db.url.replace(&format!("127.0.0.1:{}/", db.port), &format!("127.0.0.1:{},127.0.0.1:{standby}/", db.port)),
+                None => db.url.clone(),
+            },
             nats_url: opts.nats_url.clone(),
             stream_replicas: opts.stream_replicas,
             allow_fewer_stream_replicas: false,
@@ -991,6 +1004,8 @@ pub fn verifiers_python() -> Result<PathBuf> {
 pub struct PrivatePostgres {
     pub port: u16,
     dir: PathBuf,
+    /// `-c` settings given at every start.
+    settings: Vec<String>,
 }
 
 impl PrivatePostgres {
@@ -1013,40 +1028,103 @@ impl PrivatePostgres {
         })
     }
 
-    pub async fn start() -> Result<Self> {
+    fn run(mut command: std::process::Command, what: &str) -> Result<()> {
+        let out = command.output().with_context(|| format!("running {what}"))?;
+        anyhow::ensure!(out.status.success(), "{what} failed: {}", String::from_utf8_lossy(&out.stderr));
+        Ok(())
+    }
+
+    async fn empty_dir() -> Result<(u16, PathBuf)> {
         let port = free_addr().await?.port();
         let dir = std::env::temp_dir().join(format!("relay-test-pg-{}", Uuid::new_v4().simple()));
         std::fs::create_dir_all(&dir)?;
         if running_as_root() {
             std::process::Command::new("chown").arg("postgres").arg(&dir).status()?;
         }
-        let out = Self::command("initdb")?.arg("-D").arg(&dir).args(["-U", "postgres", "--auth=trust", "-N"]).output()?;
-        anyhow::ensure!(out.status.success(), "initdb failed: {}", String::from_utf8_lossy(&out.stderr));
-        let pg = Self { port, dir };
+        Ok((port, dir))
+    }
+
+    pub async fn start() -> Result<Self> {
+        Self::start_with(&[]).await
+    }
+
+    /// A fresh server started with these `-c name=value` settings (kept for
+    /// every restart).
+    pub async fn start_with(settings: &[&str]) -> Result<Self> {
+        let (port, dir) = Self::empty_dir().await?;
+        let mut initdb = Self::command("initdb")?;
+        initdb.arg("-D").arg(&dir).args(["-U", "postgres", "--auth=trust", "-N"]);
+        Self::run(initdb, "initdb")?;
+        let pg = Self { port, dir, settings: settings.iter().map(|s| s.to_string()).collect() };
         pg.resume()?;
         Ok(pg)
     }
 
+    /// A primary whose commits return only once a standby has flushed them
+    /// (`synchronous_standby_names = '*'`): with no standby attached, a
+    /// commit waits, so start [`PrivatePostgres::standby_of`] before writing.
+    pub async fn synchronous_primary() -> Result<Self> {
+        Self::start_with(&["synchronous_standby_names=*", "synchronous_commit=on"]).await
+    }
+
+    /// A streaming standby of `primary` (`pg_basebackup -R`), started on its
+    /// own port and data. It has no synchronous standby of its own, so once
+    /// promoted its commits do not wait for one.
+    pub async fn standby_of(primary: &PrivatePostgres) -> Result<Self> {
+        let (port, dir) = Self::empty_dir().await?;
+        let mut backup = Self::command("pg_basebackup")?;
+        backup.args(["-h", "127.0.0.1", "-p", &primary.port.to_string(), "-U", "postgres", "-X", "stream", "-R", "-D"]).arg(&dir);
+        Self::run(backup, "pg_basebackup")?;
+        // The copy holds the primary's log; the server wants its directory private.
+        let _ = std::fs::remove_file(dir.join("log"));
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
+        let pg = Self { port, dir, settings: vec!["synchronous_standby_names=".into()] };
+        pg.resume()?;
+        Ok(pg)
+    }
+
+    /// Waits (bounded) until a standby streams from this server as its
+    /// synchronous one.
+    pub async fn wait_for_synchronous_standby(&self) -> Result<()> {
+        let url = format!("postgres://postgres@127.0.0.1:{}/postgres", self.port);
+        let found = eventually(Duration::from_secs(30), || async {
+            let mut conn = PgConnection::connect(&url).await.ok()?;
+            let n: i64 =
+                sqlx::query_scalar("SELECT count(*) FROM pg_stat_replication WHERE sync_state = 'sync'").fetch_one(&mut conn).await.ok()?;
+            (n > 0).then_some(())
+        })
+        .await;
+        found.context("no synchronous standby streams from the primary within 30 s")
+    }
+
+    /// Promotes this standby to a primary (`pg_ctl promote`), and waits.
+    pub fn promote(&self) -> Result<()> {
+        let mut c = Self::command("pg_ctl")?;
+        c.arg("-D").arg(&self.dir).args(["-w", "promote"]);
+        Self::run(c, "pg_ctl promote")
+    }
+
     /// (Re)starts the server on the same port and data, and waits for it.
     pub fn resume(&self) -> Result<()> {
-        let out = Self::command("pg_ctl")?
-            .arg("-D")
-            .arg(&self.dir)
-            .args(["-w", "-l"])
-            .arg(self.dir.join("log"))
-            .args(["-o", &format!("-p {} -c listen_addresses=127.0.0.1 -k {}", self.port, self.dir.display())])
-            .arg("start")
-            .output()?;
-        anyhow::ensure!(out.status.success(), "pg_ctl start failed: {}", String::from_utf8_lossy(&out.stderr));
-        Ok(())
+        let mut options = format!("-p {} -c listen_addresses=127.0.0.1 -k {}", self.port, self.dir.display());
+        for s in &self.settings {
+            options.push_str(&format!(" -c {s:?}"));
+        }
+        let mut c = Self::command("pg_ctl")?;
+        c.arg("-D").arg(&self.dir).args(["-w", "-l"]).arg(self.dir.join("log")).args(["-o", &options]).arg("start");
+        Self::run(c, "pg_ctl start").with_context(|| {
+            let log = std::fs::read_to_string(self.dir.join("log")).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(5).collect();
+            format!("the server's log ends: {}", tail.into_iter().rev().collect::<Vec<_>>().join(" | "))
+        })
     }
 
     /// Stops the server at once, as a crash would (`-m immediate`: no
     /// checkpoint, clients cut off), and waits.
     pub fn crash(&self) -> Result<()> {
-        let out = Self::command("pg_ctl")?.arg("-D").arg(&self.dir).args(["-w", "-m", "immediate", "stop"]).output()?;
-        anyhow::ensure!(out.status.success(), "pg_ctl stop failed: {}", String::from_utf8_lossy(&out.stderr));
-        Ok(())
+        let mut c = Self::command("pg_ctl")?;
+        c.arg("-D").arg(&self.dir).args(["-w", "-m", "immediate", "stop"]);
+        Self::run(c, "pg_ctl stop")
     }
 }
 

@@ -90,7 +90,7 @@ async fn stopped(mut rx: watch::Receiver<bool>) {
 
 pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let db = db::connect(&cfg.database_url, cfg.pool_size, cfg.db_acquire_timeout).await?;
+    let (db, primary_follower) = db::connect(&cfg.database_url, cfg.pool_size, cfg.db_acquire_timeout).await?;
     if cfg.run_migrations {
         MIGRATOR.run(&db).await.context("running migrations")?;
     }
@@ -127,6 +127,9 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
     app.start_lanes(cfg.db_acquire_timeout, stop_rx.clone());
+    if let Some(follower) = primary_follower {
+        tasks.spawn(follower.run(stop_rx.clone()));
+    }
 
     if cfg.run_relays {
         let (js, names, app, rx) = (js.clone(), names.clone(), app.clone(), stop_rx.clone());

@@ -57,7 +57,12 @@ pub const KNOBS: &[Knob] = &[
         "development",
         "`development` or `production`; production refuses dev allowances, the dev secret key and shortened retry tiers",
     ),
-    knob("DATABASE_URL", Api, "postgres://postgres@127.0.0.1:5432/relay", "Postgres"),
+    knob(
+        "DATABASE_URL",
+        Api,
+        "postgres://postgres@127.0.0.1:5432/relay",
+        "Postgres: one server, or a replicated one's servers libpq-style (`postgres://u@pg1:5432,pg2:5432/db`): the api writes to whichever is primary and follows a promotion",
+    ),
     knob(
         "RELAY_NATS_URL",
         Both,

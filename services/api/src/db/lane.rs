@@ -25,7 +25,7 @@ use std::{
     time::Duration,
 };
 
-use sqlx::{Connection, PgConnection, PgPool, postgres::PgConnectOptions};
+use sqlx::{Connection, PgConnection, PgPool};
 use tokio::sync::{Mutex, mpsc, oneshot, watch};
 
 use crate::error::{AppError, AppResult, ErrorCode};
@@ -94,16 +94,17 @@ pub struct Shape {
 
 /// A connection a long-running task holds for good, apart from the pool:
 /// opened when first needed, dropped after an error that may have broken
-/// it (the next use opens another).
+/// it (the next use opens another), to wherever the pool connects by then
+/// (after a failover, the new primary: see [`super::primary`]).
 pub struct Held {
-    options: Arc<PgConnectOptions>,
+    pool: PgPool,
     conn: Option<PgConnection>,
     plan_once: bool,
 }
 
 impl Held {
     pub fn new(pool: &PgPool) -> Self {
-        Self { options: pool.connect_options(), conn: None, plan_once: false }
+        Self { pool: pool.clone(), conn: None, plan_once: false }
     }
 
     /// A connection whose statements are planned once (see
@@ -114,7 +115,7 @@ impl Held {
 
     pub async fn get(&mut self) -> AppResult<&mut PgConnection> {
         if self.conn.is_none() {
-            let mut conn = PgConnection::connect_with(&self.options).await?;
+            let mut conn = PgConnection::connect_with(&self.pool.connect_options()).await?;
             if self.plan_once {
                 sqlx::raw_sql("SET plan_cache_mode = force_generic_plan").execute(&mut conn).await?;
             }
