@@ -486,3 +486,37 @@ async fn the_api_follows_a_promoted_standby_and_no_acknowledged_event_is_lost() 
     println!("postgres failover: {} acknowledged, all arrived, {} repeated", acknowledged.len(), all.len() - distinct.len());
     stack.stop().await
 }
+
+/// Issue 14: a dispatcher given two apis (`RELAY_API_INTERNAL_URL` as a
+/// list) carries on through the other when the one it calls goes away:
+/// events published after the loss arrive without that api's return.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dispatcher_given_two_apis_carries_on_through_the_other_when_one_goes_away() -> anyhow::Result<()> {
+    let mut stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let (second_rest, second_internal) = stack.start_api_replica().await?;
+    let mut cfg = stack.dispatcher_config();
+    cfg.api_url = format!("{},{second_internal}", stack.internal_url);
+    stack.start_dispatcher_with(cfg).await?;
+    let tenant = stack.tenant("two-apis").await?;
+    let receiver = Receiver::start().await?;
+    let first = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    first.endpoint(&receiver.url("/a"), &["p"]).await?;
+    let mut published = HashSet::new();
+    for i in 0..5 {
+        published.insert(first.publish("p", json!({ "before": i })).await?);
+    }
+    assert_eq!(missing_after(&receiver, "/a", &published, Duration::from_secs(30)).await, 0, "before the loss");
+
+    // The api the dispatcher calls first goes away and stays away.
+    stack.stop_api().await?;
+    let second = Rest::new(&second_rest, Some(&tenant.api_key));
+    let started = std::time::Instant::now();
+    let mut after = HashSet::new();
+    for i in 0..10 {
+        after.insert(second.publish("p", json!({ "after": i })).await?);
+    }
+    let missing = missing_after(&receiver, "/a", &after, Duration::from_secs(30)).await;
+    assert_eq!(missing, 0, "{missing} of 10 events published after the first api's loss never arrived");
+    println!("two apis: all 10 events published after the loss arrived within {:?}", started.elapsed());
+    stack.stop().await
+}

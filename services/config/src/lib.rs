@@ -141,7 +141,12 @@ pub const KNOBS: &[Knob] = &[
     knob("RELAY_RELEASE_PER_SECOND", Api, "20", "held deliveries released per second per endpoint once it recovers (1–10000)"),
     knob("RELAY_SKIP_MIGRATIONS", Api, "false", "do not run the migrations at start-up"),
     knob("RELAY_RUN_RELAYS", Api, "true", "run the outbox and delivery relays in this process (an api can also only serve requests)"),
-    knob("RELAY_API_INTERNAL_URL", Dispatcher, "https://127.0.0.1:50052", "the api's internal mTLS port"),
+    knob(
+        "RELAY_API_INTERNAL_URL",
+        Dispatcher,
+        "https://127.0.0.1:50052",
+        "the api's internal mTLS port; several apis comma-separated: calls go to one until it fails at the transport, then to the next",
+    ),
     knob("RELAY_API_TLS_NAME", Dispatcher, "relay-api", "the name the api's server certificate is checked against"),
     knob("RELAY_TLS_CA", Dispatcher, "", "the CA the api's server certificate is checked against (required)"),
     knob(
