@@ -520,3 +520,32 @@ async fn a_dispatcher_given_two_apis_carries_on_through_the_other_when_one_goes_
     println!("two apis: all 10 events published after the loss arrived within {:?}", started.elapsed());
     stack.stop().await
 }
+
+/// Issue 14: the dispatcher's health port (`RELAY_HEALTH_ADDR`, what a
+/// Kubernetes probe asks): `/healthz` answers while the process runs,
+/// `/readyz` is 200 only while it is connected to NATS — 503 once the broker
+/// is gone, 200 again after it returns, without a restart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dispatchers_readiness_follows_its_broker_connection() -> anyhow::Result<()> {
+    let mut nats = PrivateNats::start().await?;
+    let stack = Stack::start(Options { dispatcher: false, nats_url: nats.url(), ..Options::default() }).await?;
+    let health = relay_tests::free_addr().await?;
+    let mut env = stack.dispatcher_env();
+    env.retain(|(k, _)| *k != "RELAY_HEALTH_ADDR");
+    env.push(("RELAY_HEALTH_ADDR", health.to_string()));
+    let dispatcher = Process::spawn("relay-dispatcher", &env)?;
+    let http = reqwest::Client::builder().timeout(Duration::from_secs(2)).build()?;
+    let status = async |path: &str| http.get(format!("http://{health}{path}")).send().await.ok().map(|r| r.status().as_u16());
+    let becomes = async |path: &str, want: u16| {
+        eventually(Duration::from_secs(20), || async { (status(path).await == Some(want)).then_some(()) }).await
+    };
+    assert!(becomes("/healthz", 200).await.is_some(), "/healthz never answered 200");
+    assert!(becomes("/readyz", 200).await.is_some(), "/readyz never answered 200 with NATS up");
+    nats.kill9().await?;
+    assert!(becomes("/readyz", 503).await.is_some(), "/readyz still ready 20 s after NATS went away");
+    assert_eq!(status("/healthz").await, Some(200), "alive while not ready");
+    nats.resume().await?;
+    assert!(becomes("/readyz", 200).await.is_some(), "/readyz not ready again 20 s after NATS returned");
+    dispatcher.kill9().await?;
+    stack.stop().await
+}

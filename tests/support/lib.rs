@@ -2,6 +2,7 @@
 //! api and dispatcher started in-process on port 0, and HTTP receivers on
 //! loopback. Everything talks to the real Postgres and NATS on 127.0.0.1.
 
+pub mod load;
 pub mod otlp;
 
 use std::{
@@ -438,6 +439,8 @@ impl Stack {
             ("RELAY_SEAM_TIMEOUT_MS", c.seam_timeout.as_millis().to_string()),
             ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
             ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
+            // Many dispatchers share this machine; a test that reads the port sets one.
+            ("RELAY_HEALTH_ADDR", "off".into()),
         ]
     }
 
@@ -899,6 +902,20 @@ impl Process {
         Ok(Self { child: cmd.spawn().with_context(|| format!("starting {name}"))? })
     }
 
+    /// Like [`Process::spawn`], with the process's output appended to `log`
+    /// (a file that outlives it, for a test to point at when it fails).
+    pub fn spawn_logging_to(name: &str, env: &[(&'static str, String)], log: &std::path::Path) -> Result<Self> {
+        let file = || std::fs::OpenOptions::new().create(true).append(true).open(log).with_context(|| format!("opening {}", log.display()));
+        let mut cmd = tokio::process::Command::new(binary(name)?);
+        cmd.env("RELAY_LOG", std::env::var("RELAY_TEST_LOG").unwrap_or_else(|_| "warn".into()))
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
+            .kill_on_drop(true)
+            .stdin(std::process::Stdio::null())
+            .stdout(file()?)
+            .stderr(file()?);
+        Ok(Self { child: cmd.spawn().with_context(|| format!("starting {name}"))? })
+    }
+
     /// SIGKILL: no shutdown path runs.
     pub async fn kill9(mut self) -> Result<()> {
         self.child.start_kill()?;
@@ -1201,6 +1218,35 @@ impl NatsCluster {
             return self.nodes.iter().position(|n| n.server_name() == Some(leader.as_str())).context("the leader is one of the nodes");
         }
         anyhow::bail!("no node answered for stream {stream}")
+    }
+}
+
+impl NatsCluster {
+    /// For each node (by index), which of these streams and consumers it
+    /// leads now: `(stream, None)` names a stream, `(stream, Some(durable))`
+    /// a consumer. Asked of the first node that answers.
+    pub async fn leadership(&self, assets: &[(String, Option<String>)]) -> Result<Vec<Vec<String>>> {
+        let mut led = vec![Vec::new(); self.nodes.len()];
+        for n in &self.nodes {
+            let Ok(client) = async_nats::connect(n.url()).await else { continue };
+            let js = async_nats::jetstream::new(client);
+            for (stream, durable) in assets {
+                let Ok(mut s) = js.get_stream(stream).await else { continue };
+                let leader = match durable {
+                    None => s.info().await?.cluster.as_ref().and_then(|c| c.leader.clone()),
+                    Some(d) => {
+                        let mut c: async_nats::jetstream::consumer::PullConsumer =
+                            s.get_consumer(d).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+                        c.info().await?.cluster.as_ref().and_then(|c| c.leader.clone())
+                    }
+                };
+                if let Some(i) = leader.and_then(|l| self.nodes.iter().position(|n| n.server_name() == Some(l.as_str()))) {
+                    led[i].push(durable.clone().unwrap_or_else(|| stream.clone()));
+                }
+            }
+            return Ok(led);
+        }
+        anyhow::bail!("no node of the cluster answered")
     }
 }
 

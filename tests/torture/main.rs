@@ -8,16 +8,13 @@
 //! `RELAY_TORTURE_SECONDS` (default 30) is how long the killing goes on;
 //! `RELAY_TORTURE_SEED` replays a run. `deploy/local/torture` runs a long one.
 
-use std::{
-    collections::{HashMap, HashSet},
-    sync::{Arc, Mutex},
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result};
-use relay_tests::{Options, PrivateNats, Process, Receiver, Rng, Stack, api_addrs};
-use serde_json::json;
-use uuid::Uuid;
+use relay_tests::{
+    Options, PrivateNats, Process, Receiver, Rng, Stack, api_addrs,
+    load::{self, Pace, Publishers, with},
+};
 
 /// A random pause from `lo` to `hi` milliseconds.
 fn millis(rng: &mut Rng, lo: usize, hi: usize) -> Duration {
@@ -73,21 +70,6 @@ impl Fleet {
         }
         Ok(())
     }
-}
-
-/// Overrides (or adds) one setting in a process's environment.
-fn with(mut env: Vec<(&'static str, String)>, key: &'static str, value: String) -> Vec<(&'static str, String)> {
-    env.retain(|(k, _)| *k != key);
-    env.push((key, value));
-    env
-}
-
-/// What the publishers saw: ids answered 202, and ids still unanswered.
-#[derive(Default)]
-struct Ledger {
-    accepted: HashSet<Uuid>,
-    unconfirmed: HashSet<Uuid>,
-    retries: u64,
 }
 
 /// A kill and when it happened, to explain duplicates.
@@ -152,41 +134,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
 
     // Publishers: each picks an api, publishes a fresh id, and retries that
     // same id (on either api) until it is answered 202.
-    let ledger: Arc<Mutex<Ledger>> = Default::default();
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let publishers: Vec<_> = (0..4u64)
-        .map(|p| {
-            let (ledger, stop, urls, key) = (ledger.clone(), stop.clone(), rest_urls.clone(), tenant.api_key.clone());
-            let mut rng = Rng(seed ^ (p + 1).wrapping_mul(0x5851_f42d_4c95_7f2d));
-            tokio::spawn(async move {
-                let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let id = Uuid::new_v4();
-                    ledger.lock().expect("unpoisoned").unconfirmed.insert(id);
-                    let deadline = Instant::now() + Duration::from_secs(60);
-                    while Instant::now() < deadline {
-                        let url = &urls[rng.below(2)];
-                        let sent = http
-                            .post(format!("{url}/v1/events"))
-                            .bearer_auth(&key)
-                            .json(&json!({"id": id.to_string(), "type": "t", "payload": {"p": p}}))
-                            .send()
-                            .await;
-                        if sent.is_ok_and(|r| r.status().as_u16() == 202) {
-                            let mut l = ledger.lock().expect("unpoisoned");
-                            l.unconfirmed.remove(&id);
-                            l.accepted.insert(id);
-                            break;
-                        }
-                        ledger.lock().expect("unpoisoned").retries += 1;
-                        tokio::time::sleep(Duration::from_millis(50)).await;
-                    }
-                    tokio::time::sleep(millis(&mut rng, 5, 40)).await;
-                }
-                anyhow::Ok(())
-            })
-        })
-        .collect();
+    let publishers = Publishers::start(4, &rest_urls, &tenant.api_key, "t", Pace::Random { seed, lo: 5, hi: 40 });
 
     // The killing.
     let started = Instant::now();
@@ -203,107 +151,43 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
         tokio::time::sleep(millis(&mut rng, 100, 1500)).await;
         fleet.start(victim).await?;
     }
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    for p in publishers {
-        p.await??;
-    }
+    let ledger = publishers.stop().await?;
     let killing = started.elapsed();
 
-    // Settle: every accepted event at every endpoint, bounded.
-    let (accepted, unconfirmed, retries) = {
-        let l = ledger.lock().expect("unpoisoned");
-        (l.accepted.clone(), l.unconfirmed.clone(), l.retries)
-    };
+    // Settle: every accepted event at every endpoint, bounded; healthy
+    // receivers, so every delivery ends delivered once its outcome lands,
+    // and the outbox empties once claims of killed relays run out.
     let pg = stack.pg().await?;
-    // An id never answered 202 may still have been stored; if so it is owed too.
-    let stored_unconfirmed: Vec<Uuid> = sqlx::query_scalar("SELECT id FROM events WHERE id = ANY ($1)")
-        .bind(unconfirmed.iter().copied().collect::<Vec<_>>())
-        .fetch_all(&pg)
-        .await?;
-    let owed: HashSet<String> = accepted.iter().chain(&stored_unconfirmed).map(Uuid::to_string).collect();
-    let arrivals = |path: &str| -> HashMap<String, Vec<Instant>> {
-        let mut m: HashMap<String, Vec<Instant>> = HashMap::new();
-        for r in receiver.at(path) {
-            m.entry(r.header("relay-webhook-id")).or_default().push(r.at);
-        }
-        m
-    };
-    let settle_started = Instant::now();
-    let settled = relay_tests::eventually(Duration::from_secs(180), || async {
-        paths
-            .iter()
-            .all(|p| {
-                let got = arrivals(p);
-                owed.iter().all(|id| got.contains_key(id))
-            })
-            .then_some(())
-    })
-    .await
-    .is_some();
-    // Healthy receivers: every delivery ends delivered once its outcome
-    // lands, and the outbox empties once claims of killed relays run out.
-    let quiet = relay_tests::eventually(Duration::from_secs(90), || async {
-        let (left, outbox): (i64, i64) = sqlx::query_as(
-            "SELECT (SELECT count(*) FROM webhook_deliveries WHERE state <> 'delivered'), (SELECT count(*) FROM events WHERE published_at IS NULL)",
-        )
-        .fetch_one(&pg)
-        .await
-        .ok()?;
-        (left == 0 && outbox == 0).then_some(())
-    })
-    .await
-    .is_some();
-    let settle = settle_started.elapsed();
-
-    // The figures, then the verdicts.
-    let mut missing = 0usize;
-    let mut duplicates = 0usize;
-    let mut unexplained: Vec<String> = Vec::new();
-    for p in paths {
-        let got = arrivals(p);
-        missing += owed.iter().filter(|id| !got.contains_key(*id)).count();
-        for (id, times) in &got {
-            anyhow::ensure!(owed.contains(id), "{p}: {id} arrived but was never published");
-            for w in times.windows(2) {
-                duplicates += 1;
-                // A crash between a POST and its recorded outcome (or a
-                // broker losing track of an ack) re-sends: some kill must
-                // fall between the first arrival (less an attempt) and the
-                // second.
-                let explained = kills.iter().any(|k| k.at + Duration::from_secs(3) >= w[0] && k.at <= w[1]);
-                if !explained {
-                    unexplained.push(format!("{p} {id} ({:?} apart)", w[1] - w[0]));
-                }
-            }
-        }
-    }
+    let settled = load::settle(&pg, &ledger, &receiver, &paths).await?;
+    let faults: Vec<(Victim, Instant)> = kills.iter().map(|k| (k.victim, k.at)).collect();
+    let counted = load::account(&receiver, &paths, &settled.owed, &faults)?;
+    let (missing, unexplained) = (counted.missing, &counted.unexplained);
+    let duplicates = counted.duplicates.values().sum::<usize>() + unexplained.len();
+    let (pending, outbox, advanced_twice) = (settled.pending, settled.outbox, settled.advanced_twice);
     let by_kind = |f: fn(&Victim) -> bool| kills.iter().filter(|k| f(&k.victim)).count();
-    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE state <> 'delivered'").fetch_one(&pg).await?;
-    let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE published_at IS NULL").fetch_one(&pg).await?;
-    let advanced_twice: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM webhook_deliveries d WHERE d.attempt <> 1 OR (SELECT count(*) FROM delivery_attempts a WHERE a.delivery_id = d.id) <> 1",
-    )
-    .fetch_one(&pg)
-    .await?;
     let deliveries: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries").fetch_one(&pg).await?;
     println!(
         "torture: {:.0} s, kills: {} api, {} dispatcher, {} broker; events accepted {} (+{} stored unanswered, {} publish retries); \
          deliveries {deliveries}; missing {missing}; duplicates {duplicates} ({} unexplained); schedule advanced more than once {advanced_twice}; \
-         not delivered {pending}; outbox left {outbox}; settled {:.1} s after the last kill",
+         not delivered {pending}; outbox left {outbox}; every owed event arrived {:.1} s and all settled {:.1} s after the last kill",
         killing.as_secs_f64(),
         by_kind(|v| matches!(v, Victim::Api(_))),
         by_kind(|v| matches!(v, Victim::Dispatcher(_))),
         by_kind(|v| matches!(v, Victim::Broker)),
-        accepted.len(),
-        stored_unconfirmed.len(),
-        retries,
+        ledger.accepted.len(),
+        settled.stored_unconfirmed,
+        ledger.retries,
         unexplained.len(),
-        settle.as_secs_f64(),
+        settled.arrived_after.as_secs_f64(),
+        settled.quiet_after.as_secs_f64(),
     );
-    anyhow::ensure!(!accepted.is_empty() && !kills.is_empty(), "the run published and killed nothing");
-    anyhow::ensure!(settled && missing == 0, "{missing} (event, endpoint) pairs never arrived (seed {seed})");
+    anyhow::ensure!(!ledger.accepted.is_empty() && !kills.is_empty(), "the run published and killed nothing");
+    anyhow::ensure!(settled.all_arrived && missing == 0, "{missing} (event, endpoint) pairs never arrived (seed {seed})");
     anyhow::ensure!(unexplained.is_empty(), "duplicates no crash explains (seed {seed}): {:?}", &unexplained[..unexplained.len().min(10)]);
-    anyhow::ensure!(quiet && pending == 0 && outbox == 0, "{pending} deliveries undelivered, {outbox} events unpublished (seed {seed})");
+    anyhow::ensure!(
+        settled.quiet && pending == 0 && outbox == 0,
+        "{pending} deliveries undelivered, {outbox} events unpublished (seed {seed})"
+    );
     anyhow::ensure!(advanced_twice == 0, "{advanced_twice} deliveries advanced their schedule more than once (seed {seed})");
     pg.close().await;
 

@@ -34,8 +34,19 @@ pub async fn connect(url: &str) -> Result<jetstream::Context> {
         .connect(servers(url)?)
         .await
         .with_context(|| format!("connecting to NATS at {url}"))?;
-    Ok(jetstream::new(client))
+    let mut js = jetstream::new(client);
+    js.set_timeout(PUBLISH_ACK_TIMEOUT);
+    Ok(js)
 }
+
+/// How long a publish waits for the stream's ack before it counts as failed
+/// (and its rows stay for the next pass, the same message id recognised by
+/// the duplicate window). When the node a publish went to dies, its ack never
+/// comes even though the client reconnects elsewhere at once; the client's
+/// default of 5 s stalled the relays that long on each node lost in the
+/// cluster test. An ack normally takes milliseconds, a stream leader's
+/// election a few hundred.
+const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Creates both streams, or brings an existing one to this configuration
 /// (a changed replica count is applied by the cluster, which copies or drops

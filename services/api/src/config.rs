@@ -77,10 +77,7 @@ pub struct ListenAddrs {
 
 /// The operator's metrics port: `RELAY_METRICS_ADDR` (`off` disables it).
 pub fn metrics_addr_from_env() -> Result<Option<SocketAddr>> {
-    match Env.string("RELAY_METRICS_ADDR").as_deref().map(str::trim) {
-        Some("off") => Ok(None),
-        _ => Env.addr("RELAY_METRICS_ADDR").map(Some),
-    }
+    Env.addr_or_off("RELAY_METRICS_ADDR")
 }
 
 pub const DEFAULT_ENDPOINT_QUOTA: i32 = 5;

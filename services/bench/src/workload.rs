@@ -89,6 +89,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
         ("RELAY_TLS_CA", work.join("ca.pem").display().to_string()),
         ("RELAY_TLS_CERT", work.join("dispatcher.pem").display().to_string()),
         ("RELAY_TLS_KEY", work.join("dispatcher-key.pem").display().to_string()),
+        ("RELAY_HEALTH_ADDR", "off".into()),
         ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
         ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
     ];

@@ -91,6 +91,12 @@ pub const KNOBS: &[Knob] = &[
         "127.0.0.1:9464",
         "the operator's Prometheus port, `GET /metrics` (`off` disables it): attempts by decision, attempt latency, queue depths, attempts in flight per endpoint",
     ),
+    knob(
+        "RELAY_HEALTH_ADDR",
+        Dispatcher,
+        "127.0.0.1:9465",
+        "the dispatcher's health port (`off` disables it): `GET /healthz` (alive), `GET /readyz` (connected to NATS)",
+    ),
     knob("RELAY_TLS_CLIENT_CA", Api, "", "the CA whose client certificates the internal port accepts (required)"),
     knob("RELAY_TLS_CERT", Both, "", "this service's mTLS certificate, PEM (required)"),
     knob("RELAY_TLS_KEY", Both, "", "this service's mTLS key, PEM (required)"),
@@ -296,6 +302,14 @@ impl Env {
     pub fn addr(&self, name: &str) -> Result<SocketAddr> {
         let raw = self.string_or_default(name);
         raw.trim().parse().with_context(|| format!("{name} must be host:port, got {raw:?}"))
+    }
+
+    /// A listen address, or `None` when the variable says `off`.
+    pub fn addr_or_off(&self, name: &str) -> Result<Option<SocketAddr>> {
+        match self.string(name).as_deref().map(str::trim) {
+            Some("off") => Ok(None),
+            _ => self.addr(name).map(Some),
+        }
     }
 
     /// A required file path.

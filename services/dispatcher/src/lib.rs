@@ -22,9 +22,52 @@ pub use crate::config::DispatcherConfig;
 pub struct RunningDispatcher {
     shutdown: watch::Sender<bool>,
     tasks: JoinSet<Result<()>>,
+    nats: async_nats::Client,
+}
+
+/// What the health port answers from.
+#[derive(Clone)]
+pub struct Readiness {
+    nats: async_nats::Client,
+}
+
+impl Readiness {
+    /// Ready while connected to a NATS server: that is all the dispatcher
+    /// needs to take work (the api's seam is called per job, and a job
+    /// whose call fails comes back).
+    pub fn ready(&self) -> bool {
+        self.nats.connection_state() == async_nats::connection::State::Connected
+    }
+}
+
+/// `GET /healthz` (the process answers) and `GET /readyz` (200 when
+/// connected to NATS, 503 otherwise), until `stop` resolves.
+pub async fn serve_health(
+    listener: tokio::net::TcpListener,
+    readiness: Readiness,
+    stop: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let router = axum::Router::new().route("/healthz", axum::routing::get(|| async { "ok" })).route(
+        "/readyz",
+        axum::routing::get(move || {
+            let ready = readiness.ready();
+            async move {
+                if ready {
+                    (http::StatusCode::OK, r#"{"nats":true}"#)
+                } else {
+                    (http::StatusCode::SERVICE_UNAVAILABLE, r#"{"nats":false}"#)
+                }
+            }
+        }),
+    );
+    axum::serve(listener, router).with_graceful_shutdown(stop).await.context("health server")
 }
 
 impl RunningDispatcher {
+    pub fn readiness(&self) -> Readiness {
+        Readiness { nats: self.nats.clone() }
+    }
+
     pub async fn shutdown(mut self) -> Result<()> {
         let _ = self.shutdown.send(true);
         while let Some(done) = self.tasks.join_next().await {
@@ -58,7 +101,7 @@ pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
         .connect(servers)
         .await
         .with_context(|| format!("connecting to NATS at {}", cfg.nats_url))?;
-    let js = async_nats::jetstream::new(client);
+    let js = async_nats::jetstream::new(client.clone());
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
     // One set of lanes: jobs from DELIVERIES and first attempts handed over
@@ -68,7 +111,7 @@ pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
         let (js, names, seam, cfg, lanes, stop) = (js.clone(), names.clone(), seam.clone(), cfg.clone(), lanes.clone(), stop_rx.clone());
         tasks.spawn(supervise(which, js, names, seam, cfg, lanes, stop));
     }
-    Ok(RunningDispatcher { shutdown: stop_tx, tasks })
+    Ok(RunningDispatcher { shutdown: stop_tx, tasks, nats: client })
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -16,13 +16,32 @@ async fn serve() -> Result<()> {
     let telemetry = relay_telemetry::init_with("relay-dispatcher").context("invalid telemetry configuration")?;
     let cfg = DispatcherConfig::from_env().context("invalid configuration")?;
     tracing::info!(api = %cfg.api_url, "relay-dispatcher starting");
+    let health = relay_config::Env.addr_or_off("RELAY_HEALTH_ADDR").context("invalid configuration")?;
+    let health = match health {
+        Some(a) => Some(tokio::net::TcpListener::bind(a).await.with_context(|| format!("binding {a}"))?),
+        None => None,
+    };
     let mut d = relay_dispatcher::run(cfg).await?;
+    let (health_stop, health_stopped) = tokio::sync::oneshot::channel::<()>();
+    if let Some(listener) = health {
+        let readiness = d.readiness();
+        tokio::spawn(async move {
+            if let Err(e) = relay_dispatcher::serve_health(listener, readiness, async move {
+                let _ = health_stopped.await;
+            })
+            .await
+            {
+                tracing::error!(error = format!("{e:#}"), "the health port stopped");
+            }
+        });
+    }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         r = d.wait() => r.context("a dispatcher task stopped")?,
         _ = tokio::signal::ctrl_c() => d.shutdown().await?,
         _ = term.recv() => d.shutdown().await?,
     }
+    let _ = health_stop.send(());
     // Spans still queued for the collector go out before the process ends.
     telemetry.shutdown()
 }

@@ -31,12 +31,20 @@ use crate::config::DispatcherConfig;
 pub type Seam = DispatchServiceClient<Failover>;
 
 /// The apis' channels, and which one calls go to now.
-#[derive(Clone)]
 pub struct Failover {
     channels: Arc<[(String, Channel)]>,
     current: Arc<AtomicUsize>,
     /// The channel `poll_ready` made ready, which the next `call` uses.
     picked: Option<(usize, Channel)>,
+}
+
+impl Clone for Failover {
+    /// A clone shares the channels and the choice, not the channel this one
+    /// made ready: readiness is a slot reserved in that channel's buffer,
+    /// which a clone of the channel does not hold.
+    fn clone(&self) -> Self {
+        Self { channels: self.channels.clone(), current: self.current.clone(), picked: None }
+    }
 }
 
 impl std::fmt::Debug for Failover {

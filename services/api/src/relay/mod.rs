@@ -95,7 +95,11 @@ pub(crate) async fn on_held<T>(conn: &tokio::sync::Mutex<Held>, pass: impl Async
     result
 }
 
-/// After a failure (broker or database away): back off, but not forever.
+/// After a failure (broker or database away): back off, but by at most a
+/// second. What ends such a failure is usually a JetStream leader's election
+/// or a Postgres promotion, which take seconds; a cap of 3 s added up to 3 s
+/// of delivery delay after either was over (the cluster test), while a pass a
+/// second against an unreachable broker costs next to nothing.
 pub(crate) fn backoff(failures: u32) -> Duration {
-    Duration::from_millis(100u64.saturating_mul(1 << failures.min(5))).min(Duration::from_secs(3))
+    Duration::from_millis(100u64.saturating_mul(1 << failures.min(5))).min(Duration::from_secs(1))
 }
