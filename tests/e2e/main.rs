@@ -3,6 +3,7 @@
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
 mod delivery;
+mod deploy;
 mod edges;
 mod faults;
 mod health;

@@ -162,7 +162,13 @@ pub async fn settle(pg: &sqlx::PgPool, ledger: &Ledger, receiver: &Receiver, pat
     let owed: HashSet<String> = ledger.accepted.keys().chain(&stored_unconfirmed).map(Uuid::to_string).collect();
     let started = Instant::now();
     let all_arrived = eventually(Duration::from_secs(180), || async {
-        paths.iter().all(|p| owed.iter().all(|id| arrivals(receiver, p).contains_key(id))).then_some(())
+        paths
+            .iter()
+            .all(|p| {
+                let got = arrivals(receiver, p);
+                owed.iter().all(|id| got.contains_key(id))
+            })
+            .then_some(())
     })
     .await
     .is_some();

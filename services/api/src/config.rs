@@ -85,6 +85,7 @@ pub const DEFAULT_ENDPOINT_QUOTA: i32 = 5;
 impl ApiConfig {
     pub fn from_env() -> Result<Self> {
         let env = Env;
+        env.check_files()?;
         let deployment = Deployment::from_env()?;
         let url_policy = Policy::from_dev_settings(
             env.string("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),

@@ -84,6 +84,34 @@ impl RunningApi {
     }
 }
 
+/// With the migrations run elsewhere (`relay-api migrate`, a deployment's
+/// Job), the api refuses to start on a database that lacks any this build
+/// needs, rather than fail on its first statement. A database ahead of it
+/// (a rollback of the binaries) is accepted: migrations only add.
+async fn schema_is_current(db: &sqlx::PgPool) -> Result<()> {
+    use sqlx::migrate::Migrate;
+    let mut conn = db.acquire().await.context("checking the database's migrations")?;
+    let applied: std::collections::HashSet<i64> = conn
+        .list_applied_migrations(&MIGRATOR.table_name)
+        .await
+        .context("reading the database's applied migrations (none at all: run `relay-api migrate` first)")?
+        .into_iter()
+        .map(|m| m.version)
+        .collect();
+    let missing: Vec<String> = MIGRATOR
+        .iter()
+        .filter(|m| m.migration_type.is_up_migration() && !applied.contains(&m.version))
+        .map(|m| format!("{} {}", m.version, m.description))
+        .collect();
+    anyhow::ensure!(
+        missing.is_empty(),
+        "the database lacks {} migration(s) this build needs ({}): run `relay-api migrate` (the relay-migrate Job) first, or unset RELAY_SKIP_MIGRATIONS",
+        missing.len(),
+        missing.join(", ")
+    );
+    Ok(())
+}
+
 async fn stopped(mut rx: watch::Receiver<bool>) {
     let _ = rx.wait_for(|stop| *stop).await;
 }
@@ -93,6 +121,8 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let (db, primary_follower) = db::connect(&cfg.database_url, cfg.pool_size, cfg.db_acquire_timeout).await?;
     if cfg.run_migrations {
         MIGRATOR.run(&db).await.context("running migrations")?;
+    } else {
+        schema_is_current(&db).await?;
     }
     let names = StreamNames::new(&cfg.stream_prefix).map_err(anyhow::Error::msg)?;
     let js = broker::connect(&cfg.nats_url).await?;

@@ -9,9 +9,16 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    if std::env::args().nth(1).as_deref() == Some("openapi") {
-        print!("{}", relay_api::openapi::rendered()?);
-        return Ok(());
+    match std::env::args().nth(1).as_deref() {
+        Some("openapi") => {
+            print!("{}", relay_api::openapi::rendered()?);
+            return Ok(());
+        }
+        // Run the migrations and exit: a deployment runs this once (a
+        // Kubernetes Job) before rolling out apis that skip them.
+        Some("migrate") => return migrate().await,
+        Some(other) => anyhow::bail!("unknown command {other:?}: relay-api [openapi | migrate]"),
+        None => {}
     }
     let telemetry = relay_telemetry::init_with("relay-api").context("invalid telemetry configuration")?;
     let cfg = ApiConfig::from_env().context("invalid configuration")?;
@@ -33,6 +40,18 @@ async fn main() -> Result<()> {
         }
     }
     // Spans still queued for the collector go out before the process ends.
+    telemetry.shutdown()
+}
+
+async fn migrate() -> Result<()> {
+    let telemetry = relay_telemetry::init_with("relay-api").context("invalid telemetry configuration")?;
+    relay_config::Env.check_files().context("invalid configuration")?;
+    let url = relay_config::Env.string_or_default("DATABASE_URL");
+    let (db, _) = relay_api::db::connect(&url, 2, std::time::Duration::from_secs(30)).await?;
+    relay_api::MIGRATOR.run(&db).await.context("running migrations")?;
+    let applied = relay_api::MIGRATOR.iter().filter(|m| m.migration_type.is_up_migration()).count();
+    tracing::info!(migrations = applied, "the database is at the latest migration");
+    db.close().await;
     telemetry.shutdown()
 }
 

@@ -253,14 +253,40 @@ impl Deployment {
 }
 
 /// Reads catalogued variables from the process environment. Unset and blank
-/// are the same: the default.
+/// are the same: the default. Any variable may instead be given as a file:
+/// `<NAME>_FILE` names a file whose contents (less a final newline) are the
+/// value — how a secret mounted as a file (Kubernetes, Docker secrets)
+/// reaches a setting without sitting in the process's environment.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Env;
+
+/// The suffix that makes a variable name a path to the value.
+pub const FILE_SUFFIX: &str = "_FILE";
 
 impl Env {
     pub fn string(&self, name: &str) -> Option<String> {
         knob_named(name);
+        if let Some(path) = std::env::var_os(format!("{name}{FILE_SUFFIX}")).filter(|p| !p.is_empty()) {
+            // Checked readable by `check_files` at start-up; unreadable now is as unset.
+            let value = std::fs::read_to_string(path).ok()?;
+            let value = value.strip_suffix('\n').map(|v| v.strip_suffix('\r').unwrap_or(v)).unwrap_or(&value);
+            return Some(value.to_string()).filter(|v| !v.trim().is_empty());
+        }
         std::env::var(name).ok().filter(|v| !v.trim().is_empty())
+    }
+
+    /// Every `<NAME>_FILE` given for a catalogued variable names a readable
+    /// file, and no variable is given both ways. Call before reading settings.
+    pub fn check_files(&self) -> Result<()> {
+        for k in KNOBS {
+            let file_var = format!("{}{FILE_SUFFIX}", k.name);
+            let Some(path) = std::env::var_os(&file_var).filter(|p| !p.is_empty()) else { continue };
+            if std::env::var_os(k.name).is_some_and(|v| !v.is_empty()) {
+                bail!("{} and {file_var} are both set: give the value one way", k.name);
+            }
+            std::fs::read_to_string(&path).with_context(|| format!("{file_var}: reading {}", std::path::Path::new(&path).display()))?;
+        }
+        Ok(())
     }
 
     /// The value, or the catalogue's default.

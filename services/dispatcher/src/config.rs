@@ -37,6 +37,7 @@ pub struct DispatcherConfig {
 impl DispatcherConfig {
     pub fn from_env() -> Result<Self> {
         let env = Env;
+        env.check_files()?;
         let cfg = Self {
             production: Deployment::from_env()?.is_production(),
             nats_url: env.string_or_default("RELAY_NATS_URL"),
