@@ -8,6 +8,7 @@ mod edges;
 mod faults;
 mod health;
 mod receiving;
+mod retention;
 mod schemes;
 mod security;
 mod ssrf;

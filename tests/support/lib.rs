@@ -292,6 +292,7 @@ impl Stack {
             run_relays: true,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_millis(200),
+            retention: Duration::from_secs(30 * 24 * 3600),
             health: relay_api::app::HealthSettings {
                 circuit: relay_api::app::health::CircuitPolicy {
                     open_after: opts.circuit_open_after,

@@ -62,8 +62,11 @@ pub struct ApiConfig {
     /// default true); an api can also serve requests only.
     pub run_relays: bool,
     pub dead_letter_retention: Duration,
-    /// How often dead letters past their retention are deleted.
+    /// How often dead letters and events past their retention are deleted.
     pub dead_letter_prune_every: Duration,
+    /// How long an event, its deliveries and its attempt log are kept once
+    /// every delivery has ended (`RELAY_RETENTION_DAYS`).
+    pub retention: Duration,
     pub health: HealthSettings,
 }
 
@@ -152,6 +155,7 @@ impl ApiConfig {
             run_relays: env.flag("RELAY_RUN_RELAYS")?,
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_secs(600),
+            retention: Duration::from_secs(env.number::<u64>("RELAY_RETENTION_DAYS", 8..=3650)? * 24 * 3600),
         };
         cfg.validate()?;
         // The dispatcher's timeouts, read here too, so the lease rule that
@@ -189,6 +193,13 @@ impl ApiConfig {
             }
         }
         relay_config::nats_servers(&self.nats_url)?;
+        if self.retention <= self.dead_letter_retention {
+            bail!(
+                "the retention ({} days) must outlast a dead letter's {} days: an event stays while its dead letter can be replayed",
+                self.retention.as_secs() / 86_400,
+                self.dead_letter_retention.as_secs() / 86_400
+            );
+        }
         if self.endpoint_in_flight_cap < 1 {
             bail!("RELAY_ENDPOINT_IN_FLIGHT_CAP must be at least 1, got {}", self.endpoint_in_flight_cap);
         }

@@ -230,9 +230,11 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
     {
         let (app, mut stop) = (app.clone(), stop_rx.clone());
-        let (every, retention) = (cfg.dead_letter_prune_every, cfg.dead_letter_retention);
+        let (every, retention, event_retention) = (cfg.dead_letter_prune_every, cfg.dead_letter_retention, cfg.retention);
         tasks.spawn(async move {
             let mut tick = tokio::time::interval(every);
+            // Where the walk over old events stands between ticks.
+            let mut cursor = 0i64;
             loop {
                 tokio::select! {
                     _ = tick.tick() => {
@@ -240,6 +242,17 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                             Ok(0) => {}
                             Ok(n) => tracing::info!(pruned = n, "dead letters past retention deleted"),
                             Err(e) => tracing::warn!(error = ?e, "pruning dead letters failed"),
+                        }
+                        // Bounded per tick, so a large backlog of old events
+                        // is worked off over several ticks, never in one long pass.
+                        match app.prune_retained(event_retention, cursor, 20_000).await {
+                            Ok((next, pruned)) => {
+                                cursor = next;
+                                if pruned.events > 0 || pruned.deliveries > 0 {
+                                    tracing::info!(events = pruned.events, deliveries = pruned.deliveries, attempts = pruned.attempts, "events past retention deleted");
+                                }
+                            }
+                            Err(e) => tracing::warn!(error = ?e, "pruning events past retention failed"),
                         }
                         if let Err(e) = app.prune_attempt_claims().await {
                             tracing::warn!(error = ?e, "pruning expired attempt claims failed");

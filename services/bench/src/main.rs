@@ -30,6 +30,8 @@ async fn main() -> Result<()> {
     let env = Env {
         pg_admin_url: std::env::var("RELAY_BENCH_PG").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into()),
         nats_url: std::env::var("RELAY_BENCH_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".into()),
+        // On a NATS cluster (deploy/local/cluster's: RELAY_BENCH_NATS=nats://127.0.0.1:4301,... and 3).
+        stream_replicas: std::env::var("RELAY_BENCH_STREAM_REPLICAS").unwrap_or_else(|_| "1".into()),
         bin_dir: exe.parent().context("no binary dir")?.to_path_buf(),
     };
     std::fs::create_dir_all(&out)?;
@@ -45,6 +47,9 @@ async fn main() -> Result<()> {
         rows.push(r.markdown_row());
         if let Some(breakdown) = r.statement_breakdown() {
             eprintln!("{breakdown}");
+        }
+        if let Some(stored) = r.storage_line() {
+            eprintln!("{stored}");
         }
         bad |= r.missing > 0 || r.duplicates > 0;
     }

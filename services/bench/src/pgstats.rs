@@ -18,6 +18,12 @@ pub struct PgCounters {
     /// Table rows the bench database read by sequential scan: a hot path
     /// should find its rows through an index, so this stays near zero.
     pub rows_seq_scanned: Option<i64>,
+    /// Bytes on disk (heap, indexes, TOAST) of the tables that grow with
+    /// traffic — events, deliveries, the attempt log, the expansion ledger,
+    /// dead letters — and their rows: what a delivery leaves behind for the
+    /// retention window (`RELAY_RETENTION_DAYS`).
+    pub stored_bytes: Option<i64>,
+    pub stored_rows: Option<i64>,
     /// Where the statements went: each statement of the bench database with
     /// its calls and time (the run's share once `since` has subtracted the
     /// reading before), most called first. Empty without `pg_stat_statements`.
@@ -39,6 +45,9 @@ pub struct StatementCost {
     /// Shared buffers it touched (hit or read): what it scanned.
     pub blocks: i64,
 }
+
+/// The tables whose size grows with traffic (and shrinks with retention).
+const STORED_TABLES: &[&str] = &["events", "webhook_deliveries", "delivery_attempts", "consumed_events", "webhook_dead_letters"];
 
 /// How many statements a run's breakdown keeps.
 const BREAKDOWN: usize = 25;
@@ -69,6 +78,8 @@ impl PgCounters {
             wal_bytes: d(self.wal_bytes, before.wal_bytes),
             commits: d(self.commits, before.commits),
             rows_seq_scanned: d(self.rows_seq_scanned, before.rows_seq_scanned),
+            stored_bytes: d(self.stored_bytes, before.stored_bytes),
+            stored_rows: d(self.stored_rows, before.stored_rows),
             by_statement,
         }
     }
@@ -149,16 +160,25 @@ pub async fn read(admin: &mut PgConnection, db: &str, db_url: &str) -> PgCounter
         })
         .unwrap_or_default();
     // Table statistics are per database: ask the bench database itself.
-    let rows_seq_scanned = match <PgConnection as sqlx::Connection>::connect(db_url).await {
+    let (rows_seq_scanned, stored_bytes, stored_rows) = match <PgConnection as sqlx::Connection>::connect(db_url).await {
         Ok(mut conn) => {
             let _ = sqlx::raw_sql("SELECT pg_stat_clear_snapshot()").execute(&mut conn).await;
-            one("SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables")
+            let scanned = one("SELECT coalesce(sum(seq_tup_read), 0)::bigint FROM pg_stat_user_tables")
                 .fetch_one(&mut conn)
                 .await
                 .ok()
-                .and_then(|r| r.try_get::<i64, _>(0).ok())
+                .and_then(|r| r.try_get::<i64, _>(0).ok());
+            let stored = one("SELECT (SELECT sum(pg_total_relation_size(t::regclass))::bigint FROM unnest($1::text[]) t),
+                        (SELECT count(*) FROM events) + (SELECT count(*) FROM webhook_deliveries) + (SELECT count(*) FROM delivery_attempts)
+                          + (SELECT count(*) FROM consumed_events) + (SELECT count(*) FROM webhook_dead_letters)")
+            .bind(STORED_TABLES)
+            .fetch_one(&mut conn)
+            .await
+            .ok();
+            let get = |i: usize| stored.as_ref().and_then(|r| r.try_get::<Option<i64>, _>(i).ok().flatten());
+            (scanned, get(0), get(1))
         }
-        Err(_) => None,
+        Err(_) => (None, None, None),
     };
-    PgCounters { statements, wal_bytes, commits, rows_seq_scanned, by_statement }
+    PgCounters { statements, wal_bytes, commits, rows_seq_scanned, stored_bytes, stored_rows, by_statement }
 }

@@ -38,14 +38,14 @@ pub fn pids_named(name: &str) -> Vec<u32> {
 /// A group of processes measured together (Postgres is many).
 #[derive(Debug, Clone)]
 pub enum Target {
-    Pid(u32),
+    Pids(Vec<u32>),
     Named(&'static str),
 }
 
 impl Target {
     fn pids(&self) -> Vec<u32> {
         match self {
-            Self::Pid(p) => vec![*p],
+            Self::Pids(p) => p.clone(),
             Self::Named(n) => pids_named(n),
         }
     }

@@ -40,6 +40,9 @@ pub struct PerDelivery {
     pub statements: Option<f64>,
     pub wal_bytes: Option<f64>,
     pub commits: Option<f64>,
+    /// Growth of the traffic tables (bytes on disk, rows) per delivery.
+    pub stored_bytes: Option<f64>,
+    pub stored_rows: Option<f64>,
 }
 
 /// What the run read off the processes and Postgres.
@@ -126,6 +129,8 @@ impl Report {
             statements: per(pg.statements),
             wal_bytes: per(pg.wal_bytes).map(f64::round),
             commits: per(pg.commits),
+            stored_bytes: per(pg.stored_bytes).map(f64::round),
+            stored_rows: per(pg.stored_rows),
         });
         let report = Self {
             workload: w.clone(),
@@ -153,6 +158,21 @@ impl Report {
         format!("{} / {} / {} / {}", p.cpu_ms, or_dash(p.statements), or_dash(p.wal_bytes), or_dash(p.commits))
     }
 
+    /// What the run left on disk per healthy delivery, for the retention
+    /// window's sizing.
+    pub fn storage_line(&self) -> Option<String> {
+        let (bytes, rows) = (self.postgres.stored_bytes?, self.postgres.stored_rows?);
+        (self.healthy_deliveries > 0).then(|| {
+            let n = self.healthy_deliveries as f64;
+            format!(
+                "{}: stored {:.0} bytes and {:.2} rows per delivery (events, deliveries, attempt log, expansion ledger, dead letters; heap, indexes and TOAST)",
+                self.workload.name,
+                bytes as f64 / n,
+                rows as f64 / n
+            )
+        })
+    }
+
     /// The run's statements, most called first, per healthy delivery: where
     /// the database budget goes.
     pub fn statement_breakdown(&self) -> Option<String> {
@@ -164,6 +184,7 @@ impl Report {
         if let Some(rows) = self.postgres.rows_seq_scanned {
             out += &format!("  rows read by sequential scans: {:.1} per delivery\n", rows as f64 / n);
         }
+
         for s in &self.postgres.by_statement {
             let per_call = (s.exec_ms + s.plan_ms) * 1000.0 / s.calls as f64;
             let blocks = s.blocks as f64 / s.calls as f64;

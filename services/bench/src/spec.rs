@@ -27,6 +27,10 @@ pub struct Workload {
     /// No traffic: the system sits this long with its endpoints registered
     /// and the run measures what it costs to do nothing (`idle`).
     pub idle_secs: u64,
+    /// apis and dispatchers run, this many of each (`w1x2`: two and two);
+    /// publishers spread over the apis, each dispatcher calls its own api
+    /// first.
+    pub replicas: usize,
 }
 
 /// Environments beside the measured one, each with its own endpoints.
@@ -52,6 +56,15 @@ impl Workload {
             }
             None => (name, None),
         };
+        // `<workload>x<N>`: N apis and N dispatchers.
+        let (base, replicas) = match base.rsplit_once('x') {
+            Some((b, n)) if !b.is_empty() && !n.is_empty() && n.bytes().all(|c| c.is_ascii_digit()) => {
+                let n: usize = n.parse().map_err(|_| anyhow::anyhow!("{name}: the count after x is too large"))?;
+                anyhow::ensure!((1..=8).contains(&n), "{name}: from 1 to 8 apis and dispatchers, got {n}");
+                (b, n)
+            }
+            _ => (base, 1),
+        };
         let w = |events, publishers, healthy, hanging, failing, backlog| Workload {
             name: name.to_owned(),
             events,
@@ -65,6 +78,7 @@ impl Workload {
             hostile: false,
             neighbours: None,
             idle_secs: 0,
+            replicas,
         };
         // The measured environment of W4 and W5 publishes at a steady rate
         // unless the name says otherwise.
@@ -115,7 +129,7 @@ impl Workload {
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
             other => bail!(
-                "unknown workload {other:?}: w1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally paced as <name>@<events per second>"
+                "unknown workload {other:?}: w1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
             ),
         })
     }

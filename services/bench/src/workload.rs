@@ -28,6 +28,8 @@ use crate::{
 pub struct Env {
     pub pg_admin_url: String,
     pub nats_url: String,
+    /// `RELAY_STREAM_REPLICAS` for the apis.
+    pub stream_replicas: String,
     pub bin_dir: PathBuf,
 }
 
@@ -62,38 +64,58 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     admin_conn.execute(sqlx::AssertSqlSafe(format!("CREATE DATABASE {tag}"))).await?;
     let work = std::env::temp_dir().join(&tag);
     relay_devkit::generate_pki()?.write(&work)?;
-    let (grpc, rest, internal) = (free_port().await?, free_port().await?, free_port().await?);
     let prefix = format!("{tag}_");
-    let api_env = vec![
-        ("DATABASE_URL", db_url.clone()),
-        ("RELAY_NATS_URL", env.nats_url.clone()),
-        ("RELAY_STREAM_PREFIX", prefix.clone()),
-        ("RELAY_TLS_CLIENT_CA", work.join("ca.pem").display().to_string()),
-        ("RELAY_TLS_CERT", work.join("api.pem").display().to_string()),
-        ("RELAY_TLS_KEY", work.join("api-key.pem").display().to_string()),
-        ("RELAY_GRPC_ADDR", grpc.to_string()),
-        ("RELAY_REST_ADDR", rest.to_string()),
-        ("RELAY_INTERNAL_ADDR", internal.to_string()),
-        ("RELAY_METRICS_ADDR", "off".into()),
-        ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
-        ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
-    ];
-    let (api, api_pid) = Child::spawn(env.bin_dir.join("relay-api"), &api_env, work.join("api.log"))?;
-    let rest_url = format!("http://{rest}");
+    let mut ports = Vec::new();
+    for _ in 0..w.replicas {
+        ports.push((free_port().await?, free_port().await?, free_port().await?));
+    }
+    let internal_url = |i: usize| format!("https://127.0.0.1:{}", ports[i].2.port());
     let http = reqwest::Client::builder().pool_max_idle_per_host(w.publishers).build()?;
-    wait_healthy(&http, &rest_url).await?;
-    let dispatcher_env = vec![
-        ("RELAY_NATS_URL", env.nats_url.clone()),
-        ("RELAY_STREAM_PREFIX", prefix.clone()),
-        ("RELAY_API_INTERNAL_URL", format!("https://127.0.0.1:{}", internal.port())),
-        ("RELAY_TLS_CA", work.join("ca.pem").display().to_string()),
-        ("RELAY_TLS_CERT", work.join("dispatcher.pem").display().to_string()),
-        ("RELAY_TLS_KEY", work.join("dispatcher-key.pem").display().to_string()),
-        ("RELAY_HEALTH_ADDR", "off".into()),
-        ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
-        ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
-    ];
-    let (dispatcher, dispatcher_pid) = Child::spawn(env.bin_dir.join("relay-dispatcher"), &dispatcher_env, work.join("dispatcher.log"))?;
+    let (mut apis, mut api_pids) = (Vec::new(), Vec::new());
+    for (i, (grpc, rest, internal)) in ports.iter().enumerate() {
+        let api_env = vec![
+            ("DATABASE_URL", db_url.clone()),
+            ("RELAY_NATS_URL", env.nats_url.clone()),
+            ("RELAY_STREAM_REPLICAS", env.stream_replicas.clone()),
+            ("RELAY_STREAM_PREFIX", prefix.clone()),
+            ("RELAY_TLS_CLIENT_CA", work.join("ca.pem").display().to_string()),
+            ("RELAY_TLS_CERT", work.join("api.pem").display().to_string()),
+            ("RELAY_TLS_KEY", work.join("api-key.pem").display().to_string()),
+            ("RELAY_GRPC_ADDR", grpc.to_string()),
+            ("RELAY_REST_ADDR", rest.to_string()),
+            ("RELAY_INTERNAL_ADDR", internal.to_string()),
+            ("RELAY_METRICS_ADDR", "off".into()),
+            ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
+            ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
+        ];
+        let (api, pid) = Child::spawn(env.bin_dir.join("relay-api"), &api_env, work.join(format!("api{i}.log")))?;
+        apis.push(api);
+        api_pids.push(pid);
+        // One at a time: the first runs the migrations.
+        wait_healthy(&http, &format!("http://{rest}")).await?;
+    }
+    let rest_urls: Vec<String> = ports.iter().map(|(_, rest, _)| format!("http://{rest}")).collect();
+    let rest_url = rest_urls[0].clone();
+    let (mut dispatchers, mut dispatcher_pids) = (Vec::new(), Vec::new());
+    for i in 0..w.replicas {
+        // Its own api first, the others after a failure.
+        let apis_in_turn: Vec<String> = (0..w.replicas).map(|j| internal_url((i + j) % w.replicas)).collect();
+        let dispatcher_env = vec![
+            ("RELAY_NATS_URL", env.nats_url.clone()),
+            ("RELAY_STREAM_PREFIX", prefix.clone()),
+            ("RELAY_API_INTERNAL_URL", apis_in_turn.join(",")),
+            ("RELAY_TLS_CA", work.join("ca.pem").display().to_string()),
+            ("RELAY_TLS_CERT", work.join("dispatcher.pem").display().to_string()),
+            ("RELAY_TLS_KEY", work.join("dispatcher-key.pem").display().to_string()),
+            ("RELAY_HEALTH_ADDR", "off".into()),
+            ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),
+            ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "127.0.0.0/8".into()),
+        ];
+        let (dispatcher, pid) =
+            Child::spawn(env.bin_dir.join("relay-dispatcher"), &dispatcher_env, work.join(format!("dispatcher{i}.log")))?;
+        dispatchers.push(dispatcher);
+        dispatcher_pids.push(pid);
+    }
 
     // The tenant, through the operator's AdminService.
     let read = |f: &str| std::fs::read(work.join(f)).with_context(|| format!("reading {f}"));
@@ -101,7 +123,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
         .ca_certificate(Certificate::from_pem(read("ca.pem")?))
         .identity(Identity::from_pem(read("operator.pem")?, read("operator-key.pem")?))
         .domain_name(relay_devkit::API_TLS_NAME);
-    let channel = Channel::from_shared(format!("https://127.0.0.1:{}", internal.port()))?.tls_config(tls)?.connect().await?;
+    let channel = Channel::from_shared(internal_url(0))?.tls_config(tls)?.connect().await?;
     let mut admin = AdminServiceClient::new(channel);
     let (environment_id, key) = environment_with_key(&mut admin, format!("bench-{}", w.name), w.endpoints() as u32).await?;
 
@@ -132,10 +154,10 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
 
     // Measure from here. (Said on stderr, with the pids, for a profiler to
     // start on: what came before is setup.)
-    eprintln!("measuring: api pid {api_pid}, dispatcher pid {dispatcher_pid}");
+    eprintln!("measuring: api pids {api_pids:?}, dispatcher pids {dispatcher_pids:?}");
     crate::pgstats::prepare(&mut admin_conn).await;
     let pg_before = crate::pgstats::read(&mut admin_conn, &tag, &db_url).await;
-    let targets = vec![Target::Pid(api_pid), Target::Pid(dispatcher_pid), Target::Named("postgres")];
+    let targets = vec![Target::Pids(api_pids.clone()), Target::Pids(dispatcher_pids.clone()), Target::Named("postgres")];
     let cpu_before: Vec<f64> = targets.iter().map(Target::cpu).collect();
     // Reading smaps of every Postgres backend is not free: sample often
     // enough to see the peak of a run that lasts seconds, and no more.
@@ -149,7 +171,8 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     }
     let mut publishers = Vec::new();
     for _ in 0..w.publishers {
-        let (http, ids, next, key, url, filler) = (http.clone(), ids.clone(), next.clone(), key.clone(), rest_url.clone(), filler.clone());
+        let (http, ids, next, key, urls, filler) =
+            (http.clone(), ids.clone(), next.clone(), key.clone(), rest_urls.clone(), filler.clone());
         let rate = w.rate;
         publishers.push(tokio::spawn(async move {
             let mut sent: Vec<(usize, Instant)> = Vec::new();
@@ -166,6 +189,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
                 // An overloaded api says when to come back; a client that
                 // listens publishes the same id again then.
                 loop {
+                    let url = &urls[i % urls.len()];
                     let resp = http.post(format!("{url}/v1/events")).bearer_auth(&key).json(&body).send().await?;
                     match resp.status().as_u16() {
                         202 => break,
@@ -180,7 +204,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
             }
         }));
     }
-    let hostile = w.hostile.then(|| tokio::spawn(hostile_bodies(rest, key.clone())));
+    let hostile = w.hostile.then(|| tokio::spawn(hostile_bodies(ports[0].1, key.clone())));
     let beside = w.neighbours.clone().map(|n| tokio::spawn(publish_beside(http.clone(), rest_url.clone(), neighbour_keys, n)));
     let mut published_at: HashMap<String, Instant> = HashMap::with_capacity(w.events);
     for p in publishers {
@@ -223,8 +247,8 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     // that went idle sooner than that after its last report only ten seconds
     // later, or when it exits: so the services stop (their connections
     // close, their backends exit and report) before the counters are read.
-    drop(dispatcher);
-    drop(api);
+    drop(dispatchers);
+    drop(apis);
     crate::pgstats::await_backends_gone(&mut admin_conn, &tag).await;
     let pg = crate::pgstats::read(&mut admin_conn, &tag, &db_url).await.since(&pg_before);
 

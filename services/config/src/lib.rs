@@ -145,6 +145,12 @@ pub const KNOBS: &[Knob] = &[
         "first and longest wait before probing an open circuit, in ms (tests only; production refuses a change)",
     ),
     knob("RELAY_RELEASE_PER_SECOND", Api, "20", "held deliveries released per second per endpoint once it recovers (1–10000)"),
+    knob(
+        "RELAY_RETENTION_DAYS",
+        Api,
+        "30",
+        "days an event, its deliveries and their attempt log are kept once every delivery has ended (8–3650; longer than a dead letter's 7): the storage bound",
+    ),
     knob("RELAY_SKIP_MIGRATIONS", Api, "false", "do not run the migrations at start-up"),
     knob("RELAY_RUN_RELAYS", Api, "true", "run the outbox and delivery relays in this process (an api can also only serve requests)"),
     knob(

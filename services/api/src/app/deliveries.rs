@@ -162,6 +162,28 @@ impl App {
         db::dead_letters::prune(&self.db, retention).await
     }
 
+    /// One round of the retention walk (see `db::retention`): from `cursor`,
+    /// batch after batch, until it reaches events younger than `retention`
+    /// or has looked at `budget` events; returns where the walk stands (0:
+    /// the round is done, the next starts from the oldest event again) and
+    /// what it removed.
+    pub async fn prune_retained(&self, retention: Duration, cursor: i64, budget: i64) -> AppResult<(i64, db::retention::Pruned)> {
+        const BATCH: i64 = 500;
+        let (mut cursor, mut total, mut looked) = (cursor, db::retention::Pruned::default(), 0);
+        while looked < budget {
+            let pass = db::retention::prune_events(&self.db, retention, cursor, BATCH).await?;
+            looked += BATCH;
+            total.events += pass.events;
+            total.deliveries += pass.deliveries;
+            total.attempts += pass.attempts;
+            match pass.last_seq {
+                Some(seq) if !pass.reached_young => cursor = seq,
+                _ => return Ok((0, total)),
+            }
+        }
+        Ok((cursor, total))
+    }
+
     pub async fn list_dead_letters(&self, tenant: Tenant) -> AppResult<Vec<DeadLetter>> {
         db::dead_letters::list(&self.db, tenant.environment_id).await
     }

@@ -76,6 +76,7 @@ pub mod lane;
 pub mod models;
 pub mod operations;
 pub mod primary;
+pub mod retention;
 
 /// Whether Postgres answers a query now (readiness).
 pub async fn answers(db: &PgPool) -> bool {
