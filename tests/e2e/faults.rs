@@ -169,6 +169,13 @@ async fn stopping_nats_while_events_are_published_loses_nothing() -> anyhow::Res
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(receiver.at("/n").len(), 5, "nothing can move while the broker is down");
+    // What the "broker unavailable" alert reads (docs/operations.md).
+    let metrics = reqwest::get(&stack.metrics_url).await?.text().await?;
+    assert!(metrics.contains("relay_dependency_up{dependency=\"nats\"} 0"), "{metrics}");
+    assert!(metrics.contains("relay_queue_depth{queue=\"outbox_unpublished\"} 10"), "{metrics}");
+    let oldest: f64 =
+        metrics.lines().find_map(|l| l.strip_prefix("relay_outbox_oldest_seconds ")).and_then(|v| v.parse().ok()).unwrap_or(0.0);
+    assert!(oldest > 0.4, "the oldest unpublished event's age is shown: {oldest}");
     nats.resume().await?;
     assert!(eventually(Duration::from_secs(20), || async { (ready().await == 200).then_some(()) }).await.is_some(), "ready again");
 

@@ -68,6 +68,10 @@ async fn a_failing_endpoint_is_held_where_no_pass_looks_then_a_probe_brings_it_b
     assert_eq!(num(&ep["held_deliveries"]), 11, "{ep}");
     let one = rest.deliveries(&later[0]).await?;
     assert_eq!(one[0]["state"], "DELIVERY_STATE_HELD", "{one:?}");
+    // What an operator's alert sees: one open circuit, eleven held.
+    let metrics = reqwest::get(&stack.metrics_url).await?.text().await?;
+    assert!(metrics.contains("relay_endpoint_circuits{state=\"open\"} 1"), "{metrics}");
+    assert!(metrics.contains("relay_queue_depth{queue=\"deliveries_held\"} 11"), "{metrics}");
 
     // The tenant sees them, a page at a time, in the order they fall due:
     // the first event's next attempt (its 6th) first, then the rest.

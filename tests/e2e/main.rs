@@ -109,6 +109,10 @@ async fn one_signed_webhook_travels_through_every_component() -> anyhow::Result<
     assert!(metrics.contains("relay_attempts_total{decision=\"delivered\"} 1"), "{metrics}");
     assert!(metrics.contains("relay_attempt_latency_seconds_count{decision=\"delivered\"} 1"), "{metrics}");
     assert!(metrics.contains("relay_queue_depth{queue=\"outbox_unpublished\"} 0"), "{metrics}");
+    assert!(metrics.contains("relay_outbox_oldest_seconds 0"), "{metrics}");
+    assert!(metrics.contains("relay_dependency_up{dependency=\"postgres\"} 1"), "{metrics}");
+    assert!(metrics.contains("relay_dependency_up{dependency=\"nats\"} 1"), "{metrics}");
+    assert!(metrics.contains("relay_endpoint_circuits{state=\"open\"} 0"), "{metrics}");
     assert!(!metrics.contains(&secret) && !metrics.contains(&tenant.api_key) && !metrics.contains("in_123"), "metrics leak: {metrics}");
 
     stack.stop().await

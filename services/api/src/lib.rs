@@ -364,12 +364,15 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     }
 
     if let Some(listener) = listeners.metrics {
-        let app = app.clone();
+        let (app, js) = (app.clone(), js.clone());
         let router = axum::Router::new().route(
             "/metrics",
             axum::routing::get(move || {
-                let app = app.clone();
-                async move { ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app.db).await) }
+                let (app, js) = (app.clone(), js.clone());
+                async move {
+                    let nats_up = js.client().connection_state() == async_nats::connection::State::Connected;
+                    ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app.db, nats_up).await)
+                }
             }),
         );
         let stop = stopped(stop_rx.clone());

@@ -1,7 +1,7 @@
 //! Prometheus metrics, served as text on the operator's metrics port.
 //! Labels carry decisions and never a secret, key, URL or payload.
 
-use prometheus::{Encoder, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Gauge, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use crate::db::depths;
 
@@ -15,6 +15,12 @@ pub struct Metrics {
     depths: IntGaugeVec,
     /// Attempts handed to the broker and not yet reported, per endpoint.
     endpoint_in_flight: IntGaugeVec,
+    /// Endpoints by circuit state (open, half_open).
+    circuits: IntGaugeVec,
+    /// Age of the oldest event not yet published to the broker.
+    oldest_unpublished: Gauge,
+    /// 1 while this api reaches the dependency (postgres, nats), else 0.
+    dependency_up: IntGaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -43,21 +49,45 @@ impl Default for Metrics {
             &["endpoint_id"],
         )
         .expect("valid metric");
+        let circuits =
+            IntGaugeVec::new(Opts::new("relay_endpoint_circuits", "Endpoints whose circuit is not closed, by state"), &["state"])
+                .expect("valid metric");
+        let oldest_unpublished =
+            Gauge::new("relay_outbox_oldest_seconds", "Age of the oldest event not yet published to NATS (0 when none waits)")
+                .expect("valid metric");
+        let dependency_up =
+            IntGaugeVec::new(Opts::new("relay_dependency_up", "1 while this api reaches the dependency, else 0"), &["dependency"])
+                .expect("valid metric");
         for m in [
             Box::new(attempts.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempt_latency.clone()),
             Box::new(depths.clone()),
             Box::new(endpoint_in_flight.clone()),
+            Box::new(circuits.clone()),
+            Box::new(oldest_unpublished.clone()),
+            Box::new(dependency_up.clone()),
         ] {
             registry.register(m).expect("metrics register once");
         }
-        Self { registry, attempts, attempt_latency, depths, endpoint_in_flight }
+        Self { registry, attempts, attempt_latency, depths, endpoint_in_flight, circuits, oldest_unpublished, dependency_up }
     }
 }
 
 impl Metrics {
-    /// The text exposition, with the queue depths read now.
-    pub async fn render(&self, db: &sqlx::PgPool) -> String {
+    /// The text exposition, with the queue depths read now; `nats_up`: this
+    /// api's broker connection is up.
+    pub async fn render(&self, db: &sqlx::PgPool, nats_up: bool) -> String {
+        self.dependency_up.with_label_values(&["nats"]).set(i64::from(nats_up));
+        self.dependency_up.with_label_values(&["postgres"]).set(i64::from(crate::db::answers(db).await));
+        match depths::operational_gauges(db).await {
+            Ok(g) => {
+                self.depths.with_label_values(&["deliveries_held"]).set(g.deliveries_held);
+                self.oldest_unpublished.set(g.oldest_unpublished_secs);
+                self.circuits.with_label_values(&["open"]).set(g.circuits_open);
+                self.circuits.with_label_values(&["half_open"]).set(g.circuits_half_open);
+            }
+            Err(e) => tracing::warn!(error = ?e, "reading operational gauges for metrics"),
+        }
         match depths::queue_depths(db).await {
             Ok(d) => {
                 for (queue, n) in [

@@ -42,3 +42,29 @@ pub async fn in_flight_by_endpoint(db: &PgPool) -> AppResult<Vec<(Uuid, i64)>> {
     .map(|r| (r.endpoint_id, r.n))
     .collect())
 }
+
+/// What an operator's alerts watch besides the queues: deliveries held
+/// behind open circuits, how long the oldest unpublished event has waited
+/// (a broker that is away shows here first), and endpoints whose circuit is
+/// not closed.
+#[derive(Debug, Clone, Default)]
+pub struct Gauges {
+    pub deliveries_held: i64,
+    pub oldest_unpublished_secs: f64,
+    pub circuits_open: i64,
+    pub circuits_half_open: i64,
+}
+
+pub async fn operational_gauges(db: &PgPool) -> AppResult<Gauges> {
+    let r = sqlx::query!(
+        r#"SELECT
+           (SELECT count(*) FROM webhook_deliveries WHERE state = 'held') AS "held!",
+           coalesce((SELECT extract(epoch FROM now() - min(created_at))::float8 FROM events WHERE published_at IS NULL), 0) AS "oldest!",
+           (SELECT count(*) FROM endpoint_health WHERE circuit = 'open') AS "open!",
+           (SELECT count(*) FROM endpoint_health WHERE circuit = 'half_open') AS "half_open!""#,
+    )
+    .fetch_one(db)
+    .await
+    .context("reading operational gauges")?;
+    Ok(Gauges { deliveries_held: r.held, oldest_unpublished_secs: r.oldest, circuits_open: r.open, circuits_half_open: r.half_open })
+}
