@@ -50,20 +50,20 @@ impl Fault {
     }
 }
 
-/// The longest wait, from `from`, for the next of `times` (sorted), over
-/// the waits that begin before `to`: how long the stream of instants
-/// stalled after a fault. The last wait may end after `to`.
+/// The longest wait, from `from`, for the next of `times` (sorted), within
+/// `[from, to]`: how long the stream of instants stalled after a fault, up
+/// to the next step (a wait running past `to` is the next step's to count).
 fn longest_gap(times: &[Instant], from: Instant, to: Instant) -> Duration {
     let mut last = from;
     let mut gap = Duration::ZERO;
     for &t in times.iter().filter(|&&t| t > from) {
-        gap = gap.max(t - last);
-        if t > to {
-            break;
+        gap = gap.max(t.min(to) - last);
+        if t >= to {
+            return gap;
         }
         last = t;
     }
-    gap
+    gap.max(to.saturating_duration_since(last))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -262,7 +262,7 @@ async fn the_cluster_loses_a_broker_leader_a_broker_node_its_postgres_primary_an
         settled.quiet_after.as_secs_f64(),
     );
     let (from, to) = (started + Duration::from_secs(1), faults[0].at);
-    let before = |times: &[Instant]| longest_gap(&times.iter().copied().filter(|&t| t <= to).collect::<Vec<_>>(), from, to);
+    let before = |times: &[Instant]| longest_gap(times, from, to);
     println!(
         "cluster: before any fault: longest gap between accepted publishes {:.2} s, between arrivals {:.2} s",
         before(&accepts).as_secs_f64(),
