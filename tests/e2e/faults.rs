@@ -556,3 +556,46 @@ async fn the_dispatchers_readiness_follows_its_broker_connection() -> anyhow::Re
     dispatcher.kill9().await?;
     stack.stop().await
 }
+
+/// Issue 14: with synchronous replication and its standby gone, a commit
+/// waits until a standby returns. A tenant is not left hanging: past the
+/// deadline a publish is answered 503 (gRPC UNAVAILABLE) saying nothing can
+/// be assumed; the same id retried once the standby is back is accepted,
+/// and the event is delivered once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_whose_commit_cannot_be_replicated_is_answered_503_in_time_and_the_retry_delivers_it_once() -> anyhow::Result<()> {
+    use relay_contracts::relay::tenant::v1::{PublishEventRequest, event_service_client::EventServiceClient};
+    let primary = relay_tests::PrivatePostgres::synchronous_primary().await?;
+    let standby = relay_tests::PrivatePostgres::standby_of(&primary).await?;
+    primary.wait_for_synchronous_standby().await?;
+    let deadline = Duration::from_secs(3);
+    let stack = Stack::start(Options { pg_port: primary.port, tenant_work_deadline: deadline, ..Options::default() }).await?;
+    let tenant = stack.tenant("no-standby").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/s"), &["p"]).await?;
+
+    standby.crash()?;
+    let id = uuid::Uuid::new_v4().to_string();
+    let started = std::time::Instant::now();
+    let (status, body) = rest.post("/v1/events", json!({"id": id, "type": "p", "payload": {"once": true}})).await?;
+    let took = started.elapsed();
+    assert_eq!((status, body["reason"].as_str()), (503, Some("not_confirmed")), "{body}");
+    assert!(body["message"].as_str().is_some_and(|m| m.contains("retry")), "{body}");
+    assert!(took >= deadline && took < deadline * 3, "answered after {took:?}, the deadline being {deadline:?}");
+    let mut grpc = EventServiceClient::connect(stack.grpc_url.clone()).await?;
+    let mut req = tonic::Request::new(PublishEventRequest { r#type: "p".into(), payload: "{}".into(), ..Default::default() });
+    req.metadata_mut().insert("authorization", format!("Bearer {}", tenant.api_key).parse()?);
+    let refused = grpc.publish_event(req).await.expect_err("no standby, no acknowledgement");
+    assert_eq!(refused.code(), tonic::Code::Unavailable, "{refused:?}");
+
+    standby.resume()?;
+    primary.wait_for_synchronous_standby().await?;
+    publish_until_accepted(&rest, &id, Duration::from_secs(30)).await?;
+    let got = receiver.wait_at("/s", 1, Duration::from_secs(30)).await;
+    assert!(got.iter().any(|r| r.header("relay-webhook-id") == id), "the retried event arrived");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (all, _) = arrivals(&receiver, "/s");
+    assert_eq!(all.iter().filter(|a| **a == id).count(), 1, "once, though it was published twice");
+    stack.stop().await
+}

@@ -140,6 +140,8 @@ pub struct Options {
     /// so tests see probing and recovery within seconds).
     pub circuit_open_after: u32,
     pub probe_backoff: (Duration, Duration),
+    /// How long a tenant call may take before it is answered 503.
+    pub tenant_work_deadline: Duration,
     pub release_per_second: u32,
 }
 
@@ -166,6 +168,7 @@ impl Default for Options {
             db_pool_size: 20,
             db_acquire_timeout: Duration::from_secs(5),
             circuit_open_after: 5,
+            tenant_work_deadline: relay_api::detach::TENANT_WORK_DEADLINE,
             probe_backoff: (Duration::from_millis(100), Duration::from_millis(300)),
             release_per_second: 1000,
         }
@@ -293,6 +296,7 @@ impl Stack {
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_millis(200),
             retention: Duration::from_secs(30 * 24 * 3600),
+            tenant_work_deadline: opts.tenant_work_deadline,
             health: relay_api::app::HealthSettings {
                 circuit: relay_api::app::health::CircuitPolicy {
                     open_after: opts.circuit_open_after,

@@ -67,6 +67,9 @@ pub struct ApiConfig {
     /// How long an event, its deliveries and its attempt log are kept once
     /// every delivery has ended (`RELAY_RETENTION_DAYS`).
     pub retention: Duration,
+    /// How long a tenant's call may take before it is answered 503 /
+    /// UNAVAILABLE (see `detach::TENANT_WORK_DEADLINE`).
+    pub tenant_work_deadline: Duration,
     pub health: HealthSettings,
 }
 
@@ -156,6 +159,7 @@ impl ApiConfig {
             dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
             dead_letter_prune_every: Duration::from_secs(600),
             retention: Duration::from_secs(env.number::<u64>("RELAY_RETENTION_DAYS", 8..=3650)? * 24 * 3600),
+            tenant_work_deadline: crate::detach::TENANT_WORK_DEADLINE,
         };
         cfg.validate()?;
         // The dispatcher's timeouts, read here too, so the lease rule that

@@ -59,3 +59,71 @@ where
         })
     }
 }
+
+/// How long a tenant's call may take before its caller is answered
+/// UNAVAILABLE, while the work itself (detached, see above) goes on. What
+/// this bounds is a wait nobody can shorten: a commit that waits for a
+/// synchronous standby that is gone waits until one returns, and cancelling
+/// it would leave the write committed locally, unreplicated, yet reported
+/// as done. So the caller is told only that nothing can be assumed, and
+/// retries; a publish retried with the same event id is idempotent.
+pub const TENANT_WORK_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What a caller past the deadline is told.
+pub fn past_deadline(after: std::time::Duration) -> crate::error::AppError {
+    crate::error::AppError::new(
+        crate::error::ErrorCode::Unavailable,
+        "not_confirmed",
+        format!(
+            "the request did not finish within {} s (the database has not confirmed it); whether it took effect is unknown: \
+             retry it (a publish with the same event id is idempotent)",
+            after.as_secs_f64()
+        ),
+    )
+}
+
+/// Answers a gRPC caller UNAVAILABLE after a deadline (see
+/// [`TENANT_WORK_DEADLINE`]). Goes outside [`DetachLayer`], so giving up on
+/// the answer never cancels the work.
+#[derive(Debug, Clone, Copy)]
+pub struct DeadlineLayer(pub std::time::Duration);
+
+impl<S> Layer<S> for DeadlineLayer {
+    type Service = Deadline<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Deadline { inner, after: self.0 }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Deadline<S> {
+    inner: S,
+    after: std::time::Duration,
+}
+
+impl<S, Req, B> Service<Req> for Deadline<S>
+where
+    S: Service<Req, Response = http::Response<B>>,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Default + Send + 'static,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<S::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Req) -> Self::Future {
+        let (answer, after) = (self.inner.call(req), self.after);
+        Box::pin(async move {
+            match tokio::time::timeout(after, answer).await {
+                Ok(answer) => answer,
+                Err(_) => Ok(crate::grpc::status(past_deadline(after)).into_http()),
+            }
+        })
+    }
+}

@@ -290,7 +290,9 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             ])
         };
         let admission = std::sync::Arc::new(tokio::sync::Semaphore::new(grpc::TENANT_CALLS_IN_MEMORY));
+        // Outside the detaching: a caller given up on never cancels the work.
         let router = Server::builder()
+            .layer(detach::DeadlineLayer(cfg.tenant_work_deadline))
             .layer(DetachLayer)
             .layer(auth::TenantAuthLayer { app: app.clone(), admission })
             .add_service(health_svc.clone())
@@ -349,7 +351,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 async move { readiness(&db, &js).await }
             }
         };
-        let router = rest::router(app.clone(), grpc)?
+        let router = rest::router(app.clone(), grpc, cfg.tenant_work_deadline)?
             .route("/healthz", axum::routing::get(|| async { "ok" }))
             .route("/readyz", axum::routing::get(ready))
             .route(

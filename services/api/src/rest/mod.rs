@@ -77,6 +77,8 @@ const CREDENTIAL_PARAMS: &[&str] = &["api_key", "apikey", "key", "token", "acces
 struct Facade {
     app: App,
     grpc: Routes,
+    /// How long a call may take before it is answered 503 (the work goes on).
+    deadline: Duration,
     /// Room for request bodies, in KiB.
     body_budget: Arc<Semaphore>,
     /// Each tenant's share of that room, in KiB, by environment.
@@ -94,9 +96,14 @@ impl Facade {
 }
 
 /// The axum router for every annotated tenant method, calling `grpc` in-process.
-pub fn router(app: App, grpc: Routes) -> Result<Router> {
-    let facade =
-        Arc::new(Facade { app, grpc, body_budget: Arc::new(Semaphore::new(BODY_BUDGET_BYTES / 1024)), tenant_budgets: Default::default() });
+pub fn router(app: App, grpc: Routes, deadline: Duration) -> Result<Router> {
+    let facade = Arc::new(Facade {
+        app,
+        grpc,
+        deadline,
+        body_budget: Arc::new(Semaphore::new(BODY_BUDGET_BYTES / 1024)),
+        tenant_budgets: Default::default(),
+    });
     let mut by_path: BTreeMap<String, MethodRouter> = BTreeMap::new();
     for (verb, path, binding) in rest_methods()? {
         let binding = Arc::new(binding);
@@ -203,7 +210,11 @@ async fn handle(
         let (bytes, _permit) = body.unzip();
         transcode(&binding, grpc, tenant, params, pairs, headers, bytes.unwrap_or_default()).await
     });
-    work.await.unwrap_or_else(|e| Err(internal(anyhow::anyhow!("a REST handler failed: {e}"))))
+    match tokio::time::timeout(facade.deadline, work).await {
+        Ok(done) => done.unwrap_or_else(|e| Err(internal(anyhow::anyhow!("a REST handler failed: {e}")))),
+        // The work goes on in its task; the caller learns only that nothing can be assumed.
+        Err(_) => Err(status_response(&crate::grpc::status(crate::detach::past_deadline(facade.deadline)))),
+    }
 }
 
 fn too_large(declared: Option<u64>) -> Response {
