@@ -69,13 +69,16 @@ impl Publishers {
                         Pace::Random { seed, .. } => seed ^ (p + 1).wrapping_mul(0x5851_f42d_4c95_7f2d),
                         Pace::Every(_) => p,
                     });
-                    let mut tick = tokio::time::interval(match pace {
-                        Pace::Every(every) => every,
-                        Pace::Random { .. } => Duration::from_millis(1),
-                    });
-                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    let mut tick = match pace {
+                        Pace::Every(every) => {
+                            let mut tick = tokio::time::interval(every);
+                            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                            Some(tick)
+                        }
+                        Pace::Random { .. } => None,
+                    };
                     while !stop.load(Ordering::Relaxed) {
-                        if let Pace::Every(_) = pace {
+                        if let Some(tick) = tick.as_mut() {
                             tick.tick().await;
                         }
                         let id = Uuid::new_v4();

@@ -48,6 +48,11 @@ pub async fn connect(url: &str) -> Result<jetstream::Context> {
 /// election a few hundred.
 const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// This api's connection to a NATS server is up (readiness and metrics).
+pub fn connected(js: &jetstream::Context) -> bool {
+    js.client().connection_state() == async_nats::connection::State::Connected
+}
+
 /// Creates both streams, or brings an existing one to this configuration
 /// (a changed replica count is applied by the cluster, which copies or drops
 /// replicas while the stream serves).

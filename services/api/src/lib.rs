@@ -372,8 +372,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             axum::routing::get(move || {
                 let (app, js) = (app.clone(), js.clone());
                 async move {
-                    let nats_up = js.client().connection_state() == async_nats::connection::State::Connected;
-                    ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app.db, nats_up).await)
+                    ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app.db, broker::connected(&js)).await)
                 }
             }),
         );
@@ -388,7 +387,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 /// the broker connection is up. (Alive, `/healthz`, only means the process runs.)
 async fn readiness(db: &sqlx::PgPool, js: &async_nats::jetstream::Context) -> (http::StatusCode, String) {
     let pg = db::answers(db).await;
-    let nats = js.client().connection_state() == async_nats::connection::State::Connected;
+    let nats = broker::connected(js);
     let body = format!("{{\"postgres\":{pg},\"nats\":{nats}}}");
     if pg && nats { (http::StatusCode::OK, body) } else { (http::StatusCode::SERVICE_UNAVAILABLE, body) }
 }
