@@ -8,6 +8,7 @@ use std::{env, path::PathBuf};
 const SECRET_BEARING: &[&str] = &[
     ".relay.tenant.v1.CreateWebhookEndpointResponse",
     ".relay.tenant.v1.RotateWebhookEndpointSecretResponse",
+    ".relay.tenant.v1.CreatePortalSessionResponse",
     ".relay.admin.v1.CreateApiKeyResponse",
     ".relay.dispatch.v1.MaterialResponse",
 ];
@@ -26,6 +27,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "relay/tenant/v1/webhooks.proto",
         "relay/tenant/v1/events.proto",
         "relay/tenant/v1/dead_letters.proto",
+        "relay/tenant/v1/portal.proto",
         "relay/admin/v1/admin.proto",
         "relay/dispatch/v1/dispatch.proto",
         "relay/queue/v1/queue.proto",

@@ -7,6 +7,7 @@ mod deploy;
 mod edges;
 mod faults;
 mod health;
+mod portal;
 mod receiving;
 mod retention;
 mod schemes;

@@ -219,12 +219,20 @@ async fn production_refuses_to_start_without_a_proper_key_or_with_dev_allowances
     assert!(!ok && err.contains("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"), "{err}");
     let (ok, err) = run(&[good.clone(), ("RELAY_RETRY_TIERS", "0,10".into())])?;
     assert!(!ok && err.contains("RELAY_RETRY_TIERS"), "{err}");
+    // Portal links must be https: the public address is required, and an
+    // http one is refused.
+    let (ok, err) = run(std::slice::from_ref(&good))?;
+    assert!(!ok && err.contains("RELAY_PUBLIC_URL must be the https://"), "{err}");
+    let (ok, err) = run(&[good.clone(), ("RELAY_PUBLIC_URL", "http://webhooks.example.com".into())])?;
+    assert!(!ok && err.contains("RELAY_PUBLIC_URL must be the https://"), "{err}");
+    let good_url = ("RELAY_PUBLIC_URL", "https://webhooks.example.com".to_string());
     // Streams on one NATS node: refused unless said out loud; the override
     // taken, the next check (a server list with a hole) is the one that speaks.
-    let (ok, err) = run(std::slice::from_ref(&good))?;
+    let (ok, err) = run(&[good.clone(), good_url.clone()])?;
     assert!(!ok && err.contains("RELAY_STREAM_REPLICAS is 1"), "{err}");
     let (ok, err) = run(&[
         good,
+        good_url,
         ("RELAY_ALLOW_FEWER_STREAM_REPLICAS", "true".into()),
         ("RELAY_NATS_URL", "nats://127.0.0.1:4222,,nats://127.0.0.1:4223".into()),
     ])?;

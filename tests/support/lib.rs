@@ -297,6 +297,7 @@ impl Stack {
             dead_letter_prune_every: Duration::from_millis(200),
             retention: Duration::from_secs(30 * 24 * 3600),
             tenant_work_deadline: opts.tenant_work_deadline,
+            public_url: format!("http://{}", addrs.rest),
             health: relay_api::app::HealthSettings {
                 circuit: relay_api::app::health::CircuitPolicy {
                     open_after: opts.circuit_open_after,

@@ -67,6 +67,9 @@ pub struct ApiConfig {
     /// How long an event, its deliveries and its attempt log are kept once
     /// every delivery has ended (`RELAY_RETENTION_DAYS`).
     pub retention: Duration,
+    /// The REST port as customers reach it: portal links are built on it
+    /// (`RELAY_PUBLIC_URL`; https in production).
+    pub public_url: String,
     /// How long a tenant's call may take before it is answered 503 /
     /// UNAVAILABLE (see `detach::TENANT_WORK_DEADLINE`).
     pub tenant_work_deadline: Duration,
@@ -160,6 +163,10 @@ impl ApiConfig {
             dead_letter_prune_every: Duration::from_secs(600),
             retention: Duration::from_secs(env.number::<u64>("RELAY_RETENTION_DAYS", 8..=3650)? * 24 * 3600),
             tenant_work_deadline: crate::detach::TENANT_WORK_DEADLINE,
+            public_url: match env.string("RELAY_PUBLIC_URL") {
+                Some(url) => url,
+                None => format!("http://{}", env.addr("RELAY_REST_ADDR")?),
+            },
         };
         cfg.validate()?;
         // The dispatcher's timeouts, read here too, so the lease rule that
@@ -188,6 +195,12 @@ impl ApiConfig {
             if self.schedule != RetrySchedule::production() {
                 bail!("RELAY_RETRY_TIERS shortens the retry schedule for tests; production runs the published schedule");
             }
+            if !self.public_url.starts_with("https://") {
+                bail!(
+                    "RELAY_PUBLIC_URL must be the https:// address customers reach the REST port at (portal links are built on it), got {:?}",
+                    self.public_url
+                );
+            }
             if self.stream_replicas < 3 && !self.allow_fewer_stream_replicas {
                 bail!(
                     "RELAY_STREAM_REPLICAS is {}; production keeps each stream on 3 NATS nodes, so one node's loss loses \
@@ -197,6 +210,10 @@ impl ApiConfig {
             }
         }
         relay_config::nats_servers(&self.nats_url)?;
+        url::Url::parse(&self.public_url)
+            .ok()
+            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some() && u.query().is_none())
+            .with_context(|| format!("RELAY_PUBLIC_URL must be an http(s) URL with a host and no query, got {:?}", self.public_url))?;
         if self.retention <= self.dead_letter_retention {
             bail!(
                 "the retention ({} days) must outlast a dead letter's {} days: an event stays while its dead letter can be replayed",

@@ -15,6 +15,7 @@ pub mod error;
 pub mod grpc;
 pub mod metrics;
 pub mod openapi;
+pub mod portal;
 pub mod queue;
 pub mod relay;
 pub mod rest;
@@ -29,7 +30,7 @@ use relay_contracts::{
         dispatch::v1::dispatch_service_server::DispatchServiceServer,
         tenant::v1::{
             dead_letter_service_server::DeadLetterServiceServer, event_service_server::EventServiceServer,
-            webhook_endpoint_service_server::WebhookEndpointServiceServer,
+            portal_service_server::PortalServiceServer, webhook_endpoint_service_server::WebhookEndpointServiceServer,
         },
     },
 };
@@ -149,6 +150,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         clock: std::sync::Arc::new(app::SystemClock),
         health: cfg.health,
         lanes: Default::default(),
+        portal: app::portal::PortalSettings { public_url: cfg.public_url.clone(), secure_cookie: cfg.public_url.starts_with("https://") },
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
@@ -257,6 +259,9 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                         if let Err(e) = app.prune_attempt_claims().await {
                             tracing::warn!(error = ?e, "pruning expired attempt claims failed");
                         }
+                        if let Err(e) = app.prune_portal().await {
+                            tracing::warn!(error = ?e, "pruning expired portal links and sessions failed");
+                        }
                     }
                     _ = stop.changed() => return Ok(()),
                 }
@@ -269,6 +274,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     health.set_serving::<WebhookEndpointServiceServer<TenantApi>>().await;
     health.set_serving::<EventServiceServer<TenantApi>>().await;
     health.set_serving::<DeadLetterServiceServer<TenantApi>>().await;
+    health.set_serving::<PortalServiceServer<TenantApi>>().await;
     health.set_serving::<DispatchServiceServer<DispatchApi>>().await;
     health.set_serving::<AdminServiceServer<AdminApi>>().await;
     // Tenant messages are bounded before they are buffered: the largest that
@@ -277,6 +283,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let endpoints = || WebhookEndpointServiceServer::new(tenant.clone()).max_decoding_message_size(limit);
     let events = || EventServiceServer::new(tenant.clone()).max_decoding_message_size(limit);
     let dead_letters = || DeadLetterServiceServer::new(tenant.clone()).max_decoding_message_size(limit);
+    let portal = || PortalServiceServer::new(tenant.clone()).max_decoding_message_size(limit);
 
     // Public gRPC: the tenant services, reflection and health. Callers are
     // authenticated (and admitted within the message budget) before their
@@ -287,6 +294,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                 "relay.tenant.v1.WebhookEndpointService",
                 "relay.tenant.v1.EventService",
                 "relay.tenant.v1.DeadLetterService",
+                "relay.tenant.v1.PortalService",
             ])
         };
         let admission = std::sync::Arc::new(tokio::sync::Semaphore::new(grpc::TENANT_CALLS_IN_MEMORY));
@@ -300,7 +308,8 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             .add_service(reflection().build_v1alpha().context("building reflection")?)
             .add_service(endpoints())
             .add_service(events())
-            .add_service(dead_letters());
+            .add_service(dead_letters())
+            .add_service(portal());
         // Small gRPC frames must not wait for Nagle's algorithm.
         let incoming = TcpIncoming::from(listeners.grpc).with_nodelay(Some(true));
         let stop = stopped(stop_rx.clone());
@@ -334,7 +343,8 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             // explicitly (403 wrong_credential_type) rather than as unknown.
             .add_service(WebhookEndpointServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
             .add_service(EventServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
-            .add_service(DeadLetterServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity));
+            .add_service(DeadLetterServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
+            .add_service(PortalServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity));
         let incoming = TcpIncoming::from(listeners.internal).with_nodelay(Some(true));
         let stop = stopped(stop_rx.clone());
         tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("internal gRPC server") });
@@ -342,7 +352,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
     // REST facade: the same tenant services, called in-process.
     {
-        let grpc = Routes::new(endpoints()).add_service(events()).add_service(dead_letters());
+        let grpc = Routes::new(endpoints()).add_service(events()).add_service(dead_letters()).add_service(portal());
         let spec = openapi::rendered()?;
         let ready = {
             let (db, js) = (app.db.clone(), js.clone());
@@ -352,6 +362,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             }
         };
         let router = rest::router(app.clone(), grpc, cfg.tenant_work_deadline)?
+            .merge(portal::routes(app.clone()))
             .route("/healthz", axum::routing::get(|| async { "ok" }))
             .route("/readyz", axum::routing::get(ready))
             .route(

@@ -83,6 +83,12 @@ pub const KNOBS: &[Knob] = &[
     ),
     knob("RELAY_STREAM_PREFIX", Both, "", "prefix for stream, subject and consumer names (tests and stacks sharing a NATS)"),
     knob("RELAY_REST_ADDR", Api, "127.0.0.1:8080", "the tenants' REST/JSON listen address"),
+    knob(
+        "RELAY_PUBLIC_URL",
+        Api,
+        "",
+        "the REST port's address as customers reach it, e.g. https://webhooks.example.com (portal links are built on it; https in production); unset: http://<RELAY_REST_ADDR>",
+    ),
     knob("RELAY_GRPC_ADDR", Api, "127.0.0.1:50051", "the tenants' gRPC listen address"),
     knob("RELAY_INTERNAL_ADDR", Api, "127.0.0.1:50052", "the internal mTLS listen address (DispatchService, AdminService)"),
     knob(

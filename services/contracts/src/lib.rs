@@ -74,6 +74,13 @@ impl fmt::Debug for relay::tenant::v1::RotateWebhookEndpointSecretResponse {
     }
 }
 
+impl fmt::Debug for relay::tenant::v1::CreatePortalSessionResponse {
+    /// The link carries the one-time token.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CreatePortalSessionResponse").field("url", &REDACTED).field("expires_at", &self.expires_at).finish()
+    }
+}
+
 impl fmt::Debug for relay::admin::v1::CreateApiKeyResponse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CreateApiKeyResponse").field("api_key", &self.api_key).field("key", &REDACTED).finish()

@@ -13,6 +13,7 @@ pub mod health;
 pub(crate) mod material;
 pub mod operational;
 mod outcomes;
+pub mod portal;
 pub mod recover;
 mod recovery;
 pub mod state;
@@ -86,6 +87,7 @@ pub struct App {
     /// The hot paths' own connections (see `db::lane`); started by
     /// [`App::start_lanes`] before the api serves.
     pub lanes: Arc<std::sync::OnceLock<Lanes>>,
+    pub portal: portal::PortalSettings,
 }
 
 /// The use-cases that run on connections of their own, in batches.

@@ -75,6 +75,7 @@ pub mod keys;
 pub mod lane;
 pub mod models;
 pub mod operations;
+pub mod portal;
 pub mod primary;
 pub mod retention;
 

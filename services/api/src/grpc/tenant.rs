@@ -2,7 +2,7 @@
 //! first; the environment never comes from the request body.
 
 use relay_contracts::relay::tenant::v1::{
-    self as pb, dead_letter_service_server::DeadLetterService, event_service_server::EventService,
+    self as pb, dead_letter_service_server::DeadLetterService, event_service_server::EventService, portal_service_server::PortalService,
     webhook_endpoint_service_server::WebhookEndpointService,
 };
 use tonic::{Request, Response, Status};
@@ -331,5 +331,17 @@ impl DeadLetterService for TenantApi {
         let tenant = auth::tenant(&self.app, &req).await?;
         let delivery_id = self.app.replay_dead_letter(Some(tenant), id("id", &req.get_ref().id)?).await.map_err(status)?;
         Ok(Response::new(pb::ReplayDeadLetterResponse { delivery_id: delivery_id.to_string() }))
+    }
+}
+
+#[tonic::async_trait]
+impl PortalService for TenantApi {
+    async fn create_portal_session(
+        &self,
+        req: Request<pb::CreatePortalSessionRequest>,
+    ) -> Result<Response<pb::CreatePortalSessionResponse>, Status> {
+        let tenant = auth::tenant(&self.app, &req).await?;
+        let link = self.app.create_portal_link(tenant).await.map_err(status)?;
+        Ok(Response::new(pb::CreatePortalSessionResponse { url: link.url, expires_at: Some(ts(link.expires_at)) }))
     }
 }
