@@ -121,6 +121,15 @@ ensure_postgres_binaries() {
   fi
 }
 
+# Headless Chromium and its WebDriver, from Debian's packages, for the
+# portal's browser test (tests/e2e/portal.rs drives it through chromedriver).
+ensure_browser() {
+  if [ ! -x /usr/bin/chromium ] || { [ ! -x /usr/bin/chromedriver ] && [ ! -x /usr/lib/chromium/chromedriver ]; }; then
+    log "installing Debian's chromium and chromium-driver (the portal's browser test)"
+    apt_install chromium chromium-driver
+  fi
+}
+
 ensure_services() {
   ensure_postgres
   ensure_nats

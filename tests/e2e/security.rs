@@ -7,7 +7,7 @@ use relay_contracts::relay::tenant::v1::{
     self as pb, dead_letter_service_client::DeadLetterServiceClient, event_service_client::EventServiceClient,
     webhook_endpoint_service_client::WebhookEndpointServiceClient,
 };
-use relay_tests::{Options, Receiver, Reply, Rest, Stack, TenantCreds, eventually};
+use relay_tests::{Options, PortalVisitor, Receiver, Reply, Rest, Stack, TenantCreds, eventually};
 use reqwest::Method;
 use serde_json::{Value, json};
 use tonic::{Code, Request, transport::Channel};
@@ -245,6 +245,39 @@ async fn the_cross_tenant_gauntlet_every_route_answers_404_or_an_empty_list() ->
     assert!(listed.endpoints.iter().all(|e| e.id != *ep));
     let dead = letters.list_dead_letters(with_key(key, pb::ListDeadLettersRequest {})).await?.into_inner();
     assert!(dead.dead_letters.iter().all(|d| d.id != *dl));
+
+    // The portal, in a session of B's environment, with A's ids: every page
+    // and form is 404 (with B's valid CSRF token), every list B's own.
+    let portal = PortalVisitor::enter(&stack.rest_url, &b.api_key).await?;
+    for path in [format!("/portal/endpoints/{ep}"), format!("/portal/events/{ev}")] {
+        let (status, page) = portal.get(&path).await?;
+        assert_eq!(status, 404, "GET {path}: {page}");
+        assert!(!a_ids.iter().any(|id| page.contains(id)), "GET {path} leaked: {page}");
+    }
+    let a_receiver = receiver.url("/a");
+    for path in [
+        format!("/portal/endpoints/{ep}"),
+        format!("/portal/endpoints/{ep}/rotate"),
+        format!("/portal/endpoints/{ep}/enable"),
+        format!("/portal/endpoints/{ep}/disable"),
+        format!("/portal/endpoints/{ep}/recover"),
+        format!("/portal/endpoints/{ep}/delete"),
+        format!("/portal/dead-letters/{dl}/replay"),
+    ] {
+        let form = [("csrf", portal.csrf.as_str()), ("url", a_receiver.as_str()), ("event_types", "g"), ("event_id", ev.as_str())];
+        let (status, _, page) = portal.post(&path, &form).await?;
+        assert_eq!(status, 404, "POST {path}: {page}");
+        assert!(!a_ids.iter().any(|id| page.contains(id)), "POST {path} leaked: {page}");
+    }
+    for path in ["/portal/", "/portal/events", "/portal/dead-letters"] {
+        let (status, page) = portal.get(path).await?;
+        assert_eq!(status, 200, "GET {path}");
+        assert!(!a_ids.iter().any(|id| page.contains(id)), "GET {path} leaked: {page}");
+        assert!(
+            [&owned_b.endpoint, &owned_b.event, &owned_b.dead_letter].iter().any(|id| page.contains(id.as_str())),
+            "B sees its own on {path}: {page}"
+        );
+    }
 
     // Publishing with A's event id creates B's own event, not a duplicate of
     // A's (ids are per environment); B sees only its own delivery of it.

@@ -151,6 +151,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         health: cfg.health,
         lanes: Default::default(),
         portal: app::portal::PortalSettings { public_url: cfg.public_url.clone(), secure_cookie: cfg.public_url.starts_with("https://") },
+        attempt_stats: Default::default(),
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
@@ -259,11 +260,35 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                         if let Err(e) = app.prune_attempt_claims().await {
                             tracing::warn!(error = ?e, "pruning expired attempt claims failed");
                         }
+                        if let Err(e) = app.prune_attempt_stats().await {
+                            tracing::warn!(error = ?e, "pruning old attempt statistics failed");
+                        }
                         if let Err(e) = app.prune_portal().await {
                             tracing::warn!(error = ?e, "pruning expired portal links and sessions failed");
                         }
                     }
                     _ = stop.changed() => return Ok(()),
+                }
+            }
+        });
+    }
+
+    {
+        // The portal's chart sums, written every few seconds and once more
+        // on the way out.
+        let (app, mut stop) = (app.clone(), stop_rx.clone());
+        tasks.spawn(async move {
+            let mut tick = tokio::time::interval(app::attempt_stats::FLUSH_EVERY);
+            loop {
+                let stopping = tokio::select! {
+                    _ = tick.tick() => false,
+                    _ = stop.changed() => true,
+                };
+                if let Err(e) = app.flush_attempt_stats().await {
+                    tracing::warn!(error = ?e, "writing attempt statistics failed; they are kept for the next write");
+                }
+                if stopping {
+                    return Ok(());
                 }
             }
         });

@@ -258,6 +258,26 @@ impl App {
     }
 }
 
+/// How many events a page of the event log shows.
+pub const EVENT_PAGE: i64 = 50;
+
+impl App {
+    /// A page of the tenant's events, newest first.
+    pub async fn list_events(&self, tenant: Tenant, filter: &db::events::EventFilter) -> AppResult<Vec<db::events::LoggedEvent>> {
+        if let Some(t) = &filter.event_type
+            && t.len() > 256
+        {
+            return Err(AppError::invalid("invalid_event_type", format!("an event type is at most 256 bytes, got {}", t.len())));
+        }
+        db::events::list_recent(&self.db, tenant.environment_id, filter, EVENT_PAGE).await
+    }
+
+    /// One of the tenant's events.
+    pub async fn get_event(&self, tenant: Tenant, id: Uuid) -> AppResult<db::events::StoredEvent> {
+        db::events::get(&self.db, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("event"))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;

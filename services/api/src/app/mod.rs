@@ -5,6 +5,7 @@
 //! from a verified credential, never from the request body.
 
 pub mod admin;
+pub mod attempt_stats;
 pub mod deliveries;
 pub mod endpoints;
 pub mod events;
@@ -88,6 +89,8 @@ pub struct App {
     /// [`App::start_lanes`] before the api serves.
     pub lanes: Arc<std::sync::OnceLock<Lanes>>,
     pub portal: portal::PortalSettings,
+    /// Attempts recorded by this process, added up for the portal's charts.
+    pub attempt_stats: Arc<attempt_stats::AttemptStats>,
 }
 
 /// The use-cases that run on connections of their own, in batches.

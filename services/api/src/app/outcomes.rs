@@ -244,6 +244,8 @@ impl App {
             self.follow_up(&mut tx, reports, &mut batch, now).await?;
             tx.commit().await.context("committing outcomes")?;
         }
+        // Committed: the charts count what the log now holds.
+        self.attempt_stats.add(now, batch.seen.iter().map(|&(i, endpoint, seen)| (endpoint, seen == Seen::Success, reports[i].latency_ms)));
         for (decision, latency_ms) in &batch.decisions {
             self.metrics.attempts.with_label_values(&[decision]).inc();
             self.metrics.attempt_latency.with_label_values(&[decision]).observe(*latency_ms as f64 / 1000.0);

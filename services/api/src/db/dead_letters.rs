@@ -157,8 +157,12 @@ pub async fn prune(db: &PgPool, retention: Duration) -> AppResult<u64> {
 pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<DeadLetter>> {
     Ok(sqlx::query_as!(
         DeadLetter,
-        "SELECT id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason, dead_lettered_at
-         FROM webhook_dead_letters WHERE environment_id = $1 ORDER BY dead_lettered_at DESC, id DESC LIMIT 1000",
+        r#"SELECT l.id, l.delivery_id, l.endpoint_id, l.event_id, l.attempts, l.last_status, l.last_error, l.reason, l.dead_lettered_at,
+                  (d.state IS DISTINCT FROM 'dead'
+                   OR EXISTS (SELECT 1 FROM webhook_dead_letters n WHERE n.delivery_id = l.delivery_id AND n.dead_lettered_at > l.dead_lettered_at))
+                    AS "replayed!"
+         FROM webhook_dead_letters l LEFT JOIN webhook_deliveries d ON d.id = l.delivery_id
+         WHERE l.environment_id = $1 ORDER BY l.dead_lettered_at DESC, l.id DESC LIMIT 1000"#,
         environment_id,
     )
     .fetch_all(db)

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use sqlx::{PgConnection, postgres::types::PgInterval};
+use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
 use uuid::Uuid;
 
 use super::models::{Delivery, DeliveryState, Timestamp};
@@ -240,5 +240,80 @@ pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: PgInterval,
         every,
     )
     .fetch_all(&mut *tx)
+    .await?)
+}
+
+/// Which of an environment's events a page of the event log shows.
+#[derive(Debug, Default, Clone)]
+pub struct EventFilter {
+    pub event_type: Option<String>,
+    pub since: Option<Timestamp>,
+    pub until: Option<Timestamp>,
+    /// Older than this (created_at, seq): the next page.
+    pub before: Option<(Timestamp, i64)>,
+}
+
+/// An event as the log lists it, with its deliveries counted by state.
+pub struct LoggedEvent {
+    pub id: Uuid,
+    pub event_type: String,
+    pub created_at: Timestamp,
+    pub seq: i64,
+    pub deliveries: i64,
+    pub delivered: i64,
+    pub failing: i64,
+    pub dead: i64,
+}
+
+/// Newest first, `limit` at most, through `events_environment_recent_idx`.
+pub async fn list_recent(db: &PgPool, environment_id: Uuid, f: &EventFilter, limit: i64) -> AppResult<Vec<LoggedEvent>> {
+    let (before_at, before_seq) = f.before.unzip();
+    Ok(sqlx::query_as!(
+        LoggedEvent,
+        r#"SELECT e.id, e.event_type, e.created_at, e.seq,
+                  count(d.id) AS "deliveries!",
+                  count(d.id) FILTER (WHERE d.state = 'delivered') AS "delivered!",
+                  count(d.id) FILTER (WHERE d.state IN ('pending', 'held')
+                                        AND (d.last_status IS NOT NULL OR d.last_error IS NOT NULL)) AS "failing!",
+                  count(d.id) FILTER (WHERE d.state = 'dead') AS "dead!"
+         FROM (SELECT id, event_type, created_at, seq FROM events
+               WHERE environment_id = $1
+                 AND ($2::text IS NULL OR event_type = $2)
+                 AND ($3::timestamptz IS NULL OR created_at >= $3)
+                 AND ($4::timestamptz IS NULL OR created_at < $4)
+                 AND ($5::timestamptz IS NULL OR (created_at, seq) < ($5, $6::bigint))
+               ORDER BY created_at DESC, seq DESC LIMIT $7) e
+         LEFT JOIN webhook_deliveries d ON d.event_id = e.id AND d.environment_id = $1
+         GROUP BY e.id, e.event_type, e.created_at, e.seq
+         ORDER BY e.created_at DESC, e.seq DESC"#,
+        environment_id,
+        f.event_type.as_deref(),
+        f.since,
+        f.until,
+        before_at,
+        before_seq,
+        limit,
+    )
+    .fetch_all(db)
+    .await?)
+}
+
+/// One event of the environment: its type, when it was written, and the
+/// envelope every attempt sends.
+pub struct StoredEvent {
+    pub id: Uuid,
+    pub event_type: String,
+    pub created_at: Timestamp,
+    pub envelope: Vec<u8>,
+}
+
+pub async fn get(db: &PgPool, environment_id: Uuid, id: Uuid) -> AppResult<Option<StoredEvent>> {
+    Ok(sqlx::query_as!(
+        StoredEvent,
+        "SELECT id, event_type, created_at, envelope FROM events WHERE environment_id = $1 AND id = $2",
+        environment_id,
+        id
+    )
+    .fetch_optional(db)
     .await?)
 }

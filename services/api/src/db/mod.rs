@@ -63,6 +63,7 @@ pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration)
     Ok((pool, follower))
 }
 
+pub mod attempt_stats;
 pub mod attempts;
 pub mod dead_letters;
 pub mod deliveries;

@@ -128,6 +128,9 @@ pub struct DeadLetter {
     pub last_error: Option<String>,
     pub reason: String,
     pub dead_lettered_at: Timestamp,
+    /// Its delivery is no longer dead: replayed (or recovered) since. The
+    /// record stays as the evidence that the attempts once ran out.
+    pub replayed: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -9,6 +9,11 @@
 //! value a tenant or customer wrote is HTML-escaped by the templates; every
 //! form that changes something carries the session's CSRF token.
 
+mod chart;
+mod dead_letters;
+mod endpoints;
+mod events;
+
 use askama::Template;
 use axum::{
     Form, Router,
@@ -19,25 +24,95 @@ use axum::{
 };
 use subtle::ConstantTimeEq;
 
-use crate::app::{App, endpoints::Endpoint, portal::PortalSession};
+use crate::{
+    app::{App, portal::PortalSession},
+    error::{AppError, ErrorCode},
+};
 
 /// The session cookie's name.
 const COOKIE: &str = "relay_portal";
 
-/// No script, no frames, no plugins, forms and styles from here only.
-pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; \
-     frame-ancestors 'none'; base-uri 'none'";
+/// Scripts, styles and images only from the portal's own embedded files (no
+/// inline script, no inline style, no `eval`), no frames, no plugins, forms
+/// posted here only.
+pub const CONTENT_SECURITY_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; \
+     form-action 'self'; frame-ancestors 'none'; base-uri 'none'";
 
 const STYLESHEET: &str = include_str!("../../templates/portal/portal.css");
+/// The few lines of progressive enhancement: a copy button beside a secret,
+/// a confirmation before deleting. Every page works without it.
+const SCRIPT: &str = include_str!("../../templates/portal/portal.js");
 
 pub fn routes(app: App) -> Router {
     Router::new()
         .route("/portal/enter", get(enter))
-        .route("/portal/", get(endpoints))
+        .route("/portal/", get(endpoints::list))
         .route("/portal", get(|| async { redirect("/portal/") }))
         .route("/portal/logout", post(logout))
+        .route("/portal/endpoints/new", get(endpoints::new_form))
+        .route("/portal/endpoints", post(endpoints::create))
+        .route("/portal/endpoints/{id}", get(endpoints::show).post(endpoints::update))
+        .route("/portal/endpoints/{id}/rotate", post(endpoints::rotate))
+        .route("/portal/endpoints/{id}/enable", post(endpoints::enable))
+        .route("/portal/endpoints/{id}/disable", post(endpoints::disable))
+        .route("/portal/endpoints/{id}/delete", post(endpoints::delete))
+        .route("/portal/endpoints/{id}/recover", post(endpoints::recover))
+        .route("/portal/events", get(events::list))
+        .route("/portal/events/{id}", get(events::show))
+        .route("/portal/dead-letters", get(dead_letters::list))
+        .route("/portal/dead-letters/{id}/replay", post(dead_letters::replay))
         .route("/portal/assets/portal.css", get(|| async { page(StatusCode::OK, "text/css; charset=utf-8", STYLESHEET.to_owned()) }))
+        .route("/portal/assets/portal.js", get(|| async { page(StatusCode::OK, "text/javascript; charset=utf-8", SCRIPT.to_owned()) }))
         .with_state(app)
+}
+
+/// Which page the navigation marks as current.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub enum Section {
+    Endpoints,
+    Events,
+    DeadLetters,
+}
+
+/// What every page's frame needs: the session's CSRF token (the sign-out
+/// form) and the section it is in.
+pub struct Frame {
+    pub csrf: String,
+    pub section: Section,
+}
+
+impl Frame {
+    pub fn new(s: &PortalSession, section: Section) -> Self {
+        Self { csrf: s.csrf_token.clone(), section }
+    }
+
+    pub fn current(&self, section: Section) -> &'static str {
+        if self.section == section { "page" } else { "false" }
+    }
+}
+
+/// A timestamp as pages show it (UTC, to the second).
+pub fn when(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
+}
+
+/// What a use-case's error becomes on a page: the status REST would
+/// answer, and its message (the reason's words, never an internal cause).
+pub fn failed(e: AppError) -> Response {
+    let status = match e.code {
+        ErrorCode::InvalidArgument | ErrorCode::FailedPrecondition => StatusCode::BAD_REQUEST,
+        ErrorCode::NotFound => StatusCode::NOT_FOUND,
+        ErrorCode::AlreadyExists => StatusCode::CONFLICT,
+        ErrorCode::Unavailable => return unavailable(),
+        ErrorCode::Internal => {
+            tracing::error!(error = ?e, "a portal page failed");
+            return message(StatusCode::INTERNAL_SERVER_ERROR, "Something went wrong", "The error has been logged. Please try again.");
+        }
+    };
+    if e.code == ErrorCode::NotFound {
+        return not_found();
+    }
+    message(status, "That did not work", &e.message)
 }
 
 #[derive(Template)]
@@ -50,45 +125,6 @@ struct Message<'a> {
 #[derive(Template)]
 #[template(path = "portal/enter.html")]
 struct Entering;
-
-/// An endpoint as the list shows it.
-struct EndpointRow {
-    id: String,
-    url: String,
-    event_types: Vec<String>,
-    status: &'static str,
-    status_class: &'static str,
-    scheme: &'static str,
-    held: i64,
-    created_at: String,
-}
-
-impl From<Endpoint> for EndpointRow {
-    fn from(e: Endpoint) -> Self {
-        let (status, status_class) = match (e.enabled, e.health.circuit.as_str()) {
-            (false, _) => ("disabled", "bad"),
-            (true, "closed") => ("active", "ok"),
-            (true, _) => ("failing: deliveries held", "warn"),
-        };
-        Self {
-            id: e.id.to_string(),
-            url: e.url,
-            event_types: e.event_types,
-            status,
-            status_class,
-            scheme: e.signature_scheme.as_str(),
-            held: e.held,
-            created_at: e.created_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
-        }
-    }
-}
-
-#[derive(Template)]
-#[template(path = "portal/endpoints.html")]
-struct Endpoints {
-    csrf: String,
-    endpoints: Vec<EndpointRow>,
-}
 
 /// A response with the portal's headers: the CSP, no framing, no sniffing,
 /// no referrer (a link's token never leaves in a Referer), nothing cached.
@@ -104,7 +140,7 @@ fn page(status: StatusCode, content_type: &'static str, body: String) -> Respons
     resp
 }
 
-fn html(status: StatusCode, t: impl Template) -> Response {
+pub fn html(status: StatusCode, t: impl Template) -> Response {
     match t.render() {
         Ok(body) => page(status, "text/html; charset=utf-8", body),
         Err(e) => {
@@ -114,17 +150,23 @@ fn html(status: StatusCode, t: impl Template) -> Response {
     }
 }
 
-fn message(status: StatusCode, title: &str, text: &str) -> Response {
+pub fn message(status: StatusCode, title: &str, text: &str) -> Response {
     html(status, Message { title, text })
 }
 
-fn redirect(to: &'static str) -> Response {
+/// After a form: see the page the change shows on (POST, redirect, GET).
+pub fn redirect(to: &str) -> Response {
     let mut resp = page(StatusCode::SEE_OTHER, "text/plain; charset=utf-8", String::new());
-    resp.headers_mut().insert(header::LOCATION, HeaderValue::from_static(to));
-    resp
+    match HeaderValue::from_str(to) {
+        Ok(v) => {
+            resp.headers_mut().insert(header::LOCATION, v);
+            resp
+        }
+        Err(_) => message(StatusCode::BAD_REQUEST, "That did not work", "The page to return to has an invalid address."),
+    }
 }
 
-fn unavailable() -> Response {
+pub fn unavailable() -> Response {
     message(StatusCode::SERVICE_UNAVAILABLE, "Temporarily unavailable", "Please try again in a moment.")
 }
 
@@ -153,7 +195,7 @@ fn session_cookie(app: &App, value: &str, max_age: i64) -> HeaderValue {
 }
 
 /// The request's session, or the response that says there is none.
-async fn session(app: &App, headers: &HeaderMap) -> Result<(String, PortalSession), Response> {
+pub async fn session(app: &App, headers: &HeaderMap) -> Result<(String, PortalSession), Response> {
     let Some(token) = cookie(headers) else { return Err(signed_out()) };
     match app.portal_session(&token).await {
         Ok(Some(s)) => Ok((token, s)),
@@ -195,29 +237,43 @@ async fn enter(State(app): State<App>, RawQuery(query): RawQuery) -> Response {
     }
 }
 
-async fn endpoints(State(app): State<App>, headers: HeaderMap) -> Response {
-    let (_, s) = match session(&app, &headers).await {
-        Ok(s) => s,
-        Err(resp) => return resp,
-    };
-    match app.list_endpoints(s.tenant).await {
-        Ok(list) => html(StatusCode::OK, Endpoints { csrf: s.csrf_token, endpoints: list.into_iter().map(EndpointRow::from).collect() }),
-        Err(e) => {
-            tracing::warn!(error = ?e, "listing endpoints for the portal failed");
-            unavailable()
-        }
-    }
-}
-
 #[derive(serde::Deserialize)]
-struct CsrfForm {
+pub struct CsrfForm {
     #[serde(default)]
-    csrf: String,
+    pub csrf: String,
 }
 
 /// A state-changing form must carry the session's CSRF token.
-fn csrf_ok(s: &PortalSession, form: &CsrfForm) -> bool {
-    !form.csrf.is_empty() && bool::from(form.csrf.as_bytes().ct_eq(s.csrf_token.as_bytes()))
+pub fn csrf_ok(s: &PortalSession, csrf: &str) -> bool {
+    !csrf.is_empty() && bool::from(csrf.as_bytes().ct_eq(s.csrf_token.as_bytes()))
+}
+
+/// The session of a form's request, when the form carries its CSRF token.
+pub async fn form_session(app: &App, headers: &HeaderMap, csrf: &str) -> Result<PortalSession, Response> {
+    let (_, s) = session(app, headers).await?;
+    if !csrf_ok(&s, csrf) {
+        return Err(forbidden_form());
+    }
+    Ok(s)
+}
+
+/// A form posted to one thing's path: the session (CSRF checked) and the
+/// thing's id.
+pub async fn form_on(app: &App, headers: &HeaderMap, csrf: &str, raw_id: &str) -> Result<(PortalSession, uuid::Uuid), Response> {
+    let s = form_session(app, headers, csrf).await?;
+    let Some(id) = path_id(raw_id) else { return Err(not_found()) };
+    Ok((s, id))
+}
+
+/// An id from a path; anything but a UUID is a page that does not exist
+/// ([`not_found`]).
+pub fn path_id(raw: &str) -> Option<uuid::Uuid> {
+    raw.parse().ok()
+}
+
+/// The same page for "never existed" and "another environment's".
+pub fn not_found() -> Response {
+    message(StatusCode::NOT_FOUND, "Not found", "There is nothing here, or it belongs to another account.")
 }
 
 fn forbidden_form() -> Response {
@@ -229,7 +285,7 @@ async fn logout(State(app): State<App>, headers: HeaderMap, Form(form): Form<Csr
         Ok(s) => s,
         Err(resp) => return resp,
     };
-    if !csrf_ok(&s, &form) {
+    if !csrf_ok(&s, &form.csrf) {
         return forbidden_form();
     }
     if let Err(e) = app.leave_portal(&token).await {

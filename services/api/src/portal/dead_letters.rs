@@ -1,0 +1,97 @@
+//! Dead letters: deliveries whose attempts ran out (or whose endpoint was
+//! disabled or deleted while they waited), each with a replay button.
+
+use std::collections::HashMap;
+
+use askama::Template;
+use axum::{
+    Form,
+    extract::{Path, State},
+    http::{HeaderMap, StatusCode},
+    response::Response,
+};
+use uuid::Uuid;
+
+use super::{Frame, Section, endpoints::outcome_text, failed, form_on, html, redirect, session, when};
+use crate::app::App;
+
+/// How many a page lists (the newest).
+const SHOWN: usize = 200;
+
+struct DeadLetterView {
+    id: String,
+    event_id: String,
+    endpoint_id: String,
+    endpoint_url: String,
+    attempts: i32,
+    last: String,
+    reason: String,
+    at: String,
+    /// Replay is offered while its endpoint takes deliveries.
+    replayable: bool,
+    replayed: bool,
+}
+
+#[derive(Template)]
+#[template(path = "portal/dead_letters.html")]
+struct List {
+    frame: Frame,
+    dead_letters: Vec<DeadLetterView>,
+    total: usize,
+}
+
+pub async fn list(State(app): State<App>, headers: HeaderMap) -> Response {
+    let (_, s) = match session(&app, &headers).await {
+        Ok(s) => s,
+        Err(resp) => return resp,
+    };
+    let (letters, endpoints) = match tokio::try_join!(app.list_dead_letters(s.tenant), app.list_endpoints(s.tenant)) {
+        Ok(both) => both,
+        Err(e) => return failed(e),
+    };
+    let live: HashMap<Uuid, (String, bool)> = endpoints.into_iter().map(|e| (e.id, (e.url, e.enabled))).collect();
+    let total = letters.len();
+    let dead_letters = letters
+        .into_iter()
+        .take(SHOWN)
+        .map(|d| {
+            let (url, enabled) = live.get(&d.endpoint_id).cloned().unwrap_or_else(|| ("(deleted endpoint)".into(), false));
+            DeadLetterView {
+                id: d.id.to_string(),
+                event_id: d.event_id.to_string(),
+                endpoint_id: d.endpoint_id.to_string(),
+                endpoint_url: url,
+                attempts: d.attempts,
+                last: outcome_text(d.last_status, d.last_error.as_deref()),
+                reason: d.reason.replace('_', " "),
+                at: when(d.dead_lettered_at),
+                replayable: enabled && !d.replayed,
+                replayed: d.replayed,
+            }
+        })
+        .collect();
+    html(StatusCode::OK, List { frame: Frame::new(&s, Section::DeadLetters), dead_letters, total })
+}
+
+#[derive(serde::Deserialize)]
+pub struct ReplayForm {
+    #[serde(default)]
+    csrf: String,
+    /// Where to go after: the event's page (only an id is accepted).
+    #[serde(default)]
+    event_id: String,
+}
+
+pub async fn replay(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<ReplayForm>) -> Response {
+    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
+        Ok(found) => found,
+        Err(resp) => return resp,
+    };
+    match app.replay_dead_letter(Some(s.tenant), id).await {
+        Ok(_) => match form.event_id.parse::<Uuid>() {
+            Ok(event) => redirect(&format!("/portal/events/{event}")),
+            Err(_) => redirect("/portal/dead-letters"),
+        },
+        Err(e) => failed(e),
+    }
+}

@@ -1,0 +1,376 @@
+//! The endpoint pages: the list, one endpoint (its charts, held deliveries
+//! and the forms that change it), creating one, and the page that shows a
+//! new secret its one time.
+
+use askama::Template;
+use axum::{
+    Form,
+    extract::{Path, State},
+    http::{HeaderMap, StatusCode},
+    response::Response,
+};
+use relay_signing::{Scheme, SigningSecret};
+use uuid::Uuid;
+
+use super::{Frame, Section, chart, failed, form_on, form_session, html, not_found, path_id, redirect, session, when};
+use crate::{
+    app::{App, endpoints::Endpoint, endpoints::EndpointChange, recover::Recovery},
+    db::health::HeldRow,
+};
+
+/// An endpoint as the pages show it.
+pub struct EndpointView {
+    pub id: String,
+    pub url: String,
+    pub event_types: Vec<String>,
+    pub enabled: bool,
+    pub status: &'static str,
+    pub status_class: &'static str,
+    pub scheme: &'static str,
+    pub public_key: Option<String>,
+    pub held: i64,
+    pub created_at: String,
+    pub rotated_at: Option<String>,
+    pub last_success_at: Option<String>,
+    pub failing_since: Option<String>,
+}
+
+impl From<Endpoint> for EndpointView {
+    fn from(e: Endpoint) -> Self {
+        let (status, status_class) = match (e.enabled, e.health.circuit.as_str()) {
+            (false, _) => (if e.disabled_reason.is_some_and(|r| r.holds()) { "disabled by Relay: failing" } else { "disabled" }, "bad"),
+            (true, "closed") => ("active", "ok"),
+            (true, _) => ("failing: deliveries held", "warn"),
+        };
+        Self {
+            id: e.id.to_string(),
+            url: e.url,
+            event_types: e.event_types,
+            enabled: e.enabled,
+            status,
+            status_class,
+            scheme: e.signature_scheme.as_str(),
+            public_key: e.public_key,
+            held: e.held,
+            created_at: when(e.created_at),
+            rotated_at: e.secret_rotated_at.map(when),
+            last_success_at: e.health.last_success_at.map(when),
+            failing_since: e.health.failing_since.map(when),
+        }
+    }
+}
+
+#[derive(Template)]
+#[template(path = "portal/endpoints.html")]
+struct List {
+    frame: Frame,
+    endpoints: Vec<EndpointView>,
+}
+
+pub async fn list(State(app): State<App>, headers: HeaderMap) -> Response {
+    let (_, s) = match session(&app, &headers).await {
+        Ok(s) => s,
+        Err(resp) => return resp,
+    };
+    match app.list_endpoints(s.tenant).await {
+        Ok(list) => {
+            html(StatusCode::OK, List { frame: Frame::new(&s, Section::Endpoints), endpoints: list.into_iter().map(Into::into).collect() })
+        }
+        Err(e) => failed(e),
+    }
+}
+
+/// The create and edit form's fields, as typed (shown again with an error).
+#[derive(Default, serde::Deserialize)]
+pub struct EndpointForm {
+    #[serde(default)]
+    csrf: String,
+    #[serde(default)]
+    url: String,
+    /// One per line, or separated by commas.
+    #[serde(default)]
+    event_types: String,
+    #[serde(default)]
+    signature_scheme: String,
+}
+
+fn split_types(raw: &str) -> Vec<String> {
+    raw.split([',', '\n', '\r']).map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned).collect()
+}
+
+struct SchemeChoice {
+    value: &'static str,
+    selected: bool,
+}
+
+fn scheme_choices(current: &str) -> Vec<SchemeChoice> {
+    let current = if current.is_empty() { Scheme::default().as_str() } else { current };
+    Scheme::ALL.iter().map(|s| SchemeChoice { value: s.as_str(), selected: s.as_str() == current }).collect()
+}
+
+#[derive(Template)]
+#[template(path = "portal/endpoint_new.html")]
+struct NewForm {
+    frame: Frame,
+    error: Option<String>,
+    url: String,
+    event_types: String,
+    schemes: Vec<SchemeChoice>,
+}
+
+pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
+    let (_, s) = match session(&app, &headers).await {
+        Ok(s) => s,
+        Err(resp) => return resp,
+    };
+    html(
+        StatusCode::OK,
+        NewForm {
+            frame: Frame::new(&s, Section::Endpoints),
+            error: None,
+            url: String::new(),
+            event_types: String::new(),
+            schemes: scheme_choices(""),
+        },
+    )
+}
+
+/// The one page a secret is ever shown on.
+#[derive(Template)]
+#[template(path = "portal/secret.html")]
+struct SecretShown {
+    frame: Frame,
+    heading: &'static str,
+    endpoint: EndpointView,
+    secret: Option<String>,
+}
+
+fn secret_page(
+    s: &crate::app::portal::PortalSession,
+    heading: &'static str,
+    endpoint: Endpoint,
+    secret: Option<SigningSecret>,
+) -> Response {
+    html(
+        StatusCode::OK,
+        SecretShown {
+            frame: Frame::new(s, Section::Endpoints),
+            heading,
+            endpoint: endpoint.into(),
+            secret: secret.map(|s| s.expose().to_owned()),
+        },
+    )
+}
+
+pub async fn create(State(app): State<App>, headers: HeaderMap, Form(form): Form<EndpointForm>) -> Response {
+    let s = match form_session(&app, &headers, &form.csrf).await {
+        Ok(s) => s,
+        Err(resp) => return resp,
+    };
+    match app.create_endpoint(s.tenant, form.url.trim(), &split_types(&form.event_types), &form.signature_scheme).await {
+        Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
+        Err(e) if e.code == crate::error::ErrorCode::InvalidArgument || e.code == crate::error::ErrorCode::FailedPrecondition => html(
+            StatusCode::BAD_REQUEST,
+            NewForm {
+                frame: Frame::new(&s, Section::Endpoints),
+                error: Some(e.message),
+                schemes: scheme_choices(&form.signature_scheme),
+                url: form.url,
+                event_types: form.event_types,
+            },
+        ),
+        Err(e) => failed(e),
+    }
+}
+
+/// A held delivery as the endpoint page lists it.
+struct HeldView {
+    event_id: String,
+    attempt: i32,
+    due: String,
+    last: String,
+}
+
+impl From<HeldRow> for HeldView {
+    fn from(h: HeldRow) -> Self {
+        Self {
+            event_id: h.event_id.to_string(),
+            attempt: h.attempt,
+            due: when(h.next_attempt_at),
+            last: outcome_text(h.last_status, h.last_error.as_deref()),
+        }
+    }
+}
+
+/// What an attempt ended with, in words.
+pub fn outcome_text(status: Option<i32>, error: Option<&str>) -> String {
+    match (status, error) {
+        (Some(s), Some(e)) if !e.is_empty() => format!("HTTP {s}: {e}"),
+        (Some(s), _) => format!("HTTP {s}"),
+        (None, Some(e)) => e.to_owned(),
+        (None, None) => "not attempted yet".to_owned(),
+    }
+}
+
+#[derive(Template)]
+#[template(path = "portal/endpoint.html")]
+struct Show {
+    frame: Frame,
+    endpoint: EndpointView,
+    event_types_text: String,
+    schemes: Vec<SchemeChoice>,
+    chart: chart::Charts,
+    held: Vec<HeldView>,
+    error: Option<String>,
+    notice: Option<&'static str>,
+}
+
+async fn show_page(
+    app: &App,
+    s: &crate::app::portal::PortalSession,
+    id: Uuid,
+    error: Option<(StatusCode, String)>,
+    notice: Option<&'static str>,
+) -> Response {
+    let endpoint = match app.get_endpoint(s.tenant, id).await {
+        Ok(e) => e,
+        Err(e) => return failed(e),
+    };
+    let chart = match app.endpoint_chart(s.tenant, id).await {
+        Ok(c) => c,
+        Err(e) => return failed(e),
+    };
+    let held = match app.list_held(s.tenant, id, None, 20).await {
+        Ok(h) => h,
+        Err(e) => return failed(e),
+    };
+    let (status, error) = match error {
+        Some((status, text)) => (status, Some(text)),
+        None => (StatusCode::OK, None),
+    };
+    html(
+        status,
+        Show {
+            frame: Frame::new(s, Section::Endpoints),
+            event_types_text: endpoint.event_types.join("\n"),
+            schemes: scheme_choices(endpoint.signature_scheme.as_str()),
+            endpoint: endpoint.into(),
+            chart: chart::Charts::of(&chart),
+            held: held.into_iter().map(Into::into).collect(),
+            error,
+            notice,
+        },
+    )
+}
+
+#[derive(serde::Deserialize)]
+pub struct ShowQuery {
+    #[serde(default)]
+    done: String,
+}
+
+pub async fn show(
+    State(app): State<App>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    axum::extract::Query(q): axum::extract::Query<ShowQuery>,
+) -> Response {
+    let (_, s) = match session(&app, &headers).await {
+        Ok(s) => s,
+        Err(resp) => return resp,
+    };
+    let Some(id) = path_id(&id) else { return not_found() };
+    // A fixed set of notices: nothing from the query reaches the page.
+    let notice = match q.done.as_str() {
+        "saved" => Some("Saved."),
+        "enabled" => Some("Enabled: held deliveries are being sent."),
+        "disabled" => Some("Disabled: pending deliveries became dead letters, to replay after enabling."),
+        "recovering" => Some("Recovery started: dead and held deliveries of the last 7 days are being sent again."),
+        _ => None,
+    };
+    show_page(&app, &s, id, None, notice).await
+}
+
+fn endpoint_url(id: Uuid, done: &str) -> String {
+    format!("/portal/endpoints/{id}?done={done}")
+}
+
+pub async fn update(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<EndpointForm>) -> Response {
+    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
+        Ok(found) => found,
+        Err(resp) => return resp,
+    };
+    let types = split_types(&form.event_types);
+    if types.is_empty() {
+        return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, "an endpoint needs at least one event type".into())), None).await;
+    }
+    let change = EndpointChange {
+        url: Some(form.url.trim().to_owned()),
+        event_types: types,
+        signature_scheme: (!form.signature_scheme.is_empty()).then(|| form.signature_scheme.clone()),
+    };
+    match app.update_endpoint(s.tenant, id, change).await {
+        // A change of scheme may mint new material: shown once, like a rotation's.
+        Ok((endpoint, Some(secret))) => secret_page(&s, "Endpoint saved: its new signing secret", endpoint, Some(secret)),
+        Ok((_, None)) => redirect(&endpoint_url(id, "saved")),
+        Err(e) if e.code == crate::error::ErrorCode::InvalidArgument || e.code == crate::error::ErrorCode::FailedPrecondition => {
+            show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, e.message)), None).await
+        }
+        Err(e) => failed(e),
+    }
+}
+
+pub async fn rotate(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
+    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
+        Ok(found) => found,
+        Err(resp) => return resp,
+    };
+    match app.rotate_endpoint_secret(s.tenant, id).await {
+        Ok((endpoint, secret)) => secret_page(&s, "Secret rotated: the previous one keeps signing for 24 hours", endpoint, secret),
+        Err(e) => failed(e),
+    }
+}
+
+async fn set_enabled(app: App, headers: HeaderMap, id: String, csrf: String, enabled: bool) -> Response {
+    let (s, id) = match form_on(&app, &headers, &csrf, &id).await {
+        Ok(found) => found,
+        Err(resp) => return resp,
+    };
+    match app.set_endpoint_enabled(s.tenant, id, enabled).await {
+        Ok(_) => redirect(&endpoint_url(id, if enabled { "enabled" } else { "disabled" })),
+        Err(e) => failed(e),
+    }
+}
+
+pub async fn enable(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
+    set_enabled(app, headers, id, form.csrf, true).await
+}
+
+pub async fn disable(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
+    set_enabled(app, headers, id, form.csrf, false).await
+}
+
+pub async fn delete(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
+    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
+        Ok(found) => found,
+        Err(resp) => return resp,
+    };
+    match app.delete_endpoint(s.tenant, id).await {
+        Ok(()) => redirect("/portal/"),
+        Err(e) => failed(e),
+    }
+}
+
+/// Sends the endpoint's dead and held deliveries of the last 7 days again
+/// (a recovery operation, throttled).
+pub async fn recover(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
+    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
+        Ok(found) => found,
+        Err(resp) => return resp,
+    };
+    let until = chrono::Utc::now();
+    match app.recover_endpoint(Some(s.tenant), id, until - chrono::TimeDelta::days(7), until, false).await {
+        Ok(Recovery::Started(_) | Recovery::WouldRecover(_)) => redirect(&endpoint_url(id, "recovering")),
+        Err(e) => failed(e),
+    }
+}
