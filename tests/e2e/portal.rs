@@ -404,6 +404,21 @@ async fn in_a_browser_an_endpoint_is_created_a_delivery_seen_a_dead_letter_repla
     c.goto(&format!("{}/portal/events", stack.rest_url)).await.map_err(e("events"))?;
     c.find(Locator::Css(&format!("tr[data-event-id='{first}']"))).await.map_err(e("the event's row"))?;
     browser.screenshot("05-events").await?;
+    // A hostile endpoint URL (registered through REST) renders inert on the
+    // list: no element made of it, its text as stored.
+    let hostile_url = format!("{}?q='><img src=x onerror=alert(1)>&r=\"x\"", receiver.url("/odd"));
+    let (status, odd) = rest.call(reqwest::Method::POST, "/v1/webhooks", Some(json!({"url": hostile_url, "event_types": ["odd"]}))).await?;
+    assert_eq!(status, 201, "{odd}");
+    let stored = odd["endpoint"]["url"].as_str().expect("a url").to_owned();
+    c.goto(&format!("{}/portal/", stack.rest_url)).await.map_err(e("endpoints"))?;
+    let odd_id = odd["endpoint"]["id"].as_str().expect("an id").to_owned();
+    let cell = c.find(Locator::Css(&format!("tr[data-endpoint-id='{odd_id}'] td.url code"))).await.map_err(e("the odd row"))?;
+    assert_eq!(text_of(&cell).await?, stored);
+    assert!(c.find_all(Locator::Css("img")).await.map_err(e("img"))?.is_empty(), "a tenant URL became markup");
+    assert!(c.get_alert_text().await.is_err(), "no script ran");
+    let (status, _) = rest.call(reqwest::Method::DELETE, &format!("/v1/webhooks/{odd_id}"), None).await?;
+    assert_eq!(status, 204);
+    c.goto(&format!("{}/portal/events", stack.rest_url)).await.map_err(e("events"))?;
     let filters = c.find(Locator::Css("form#event-filters")).await.map_err(e("filters"))?;
     filters.find(Locator::Css("input[name=type]")).await.map_err(e("type"))?.send_keys("invoice.sent").await.map_err(e("typing"))?;
     filters.find(Locator::Css("button[type=submit]")).await.map_err(e("filter"))?.click().await.map_err(e("filter"))?;

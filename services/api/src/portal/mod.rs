@@ -63,6 +63,10 @@ pub fn routes(app: App) -> Router {
         .route("/portal/dead-letters/{id}/replay", post(dead_letters::replay))
         .route("/portal/assets/portal.css", get(|| async { page(StatusCode::OK, "text/css; charset=utf-8", STYLESHEET.to_owned()) }))
         .route("/portal/assets/portal.js", get(|| async { page(StatusCode::OK, "text/javascript; charset=utf-8", SCRIPT.to_owned()) }))
+        // A browser that goes away (a closed tab, a second click) must not
+        // cancel a page's database work half-way: each request runs in a
+        // task of its own.
+        .layer(crate::detach::DetachLayer)
         .with_state(app)
 }
 
