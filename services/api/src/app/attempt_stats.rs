@@ -9,7 +9,7 @@ use std::{collections::HashMap, sync::Mutex, time::Duration};
 use chrono::{DurationRound, TimeDelta};
 use uuid::Uuid;
 
-use super::{App, Tenant, Timestamp};
+use super::{App, Timestamp, endpoints::Endpoint};
 use crate::{db, error::AppResult};
 
 /// A chart's bucket.
@@ -142,9 +142,10 @@ impl App {
         Ok(n)
     }
 
-    /// The chart of one of the tenant's endpoints over the last 24 h.
-    pub async fn endpoint_chart(&self, tenant: Tenant, endpoint_id: Uuid) -> AppResult<Chart> {
-        self.get_endpoint(tenant, endpoint_id).await?;
+    /// The chart of an endpoint over the last 24 h; the endpoint as read for
+    /// a tenant (`get_endpoint`), which is what scopes it.
+    pub async fn endpoint_chart(&self, endpoint: &Endpoint) -> AppResult<Chart> {
+        let endpoint_id = endpoint.id;
         let now = self.clock.now();
         let from = bucket_of(now - WINDOW) + BUCKET;
         let count = (WINDOW.num_seconds() / BUCKET.num_seconds()) as usize;

@@ -33,14 +33,7 @@ fn ms(v: Option<f64>) -> String {
 
 /// A round number at or above `v`, for the latency axis.
 fn nice_ceiling(v: f64) -> f64 {
-    let mut step = 10.0;
-    for candidate in [10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10_000.0, 20_000.0, 30_000.0] {
-        step = candidate;
-        if v <= candidate {
-            break;
-        }
-    }
-    step
+    [10.0, 20.0, 50.0, 100.0, 200.0, 500.0, 1000.0, 2000.0, 5000.0, 10_000.0, 20_000.0].into_iter().find(|&c| v <= c).unwrap_or(30_000.0)
 }
 
 impl Charts {

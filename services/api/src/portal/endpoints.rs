@@ -236,12 +236,8 @@ async fn show_page(
         Ok(e) => e,
         Err(e) => return failed(e),
     };
-    let chart = match app.endpoint_chart(s.tenant, id).await {
-        Ok(c) => c,
-        Err(e) => return failed(e),
-    };
-    let held = match app.list_held(s.tenant, id, None, 20).await {
-        Ok(h) => h,
+    let (chart, held) = match tokio::try_join!(app.endpoint_chart(&endpoint), app.list_held(s.tenant, id, None, 20)) {
+        Ok(both) => both,
         Err(e) => return failed(e),
     };
     let (status, error) = match error {
