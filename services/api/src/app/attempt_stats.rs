@@ -16,6 +16,8 @@ use crate::{db, error::AppResult};
 pub const BUCKET: TimeDelta = TimeDelta::minutes(5);
 /// How far back a chart reaches.
 pub const WINDOW: TimeDelta = TimeDelta::hours(24);
+/// How long buckets are kept: two windows.
+pub const KEPT: Duration = Duration::from_secs(48 * 3600);
 /// How often an api writes what it has added up.
 pub const FLUSH_EVERY: Duration = Duration::from_secs(5);
 /// Upper bounds of the latency histogram's buckets, in milliseconds; one
@@ -39,13 +41,13 @@ impl Default for BucketSums {
 }
 
 impl BucketSums {
-    fn add(&mut self, succeeded: bool, latency_ms: u64) {
+    pub fn add(&mut self, succeeded: bool, latency_ms: u64) {
         self.attempts += 1;
         self.succeeded += i64::from(succeeded);
         self.latency_counts[latency_bucket(latency_ms)] += 1;
     }
 
-    fn merge(&mut self, other: &BucketSums) {
+    pub fn merge(&mut self, other: &BucketSums) {
         self.attempts += other.attempts;
         self.succeeded += other.succeeded;
         for (a, b) in self.latency_counts.iter_mut().zip(&other.latency_counts) {
@@ -161,9 +163,9 @@ impl App {
         Ok(Chart { from, buckets })
     }
 
-    /// Deletes buckets older than two windows.
+    /// Deletes buckets older than [`KEPT`].
     pub async fn prune_attempt_stats(&self) -> AppResult<u64> {
-        db::attempt_stats::prune(&self.db, WINDOW * 2).await
+        db::attempt_stats::prune(&self.db, KEPT).await
     }
 }
 

@@ -3,10 +3,10 @@
 
 use std::time::Duration;
 
-use sqlx::{PgPool, postgres::types::PgInterval};
+use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::models::Timestamp;
+use super::{interval, models::Timestamp};
 use crate::error::AppResult;
 
 /// Sums to add, column by column; the histograms flattened, each
@@ -80,10 +80,9 @@ pub async fn of_endpoint(db: &PgPool, endpoint_id: Uuid, from: Timestamp) -> App
     .await?)
 }
 
-pub async fn prune(db: &PgPool, older_than: chrono::TimeDelta) -> AppResult<u64> {
-    let d = older_than.to_std().unwrap_or(Duration::from_secs(2 * 86_400));
-    let interval = PgInterval::try_from(d).map_err(|e| anyhow::anyhow!("{d:?} is not an interval: {e}"))?;
-    Ok(sqlx::query!("DELETE FROM endpoint_attempt_stats WHERE bucket_start < now() - $1::interval", interval)
+/// Deletes buckets that started more than `older_than` ago.
+pub async fn prune(db: &PgPool, older_than: Duration) -> AppResult<u64> {
+    Ok(sqlx::query!("DELETE FROM endpoint_attempt_stats WHERE bucket_start < now() - $1::interval", interval(older_than)?)
         .execute(db)
         .await?
         .rows_affected())

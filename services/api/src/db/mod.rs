@@ -80,6 +80,11 @@ pub mod portal;
 pub mod primary;
 pub mod retention;
 
+/// A duration as a statement's interval parameter.
+pub fn interval(d: Duration) -> crate::error::AppResult<sqlx::postgres::types::PgInterval> {
+    Ok(sqlx::postgres::types::PgInterval::try_from(d).map_err(|e| anyhow::anyhow!("{d:?} is not an interval: {e}"))?)
+}
+
 /// Whether Postgres answers a query now (readiness).
 pub async fn answers(db: &PgPool) -> bool {
     sqlx::query_scalar!("SELECT 1 AS one").fetch_one(db).await.is_ok()

@@ -3,15 +3,11 @@
 
 use std::time::Duration;
 
-use sqlx::{PgPool, postgres::types::PgInterval};
+use sqlx::PgPool;
 use uuid::Uuid;
 
-use super::models::Timestamp;
+use super::{interval, models::Timestamp};
 use crate::error::AppResult;
-
-fn interval(d: Duration) -> AppResult<PgInterval> {
-    Ok(PgInterval::try_from(d).map_err(|e| anyhow::anyhow!("{d:?} is not an interval: {e}"))?)
-}
 
 /// Stores a link for `environment_id` valid for `ttl`; when it expires.
 pub async fn create_link(db: &PgPool, token_hash: &[u8], environment_id: Uuid, ttl: Duration) -> AppResult<Timestamp> {

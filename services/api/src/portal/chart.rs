@@ -40,11 +40,7 @@ impl Charts {
     pub fn of(chart: &Chart) -> Self {
         let mut total = BucketSums::default();
         for b in &chart.buckets {
-            total.attempts += b.attempts;
-            total.succeeded += b.succeeded;
-            for (t, n) in total.latency_counts.iter_mut().zip(&b.latency_counts) {
-                *t += n;
-            }
+            total.merge(b);
         }
         let success_rate =
             if total.attempts == 0 { "–".into() } else { format!("{:.1} %", 100.0 * total.succeeded as f64 / total.attempts as f64) };
@@ -194,14 +190,10 @@ fn latency(chart: &Chart) -> String {
 mod tests {
     use super::*;
 
-    fn chart_with(bucket: usize, attempts: &[(bool, i64)]) -> Chart {
+    fn chart_with(bucket: usize, attempts: &[(bool, u64)]) -> Chart {
         let mut buckets = vec![BucketSums::default(); 288];
         for &(ok, latency_ms) in attempts {
-            let b = &mut buckets[bucket];
-            b.attempts += 1;
-            b.succeeded += i64::from(ok);
-            let i = crate::app::attempt_stats::LATENCY_BOUNDS_MS.partition_point(|&x| (x as i64) < latency_ms);
-            b.latency_counts[i] += 1;
+            buckets[bucket].add(ok, latency_ms);
         }
         Chart { from: chrono::Utc::now(), buckets }
     }

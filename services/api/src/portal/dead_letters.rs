@@ -12,7 +12,7 @@ use axum::{
 };
 use uuid::Uuid;
 
-use super::{Frame, Section, endpoints::outcome_text, failed, form_on, html, redirect, session, when};
+use super::{Frame, Section, failed, form_on, html, outcome_text, redirect, session, when};
 use crate::app::App;
 
 /// How many a page lists (the newest).

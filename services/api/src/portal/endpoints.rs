@@ -12,7 +12,9 @@ use axum::{
 use relay_signing::{Scheme, SigningSecret};
 use uuid::Uuid;
 
-use super::{Frame, Section, chart, failed, form_on, form_session, html, not_found, path_id, redirect, session, when};
+use super::{
+    Frame, Section, callers_mistake, chart, failed, form_on, form_session, html, not_found, outcome_text, path_id, redirect, session, when,
+};
 use crate::{
     app::{App, endpoints::Endpoint, endpoints::EndpointChange, recover::Recovery},
     db::health::HeldRow,
@@ -81,7 +83,7 @@ pub async fn list(State(app): State<App>, headers: HeaderMap) -> Response {
 }
 
 /// The create and edit form's fields, as typed (shown again with an error).
-#[derive(Default, serde::Deserialize)]
+#[derive(serde::Deserialize)]
 pub struct EndpointForm {
     #[serde(default)]
     csrf: String,
@@ -169,7 +171,7 @@ pub async fn create(State(app): State<App>, headers: HeaderMap, Form(form): Form
     };
     match app.create_endpoint(s.tenant, form.url.trim(), &split_types(&form.event_types), &form.signature_scheme).await {
         Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
-        Err(e) if e.code == crate::error::ErrorCode::InvalidArgument || e.code == crate::error::ErrorCode::FailedPrecondition => html(
+        Err(e) if callers_mistake(&e) => html(
             StatusCode::BAD_REQUEST,
             NewForm {
                 frame: Frame::new(&s, Section::Endpoints),
@@ -199,16 +201,6 @@ impl From<HeldRow> for HeldView {
             due: when(h.next_attempt_at),
             last: outcome_text(h.last_status, h.last_error.as_deref()),
         }
-    }
-}
-
-/// What an attempt ended with, in words.
-pub fn outcome_text(status: Option<i32>, error: Option<&str>) -> String {
-    match (status, error) {
-        (Some(s), Some(e)) if !e.is_empty() => format!("HTTP {s}: {e}"),
-        (Some(s), _) => format!("HTTP {s}"),
-        (None, Some(e)) => e.to_owned(),
-        (None, None) => "not attempted yet".to_owned(),
     }
 }
 
@@ -309,9 +301,7 @@ pub async fn update(State(app): State<App>, headers: HeaderMap, Path(id): Path<S
         // A change of scheme may mint new material: shown once, like a rotation's.
         Ok((endpoint, Some(secret))) => secret_page(&s, "Endpoint saved: its new signing secret", endpoint, Some(secret)),
         Ok((_, None)) => redirect(&endpoint_url(id, "saved")),
-        Err(e) if e.code == crate::error::ErrorCode::InvalidArgument || e.code == crate::error::ErrorCode::FailedPrecondition => {
-            show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, e.message)), None).await
-        }
+        Err(e) if callers_mistake(&e) => show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, e.message)), None).await,
         Err(e) => failed(e),
     }
 }

@@ -12,7 +12,7 @@ use axum::{
 use chrono::{NaiveDateTime, TimeZone, Utc};
 use uuid::Uuid;
 
-use super::{Frame, Section, endpoints::outcome_text, failed, html, message, not_found, path_id, redirect, session, when};
+use super::{Frame, Section, failed, html, message, not_found, outcome_text, path_id, redirect, session, when};
 use crate::{
     app::{App, Timestamp, events::EVENT_PAGE},
     db::{

@@ -100,6 +100,22 @@ pub fn when(t: chrono::DateTime<chrono::Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%S UTC").to_string()
 }
 
+/// An error the form's own input caused (what [`failed`] answers 400): shown
+/// on the form again.
+pub fn callers_mistake(e: &AppError) -> bool {
+    matches!(e.code, ErrorCode::InvalidArgument | ErrorCode::FailedPrecondition)
+}
+
+/// What an attempt ended with, in words.
+pub fn outcome_text(status: Option<i32>, error: Option<&str>) -> String {
+    match (status, error) {
+        (Some(s), Some(e)) if !e.is_empty() => format!("HTTP {s}: {e}"),
+        (Some(s), _) => format!("HTTP {s}"),
+        (None, Some(e)) => e.to_owned(),
+        (None, None) => "not attempted yet".to_owned(),
+    }
+}
+
 /// What a use-case's error becomes on a page: the status REST would
 /// answer, and its message (the reason's words, never an internal cause).
 pub fn failed(e: AppError) -> Response {
