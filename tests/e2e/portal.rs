@@ -188,7 +188,7 @@ async fn a_portal_link_is_minted_over_grpc_too() -> anyhow::Result<()> {
 /// mistake; tenant strings on the event pages stay text.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_portal_form_needs_its_csrf_token_and_bad_input_is_named_on_the_page() -> anyhow::Result<()> {
-    let stack = Stack::start(Options { circuit_open_after: 100, ..Options::default().tiers("0") }).await?;
+    let stack = Stack::start(Options::default().tiers("0").circuit_off()).await?;
     let tenant = stack.tenant("portal-forms").await?;
     let receiver = Receiver::start().await?;
     receiver.reply("/fails", Reply::Status(500));
@@ -323,7 +323,7 @@ async fn wait_for_text(browser: &Browser, url: &str, css: &str, want: &str, with
 /// ends the session. Screenshots of each page are saved.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_a_browser_an_endpoint_is_created_a_delivery_seen_a_dead_letter_replayed_and_hostile_strings_stay_text() -> anyhow::Result<()> {
-    let stack = Stack::start(Options { circuit_open_after: 100, ..Options::default().tiers("0,50,50") }).await?;
+    let stack = Stack::start(Options::default().tiers("0,50,50").circuit_off()).await?;
     let tenant = stack.tenant("portal-browser").await?;
     let receiver = Receiver::start().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));

@@ -2,6 +2,7 @@
 //! api and dispatcher started in-process on port 0, and HTTP receivers on
 //! loopback. Everything talks to the real Postgres and NATS on 127.0.0.1.
 
+pub mod flaky;
 pub mod load;
 pub mod otlp;
 
@@ -14,7 +15,7 @@ use std::{
 
 use anyhow::{Context, Result};
 use axum::{Router, body::Bytes, http::HeaderMap};
-use relay_api::{Listeners, RunningApi, config::ApiConfig, schedule::RetrySchedule, secrets::Keyring};
+use relay_api::{Listeners, RunningApi, app::health::CircuitPolicy, config::ApiConfig, schedule::RetrySchedule, secrets::Keyring};
 use relay_contracts::relay::admin::v1::admin_service_client::AdminServiceClient;
 use relay_dispatcher::{DispatcherConfig, RunningDispatcher};
 use relay_netguard::Policy;
@@ -136,13 +137,31 @@ pub struct Options {
     /// The api's Postgres pool: its size and how long a call waits for a connection.
     pub db_pool_size: u32,
     pub db_acquire_timeout: Duration,
-    /// The circuit: failures that open it, and the probes' back-off (short,
-    /// so tests see probing and recovery within seconds).
-    pub circuit_open_after: u32,
-    pub probe_backoff: (Duration, Duration),
+    /// The circuit: what opens it and the probes' back-off, short (see
+    /// `test_circuit`) so tests see opening, probing and recovery within
+    /// seconds. Its probe guard is derived from the timeouts at start.
+    pub circuit: CircuitPolicy,
     /// How long a tenant call may take before it is answered 503.
     pub tenant_work_deadline: Duration,
-    pub release_per_second: u32,
+    /// Deliveries a bulk recovery sends again per second per endpoint.
+    pub recover_per_second: u32,
+}
+
+/// The production circuit rule at the tests' scale: a 2 s window, at least
+/// 5 attempts 90 % failed, 300 ms without a success, 2 failed retries;
+/// probes from 100 ms backing off to 300 ms.
+pub fn test_circuit() -> CircuitPolicy {
+    CircuitPolicy {
+        enabled: true,
+        window: Duration::from_secs(2),
+        min_attempts: 5,
+        failure_permille: 900,
+        quiet: Duration::from_millis(300),
+        min_failed_retries: 2,
+        first_probe: Duration::from_millis(100),
+        max_probe: Duration::from_millis(300),
+        probe_guard: Duration::ZERO,
+    }
 }
 
 impl Default for Options {
@@ -167,10 +186,9 @@ impl Default for Options {
             relay_idle: Duration::from_millis(500),
             db_pool_size: 20,
             db_acquire_timeout: Duration::from_secs(5),
-            circuit_open_after: 5,
+            circuit: test_circuit(),
             tenant_work_deadline: relay_api::detach::TENANT_WORK_DEADLINE,
-            probe_backoff: (Duration::from_millis(100), Duration::from_millis(300)),
-            release_per_second: 1000,
+            recover_per_second: 1000,
         }
     }
 }
@@ -182,6 +200,19 @@ impl Options {
 
     pub fn tiers(mut self, spec: &str) -> Self {
         self.retry_tiers = RetrySchedule::parse(spec).expect("valid tiers");
+        self
+    }
+
+    /// The circuit never opens (`RELAY_DEV_CIRCUIT_OFF`): each delivery
+    /// follows the plain retry schedule.
+    pub fn circuit_off(mut self) -> Self {
+        self.circuit.enabled = false;
+        self
+    }
+
+    /// Probes backing off from `first` to `max`.
+    pub fn probes(mut self, first: Duration, max: Duration) -> Self {
+        (self.circuit.first_probe, self.circuit.max_probe) = (first, max);
         self
     }
 }
@@ -299,13 +330,8 @@ impl Stack {
             tenant_work_deadline: opts.tenant_work_deadline,
             public_url: format!("http://{}", addrs.rest),
             health: relay_api::app::HealthSettings {
-                circuit: relay_api::app::health::CircuitPolicy {
-                    open_after: opts.circuit_open_after,
-                    first_probe: opts.probe_backoff.0,
-                    max_probe: opts.probe_backoff.1,
-                    probe_guard: (opts.attempt_timeout + opts.seam_timeout) * 2,
-                },
-                release_per_second: opts.release_per_second,
+                circuit: CircuitPolicy { probe_guard: (opts.attempt_timeout + opts.seam_timeout) * 2, ..opts.circuit },
+                recover_per_second: opts.recover_per_second,
                 shortest_disable_window: Duration::from_secs(1),
             },
         };
@@ -469,9 +495,14 @@ impl Stack {
             ("RELAY_METRICS_ADDR", "off".into()),
             ("RELAY_RETRY_TIERS", tiers.join(",")),
             ("RELAY_ENDPOINT_IN_FLIGHT_CAP", c.endpoint_in_flight_cap.to_string()),
-            ("RELAY_CIRCUIT_OPEN_AFTER", c.health.circuit.open_after.to_string()),
+            ("RELAY_CIRCUIT_MIN_ATTEMPTS", c.health.circuit.min_attempts.to_string()),
+            ("RELAY_CIRCUIT_FAILURE_PERCENT", (c.health.circuit.failure_permille / 10).to_string()),
+            ("RELAY_CIRCUIT_WINDOW_MS", c.health.circuit.window.as_millis().to_string()),
+            ("RELAY_CIRCUIT_QUIET_MS", c.health.circuit.quiet.as_millis().to_string()),
+            ("RELAY_CIRCUIT_MIN_FAILED_RETRIES", c.health.circuit.min_failed_retries.to_string()),
+            ("RELAY_DEV_CIRCUIT_OFF", (!c.health.circuit.enabled).to_string()),
             ("RELAY_PROBE_BACKOFF_MS", format!("{},{}", c.health.circuit.first_probe.as_millis(), c.health.circuit.max_probe.as_millis())),
-            ("RELAY_RELEASE_PER_SECOND", c.health.release_per_second.to_string()),
+            ("RELAY_RECOVER_PER_SECOND", c.health.recover_per_second.to_string()),
             ("RELAY_DELIVERY_LEASE_SECS", c.delivery_lease.as_secs().to_string()),
             // The dispatcher's timeouts: the api checks its lease against them.
             ("RELAY_ATTEMPT_TIMEOUT_MS", self.opts.attempt_timeout.as_millis().to_string()),
@@ -668,7 +699,7 @@ where
 }
 
 /// How a receiver answers requests to one path.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub enum Reply {
     Status(u16),
     /// A status with one header (`Retry-After`, say).
@@ -677,6 +708,8 @@ pub enum Reply {
     Redirect(String),
     /// Holds the request this long before answering 200 (past any attempt timeout).
     Hang(Duration),
+    /// Fails sometimes, as `flaky` describes.
+    Flaky(Arc<flaky::Flaky>),
 }
 
 /// An HTTP server on loopback that records every request and answers as
@@ -699,6 +732,7 @@ impl Receiver {
             let (sink, table) = (sink.clone(), table.clone());
             async move {
                 let path = uri.path().to_owned();
+                let headers_seen = headers.clone();
                 sink.lock().expect("not poisoned").push(Received { path: path.clone(), headers, body, at: Instant::now() });
                 let reply = table.lock().expect("not poisoned").get(&path).cloned().unwrap_or(Reply::Status(200));
                 use axum::response::IntoResponse;
@@ -711,6 +745,15 @@ impl Receiver {
                     Reply::Hang(d) => {
                         tokio::time::sleep(d).await;
                         (axum::http::StatusCode::OK, "late").into_response()
+                    }
+                    Reply::Flaky(f) => {
+                        let answer = f.answer(&headers_seen, Instant::now());
+                        tokio::time::sleep(answer.after).await;
+                        let status = axum::http::StatusCode::from_u16(answer.status).expect("valid status");
+                        match answer.retry_after {
+                            Some(after) => (status, [("retry-after", after)], "answer").into_response(),
+                            None => (status, "answer").into_response(),
+                        }
                     }
                 }
             }

@@ -115,16 +115,30 @@ impl ApiConfig {
         let attempt_timeout = env.millis("RELAY_ATTEMPT_TIMEOUT_MS", 100..=120_000)?;
         let seam_timeout = env.millis("RELAY_SEAM_TIMEOUT_MS", 100..=60_000)?;
         let (first_probe, max_probe) = probe_backoff(&env.string_or_default("RELAY_PROBE_BACKOFF_MS"))?;
+        let window = env.millis("RELAY_CIRCUIT_WINDOW_MS", 100..=3_600_000)?;
+        let quiet = env.millis("RELAY_CIRCUIT_QUIET_MS", 100..=3_600_000)?;
+        if quiet > window {
+            bail!(
+                "RELAY_CIRCUIT_QUIET_MS ({} ms) must not be longer than RELAY_CIRCUIT_WINDOW_MS ({} ms)",
+                quiet.as_millis(),
+                window.as_millis()
+            );
+        }
         let health = HealthSettings {
             circuit: CircuitPolicy {
-                open_after: env.number("RELAY_CIRCUIT_OPEN_AFTER", 1..=1000)?,
+                enabled: !env.flag("RELAY_DEV_CIRCUIT_OFF")?,
+                window,
+                min_attempts: env.number("RELAY_CIRCUIT_MIN_ATTEMPTS", 1..=100_000)?,
+                failure_permille: env.number::<u32>("RELAY_CIRCUIT_FAILURE_PERCENT", 50..=100)? * 10,
+                quiet,
+                min_failed_retries: env.number("RELAY_CIRCUIT_MIN_FAILED_RETRIES", 0..=1000)?,
                 first_probe,
                 max_probe,
                 // A probe's result comes within an attempt and a report; twice
                 // that, and the probe is taken to be lost.
                 probe_guard: (attempt_timeout + seam_timeout) * 2,
             },
-            release_per_second: env.number("RELAY_RELEASE_PER_SECOND", 1..=10_000)?,
+            recover_per_second: env.number("RELAY_RECOVER_PER_SECOND", 1..=10_000)?,
             shortest_disable_window: if deployment.is_production() { Duration::from_secs(3600) } else { Duration::from_secs(1) },
         };
         let cfg = Self {
@@ -190,7 +204,13 @@ impl ApiConfig {
                 bail!("a disable window under an hour is for tests; production refuses it");
             }
             if (c.first_probe, c.max_probe) != CircuitPolicy::PRODUCTION_PROBES {
-                bail!("RELAY_PROBE_BACKOFF_MS shortens probing for tests; production probes from 1 minute, backing off to 1 hour");
+                bail!("RELAY_PROBE_BACKOFF_MS shortens probing for tests; production probes from 10 seconds, backing off to 10 minutes");
+            }
+            if !c.enabled {
+                bail!("RELAY_DEV_CIRCUIT_OFF is for comparing runs in development; production keeps the circuit");
+            }
+            if c.window < Duration::from_secs(10) || c.quiet < Duration::from_secs(5) {
+                bail!("a circuit window under 10 s or a quiet period under 5 s is for tests; production refuses it");
             }
             if self.schedule != RetrySchedule::production() {
                 bail!("RELAY_RETRY_TIERS shortens the retry schedule for tests; production runs the published schedule");

@@ -192,7 +192,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(5) };
             let recoverer = relay::recover::Recoverer {
                 app: app.clone(),
-                per_pass: i64::from(app.health.release_per_second),
+                per_pass: i64::from(app.health.recover_per_second),
                 every: std::time::Duration::from_secs(1),
                 backstop: std::time::Duration::from_secs(5),
                 busy: Default::default(),
@@ -245,6 +245,11 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
                             Ok(0) => {}
                             Ok(n) => tracing::info!(pruned = n, "dead letters past retention deleted"),
                             Err(e) => tracing::warn!(error = ?e, "pruning dead letters failed"),
+                        }
+                        match app.expire_held(100_000).await {
+                            Ok(0) => {}
+                            Ok(n) => tracing::warn!(expired = n, "deliveries held past their environment's bound became dead letters"),
+                            Err(e) => tracing::warn!(error = ?e, "expiring held deliveries failed"),
                         }
                         // Bounded per tick, so a large backlog of old events
                         // is worked off over several ticks, never in one long pass.

@@ -85,6 +85,7 @@ impl Metrics {
                 self.oldest_unpublished.set(g.oldest_unpublished_secs);
                 self.circuits.with_label_values(&["open"]).set(g.circuits_open);
                 self.circuits.with_label_values(&["half_open"]).set(g.circuits_half_open);
+                self.circuits.with_label_values(&["recovering"]).set(g.circuits_recovering);
             }
             Err(e) => tracing::warn!(error = ?e, "reading operational gauges for metrics"),
         }

@@ -45,6 +45,25 @@ struct Answer {
     retry_after: Option<Duration>,
 }
 
+/// The longest a lane waits on a receiver's word before its next request:
+/// the delivery itself waits as long as asked (up to an hour, the api's
+/// rule), but a lane holding other deliveries' claims tries again sooner.
+pub const MAX_BACK_PRESSURE: Duration = Duration::from_secs(60);
+/// The wait after a 429 that does not say how long.
+const DEFAULT_BACK_PRESSURE: Duration = Duration::from_secs(1);
+
+/// How long the endpoint's lane waits before its next request after this
+/// outcome: a 429 (as long as `Retry-After` asks, else a second), or a 503
+/// with `Retry-After`, is the receiver asking to be sent less. `None`: go on.
+pub fn back_pressure(outcome: &OutcomeRequest) -> Option<Duration> {
+    let asked = outcome.retry_after_ms.map(Duration::from_millis);
+    match outcome.http_status {
+        Some(429) => Some(asked.unwrap_or(DEFAULT_BACK_PRESSURE).min(MAX_BACK_PRESSURE)),
+        Some(503) => asked.map(|d| d.min(MAX_BACK_PRESSURE)),
+        _ => None,
+    }
+}
+
 /// `Retry-After` on a 429 or 503: seconds, or an HTTP date (a date already
 /// past is no wait at all). Anything unreadable is ignored, as if absent.
 pub fn retry_after(status: u16, headers: &reqwest::header::HeaderMap, now: std::time::SystemTime) -> Option<Duration> {
@@ -155,7 +174,21 @@ mod tests {
 
     use reqwest::header::{HeaderMap, HeaderValue, RETRY_AFTER};
 
-    use super::retry_after;
+    use relay_contracts::relay::dispatch::v1::OutcomeRequest;
+
+    use super::{back_pressure, retry_after};
+
+    #[test]
+    fn a_429_or_a_503_that_asks_slows_the_lane_within_a_minute() {
+        let outcome = |status, retry_after_ms| OutcomeRequest { http_status: Some(status), retry_after_ms, ..Default::default() };
+        assert_eq!(back_pressure(&outcome(429, Some(2_000))), Some(Duration::from_secs(2)));
+        assert_eq!(back_pressure(&outcome(429, None)), Some(Duration::from_secs(1)), "a 429 without a wait: a second");
+        assert_eq!(back_pressure(&outcome(429, Some(3_600_000))), Some(Duration::from_secs(60)));
+        assert_eq!(back_pressure(&outcome(503, Some(5_000))), Some(Duration::from_secs(5)));
+        assert_eq!(back_pressure(&outcome(503, None)), None, "a 503 that does not ask is a failure");
+        assert_eq!(back_pressure(&outcome(500, Some(5_000))), None);
+        assert_eq!(back_pressure(&OutcomeRequest::default()), None, "no answer at all");
+    }
 
     fn with(value: &str) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -352,6 +352,7 @@ impl Lane {
             span.record("http_status", status);
         }
         span.record("latency_ms", outcome.latency_ms);
+        let pause = attempt::back_pressure(&outcome);
         // The lane moves on to its next attempt while this one is reported.
         let shared = self.shared.clone();
         tokio::spawn(
@@ -361,6 +362,17 @@ impl Lane {
             }
             .instrument(span),
         );
+        // The receiver asked to be sent less: its next request waits (the
+        // jobs queued meanwhile keep their place; material that goes stale
+        // is fetched again). Shutdown does not wait for it.
+        if let Some(pause) = pause {
+            tracing::debug!(endpoint_id = %self.key, pause_ms = pause.as_millis() as u64, "the receiver asked to slow down");
+            let mut stop = self.shared.stop.clone();
+            tokio::select! {
+                _ = tokio::time::sleep(pause) => {}
+                _ = stop.wait_for(|stopped| *stopped) => {}
+            }
+        }
     }
 }
 

@@ -44,6 +44,8 @@ fn check_quota(quota: u32) -> AppResult<i32> {
 }
 
 const MAX_DISABLE_WINDOW_SECS: u32 = 30 * 24 * 3600;
+/// How long a delivery may be held by default: the dead-letter window (7 days).
+const DEFAULT_MAX_HELD_SECS: u32 = 7 * 24 * 3600;
 const MAX_DISABLE_MIN_FAILURES: u32 = 100_000;
 
 impl App {
@@ -58,10 +60,17 @@ impl App {
         db::environments::set_quota(&self.db, environment_id, quota).await?.ok_or_else(|| AppError::not_found("environment"))
     }
 
-    /// An environment's rule for disabling failing endpoints (0 for either:
-    /// the platform default). Windows shorter than an hour are for tests and
-    /// refused unless this is a development deployment.
-    pub async fn set_disable_policy(&self, environment_id: Uuid, after_secs: u32, min_failures: u32) -> AppResult<Environment> {
+    /// An environment's rule for disabling failing endpoints and how long a
+    /// delivery may be held (0 for any: the platform default). Windows
+    /// shorter than an hour are for tests and refused unless this is a
+    /// development deployment.
+    pub async fn set_disable_policy(
+        &self,
+        environment_id: Uuid,
+        after_secs: u32,
+        min_failures: u32,
+        max_held_secs: u32,
+    ) -> AppResult<Environment> {
         let default = super::health::DisablePolicy::default();
         let after_secs = if after_secs == 0 { default.after.as_secs() as u32 } else { after_secs };
         let min_failures = if min_failures == 0 { default.min_failures } else { min_failures };
@@ -78,7 +87,14 @@ impl App {
                 format!("disable_min_failures must be between 1 and {MAX_DISABLE_MIN_FAILURES}, got {min_failures}"),
             ));
         }
-        db::environments::set_disable_policy(&self.db, environment_id, after_secs as i32, min_failures as i32)
+        let max_held_secs = if max_held_secs == 0 { DEFAULT_MAX_HELD_SECS } else { max_held_secs };
+        if !(shortest..=MAX_DISABLE_WINDOW_SECS).contains(&max_held_secs) {
+            return Err(AppError::invalid(
+                "max_held_out_of_range",
+                format!("max_held_secs must be between {shortest} and {MAX_DISABLE_WINDOW_SECS}, got {max_held_secs}"),
+            ));
+        }
+        db::environments::set_disable_policy(&self.db, environment_id, after_secs as i32, min_failures as i32, max_held_secs as i32)
             .await?
             .ok_or_else(|| AppError::not_found("environment"))
     }

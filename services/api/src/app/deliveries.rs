@@ -162,6 +162,21 @@ impl App {
         db::dead_letters::prune(&self.db, retention).await
     }
 
+    /// Deliveries held longer than their environment allows end as dead
+    /// letters `endpoint_failing`, batch after batch (at most `budget`).
+    pub async fn expire_held(&self, budget: u64) -> AppResult<u64> {
+        const BATCH: i64 = 1000;
+        let mut total = 0;
+        while total < budget {
+            let n = db::health::expire_held(&self.db, BATCH).await?;
+            total += n;
+            if n < BATCH as u64 {
+                break;
+            }
+        }
+        Ok(total)
+    }
+
     /// One round of the retention walk (see `db::retention`): from `cursor`,
     /// batch after batch, until it reaches events younger than `retention`
     /// or has looked at `budget` events; returns where the walk stands (0:

@@ -267,16 +267,23 @@ impl App {
         // half-way through with the old state), then the deliveries, then the
         // health row: an outcome batch locks deliveries before health, so
         // taking health last cannot close a circle with it.
-        if enabled {
-            if db::health::release_held(&mut tx, &[id], self.health.release_per_second).await? > 0 {
+        // Enabled: what it held goes back as its answers come in (the
+        // circuit recovers, see `health`), the ones not yet due at once.
+        let recovering = if enabled {
+            if db::health::release_not_due(&mut tx, &[id]).await? > 0 {
                 db::deliveries::notify_due(&mut tx).await?;
             }
+            db::health::holds_any(&mut tx, id).await?
         } else {
             end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DISABLED).await?;
-        }
-        db::health::reset(&mut tx, id).await?;
+            false
+        };
+        db::health::reset(&mut tx, id, recovering).await?;
         let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back an endpoint")?;
         tx.commit().await.context("committing an endpoint state change")?;
+        if recovering {
+            self.probes_wake.wake();
+        }
         Ok(endpoint)
     }
 

@@ -1,29 +1,56 @@
-//! An endpoint's health, in one place: the circuit (closed → open after a
-//! run of failures → half-open while a probe is on its way), automatic
-//! disabling, and what each change does to the endpoint's deliveries. Pure,
-//! like `state`: the outcome path and the prober store what this decides.
+//! An endpoint's health, in one place: the circuit, automatic disabling, and
+//! what each change does to the endpoint's deliveries. Pure, like `state`:
+//! the outcome path and the prober store what this decides.
+//!
+//! The circuit exists to keep a dead endpoint from costing anyone else, and
+//! must never decide on its own that a working receiver gets nothing. So it
+//! opens on evidence that the endpoint is down, not unlucky: over the
+//! window (2 minutes), at least `min_attempts` attempts of which at least
+//! `failure_permille` failed, no success for `quiet` (30 s), and at least
+//! `min_failed_retries` of the failures retries (a receiver that refuses
+//! each webhook's first request and accepts its retry never opens it, however
+//! large the burst). Back-pressure — a 429, or a 503 with `Retry-After` — is
+//! not failure: it slows the endpoint (the dispatcher waits as asked), and
+//! counts neither way.
 //!
 //! ```text
-//!   closed ──`open_after` consecutive failures──► open (deliveries held)
-//!   open ──next_probe_at, a held delivery──► half_open (the oldest one sent)
-//!   open ──next_probe_at, nothing held, enabled──► closed (the next failure re-opens)
-//!   half_open ──failure──► open (probe interval doubled, up to the maximum)
-//!   any ──success──► closed (held deliveries released; `failing` re-enabled)
+//!   closed | recovering ──evidence of down──► open (pending deliveries held)
+//!   open ──next_probe_at, a held delivery due──► half_open (the due one with most attempts sent)
+//!   open ──next_probe_at, nothing held, enabled──► closed
+//!   half_open ──failure──► open (next probe: the interval doubled, or sooner when a held retry falls due)
+//!   open | half_open ──success──► recovering (held ones not yet due go back; due ones two per success)
+//!   recovering ──nothing held──► closed
 //!   any ──410──► open, disabled `gone` (held, never probed)
 //!   enabled ──failures for the environment's window, and at least its count──► disabled `failing` (held, probed)
 //! ```
+//!
+//! A held delivery keeps its attempt number and due time: when it comes back
+//! it is attempted as the retry it was, and the dead-letter rule counts as
+//! without the circuit.
 
 use std::time::Duration;
 
 use crate::db::models::Timestamp;
-pub use crate::db::models::{Circuit, DisabledReason, EndpointHealth};
+pub use crate::db::models::{Circuit, DisabledReason, EndpointHealth, FailureWindow};
 
 /// The platform's circuit settings.
 #[derive(Debug, Clone, Copy)]
 pub struct CircuitPolicy {
-    /// Consecutive failures that open a closed circuit.
-    pub open_after: u32,
-    /// The wait before the first probe; doubled after each failed probe.
+    /// Off: the circuit never opens (a development switch, to compare a
+    /// run with the plain retry schedule; production refuses it).
+    pub enabled: bool,
+    /// The sliding window the failure rate is measured over.
+    pub window: Duration,
+    /// Opening needs at least this many attempts in the window…
+    pub min_attempts: u32,
+    /// …at least this share of them failed, in thousandths…
+    pub failure_permille: u32,
+    /// …no success for this long…
+    pub quiet: Duration,
+    /// …and at least this many failed retries in the current run.
+    pub min_failed_retries: u32,
+    /// The wait before the first probe; doubled after each failed probe, up
+    /// to `max_probe`. Also the shortest wait between two probes.
     pub first_probe: Duration,
     pub max_probe: Duration,
     /// How long a half-open circuit waits for its probe's result before it
@@ -32,8 +59,38 @@ pub struct CircuitPolicy {
 }
 
 impl CircuitPolicy {
-    pub const PRODUCTION_PROBES: (Duration, Duration) = (Duration::from_secs(60), Duration::from_secs(3600));
+    pub const PRODUCTION_PROBES: (Duration, Duration) = (Duration::from_secs(10), Duration::from_secs(600));
+
+    /// The production rule, with the given probe guard.
+    pub const fn production(probe_guard: Duration) -> Self {
+        Self {
+            enabled: true,
+            window: Duration::from_secs(120),
+            min_attempts: 20,
+            failure_permille: 900,
+            quiet: Duration::from_secs(30),
+            min_failed_retries: 5,
+            first_probe: Self::PRODUCTION_PROBES.0,
+            max_probe: Self::PRODUCTION_PROBES.1,
+            probe_guard,
+        }
+    }
+
+    /// How often the prober looks at a recovering endpoint: the floor of its
+    /// release when no answer comes back to pace it.
+    pub fn release_tick(&self) -> Duration {
+        self.first_probe.min(Duration::from_secs(1))
+    }
 }
+
+/// Held deliveries a success of a recovering endpoint releases: the release
+/// doubles what is in flight each round trip while the receiver succeeds,
+/// and stops growing when it fails.
+pub const RELEASED_PER_SUCCESS: u32 = 2;
+/// Held deliveries the prober releases at each tick of a recovering
+/// endpoint, whatever the answers (so a release whose attempts all failed
+/// still moves on, at the failures' pace).
+pub const RELEASED_PER_TICK: u32 = 2;
 
 /// An environment's rule for disabling a failing endpoint: every attempt
 /// failed for `after`, and at least `min_failures` of them.
@@ -53,18 +110,30 @@ impl Default for DisablePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Seen {
     Success,
-    Failure,
+    /// `retry`: the attempt was not the delivery's first.
+    Failure {
+        retry: bool,
+    },
     /// 410: the receiver says the endpoint is gone for good.
     Gone,
+    /// 429, or 503 with `Retry-After`: the receiver asks to be sent less,
+    /// which says nothing about whether it is up.
+    Throttled,
 }
 
 impl Seen {
-    pub fn of(http_status: Option<u32>) -> Self {
+    pub fn of(http_status: Option<u32>, retry_after: Option<Duration>, attempt: u32) -> Self {
         match http_status {
             _ if super::state::is_success(http_status) => Self::Success,
             Some(410) => Self::Gone,
-            _ => Self::Failure,
+            Some(429) => Self::Throttled,
+            Some(503) if retry_after.is_some() => Self::Throttled,
+            _ => Self::Failure { retry: attempt > 1 },
         }
+    }
+
+    pub fn is_success(self) -> bool {
+        self == Self::Success
     }
 }
 
@@ -78,10 +147,15 @@ pub struct Standing {
 /// What a change of health does beyond the health row.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Effects {
-    /// Hold the endpoint's pending deliveries (its circuit is not closed).
+    /// Hold the endpoint's pending deliveries (its circuit is open).
     pub hold: bool,
-    /// Release its held deliveries (it recovered).
-    pub release: bool,
+    /// It opened from closed or recovering (announced as failing).
+    pub opened: bool,
+    /// It started recovering: the held deliveries not yet due go back to
+    /// pending with their due times (the schedule paces those).
+    pub recover: bool,
+    /// Held deliveries due now to release, in the order they fell due.
+    pub release: u32,
     /// Disable it, for this reason.
     pub disable: Option<DisabledReason>,
     /// Re-enable it (it was disabled as `failing` and an attempt succeeded).
@@ -98,7 +172,18 @@ impl EndpointHealth {
             last_failure_at: None,
             next_probe_at: None,
             probe_interval_ms: 0,
+            window: FailureWindow::default(),
+            failed_retries: 0,
         }
+    }
+
+    /// A closed circuit with nothing to watch: its last result a success and
+    /// no failure inside the window. Successes of such an endpoint change
+    /// nothing the rules read, so the outcome path writes none of them.
+    pub fn is_plainly_healthy(&self, at: Timestamp, policy: &CircuitPolicy) -> bool {
+        self.circuit == Circuit::Closed
+            && self.consecutive_failures == 0
+            && (self.window.length_ms != millis(policy.window) || self.window.is_clean(at))
     }
 }
 
@@ -116,28 +201,118 @@ fn after_ms(at: Timestamp, ms: i64) -> Timestamp {
     at + chrono::Duration::milliseconds(ms)
 }
 
-impl Standing {
-    /// The endpoint after `seen` at `at`, one result at a time.
-    fn observe_one(mut self, seen: Seen, at: Timestamp, policy: &CircuitPolicy, disable: &DisablePolicy) -> Self {
-        let h = &mut self.health;
-        if seen == Seen::Success {
-            h.consecutive_failures = 0;
-            h.failing_since = None;
-            h.last_success_at = Some(at);
-            if self.disabled == Some(DisabledReason::Failing) {
-                self.disabled = None;
-            }
-            // A tenant's or receiver's disable stands; only the counters move.
-            if self.disabled.is_none() {
-                h.circuit = Circuit::Closed;
-                h.next_probe_at = None;
-                h.probe_interval_ms = 0;
-            }
-            return self;
+impl FailureWindow {
+    fn bucket_of(&self, at: Timestamp) -> i64 {
+        at.timestamp_millis().div_euclid(self.length_ms.max(1))
+    }
+
+    /// Moves the buckets on to `at`'s (a result stamped earlier than the
+    /// current bucket, from another api's clock, counts in the current one).
+    /// A window kept under another length starts again.
+    fn roll(&mut self, at: Timestamp, window: Duration) {
+        if self.length_ms != millis(window) {
+            *self = Self { length_ms: millis(window).max(1), ..Self::default() };
         }
+        let bucket = self.bucket_of(at);
+        if bucket <= self.bucket {
+            return;
+        }
+        (self.previous_attempts, self.previous_failures) = if bucket == self.bucket + 1 { (self.attempts, self.failures) } else { (0, 0) };
+        (self.attempts, self.failures, self.bucket) = (0, 0, bucket);
+    }
+
+    fn count(&mut self, at: Timestamp, window: Duration, failed: bool) {
+        self.roll(at, window);
+        self.attempts = self.attempts.saturating_add(1);
+        if failed {
+            self.failures = self.failures.saturating_add(1);
+        }
+    }
+
+    /// Attempts and failures over the window that ends at `at`: the current
+    /// bucket's, and the previous one's weighed by how much of it is still
+    /// inside the window.
+    pub fn estimate(&self, at: Timestamp) -> (f64, f64) {
+        let length = self.length_ms.max(1);
+        let bucket = self.bucket_of(at);
+        let (current, previous) = match bucket - self.bucket {
+            i64::MIN..=0 => ((self.attempts, self.failures), (self.previous_attempts, self.previous_failures)),
+            1 => ((0, 0), (self.attempts, self.failures)),
+            _ => ((0, 0), (0, 0)),
+        };
+        let into = at.timestamp_millis().rem_euclid(length) as f64 / length as f64;
+        let weight = if bucket < self.bucket { 1.0 } else { (1.0 - into).clamp(0.0, 1.0) };
+        (current.0 as f64 + previous.0 as f64 * weight, current.1 as f64 + previous.1 as f64 * weight)
+    }
+
+    /// Attempts and failures over the window, rounded, as a tenant reads them.
+    pub fn recent(&self, at: Timestamp) -> (u32, u32) {
+        let (attempts, failures) = self.estimate(at);
+        (attempts.round() as u32, failures.round() as u32)
+    }
+
+    /// No failure inside the window that ends at `at`.
+    pub fn is_clean(&self, at: Timestamp) -> bool {
+        self.estimate(at).1 == 0.0
+    }
+}
+
+impl Standing {
+    /// Whether the endpoint looks down at `at`, by the policy's evidence.
+    fn looks_down(&self, at: Timestamp, policy: &CircuitPolicy) -> bool {
+        let h = &self.health;
+        let quiet = chrono::Duration::from_std(policy.quiet).unwrap_or(chrono::Duration::MAX);
+        let (attempts, failures) = h.window.estimate(at);
+        policy.enabled
+            && h.failing_since.is_some_and(|since| at - since >= quiet)
+            && h.failed_retries >= policy.min_failed_retries as i32
+            && attempts >= f64::from(policy.min_attempts)
+            && failures * 1000.0 >= attempts * f64::from(policy.failure_permille)
+    }
+
+    /// The endpoint after `seen` at `at`, one result at a time.
+    fn observe_one(mut self, seen: Seen, at: Timestamp, policy: &CircuitPolicy, disable: &DisablePolicy, effects: &mut Effects) -> Self {
+        let h = &mut self.health;
+        match seen {
+            // Counts neither way: the dispatcher slows down as asked.
+            Seen::Throttled => return self,
+            Seen::Success => {
+                h.window.count(at, policy.window, false);
+                h.consecutive_failures = 0;
+                h.failing_since = None;
+                h.failed_retries = 0;
+                h.last_success_at = Some(at);
+                if self.disabled == Some(DisabledReason::Failing) {
+                    self.disabled = None;
+                }
+                // A tenant's or receiver's disable stands; only the counters move.
+                if self.disabled.is_none() {
+                    match h.circuit {
+                        Circuit::Open | Circuit::HalfOpen => {
+                            h.circuit = Circuit::Recovering;
+                            h.next_probe_at = Some(after_ms(at, millis(policy.release_tick())));
+                            h.probe_interval_ms = 0;
+                            effects.recover = true;
+                            effects.release = effects.release.saturating_add(RELEASED_PER_SUCCESS);
+                        }
+                        Circuit::Recovering => effects.release = effects.release.saturating_add(RELEASED_PER_SUCCESS),
+                        Circuit::Closed => {}
+                    }
+                }
+                return self;
+            }
+            Seen::Failure { retry } => {
+                if retry {
+                    h.failed_retries = h.failed_retries.saturating_add(1);
+                }
+            }
+            Seen::Gone => {}
+        }
+        h.window.count(at, policy.window, true);
         h.consecutive_failures = h.consecutive_failures.saturating_add(1);
         h.failing_since.get_or_insert(at);
         h.last_failure_at = Some(at);
+        let first = millis(policy.first_probe);
         if seen == Seen::Gone {
             if self.disabled != Some(DisabledReason::Manual) {
                 self.disabled = Some(DisabledReason::Gone);
@@ -148,12 +323,14 @@ impl Standing {
             }
             return self;
         }
-        let first = millis(policy.first_probe);
+        let down = self.looks_down(at, policy);
+        let h = &mut self.health;
         match h.circuit {
-            Circuit::Closed if h.consecutive_failures >= policy.open_after as i32 => {
+            Circuit::Closed | Circuit::Recovering if down => {
                 h.circuit = Circuit::Open;
                 h.probe_interval_ms = first;
                 h.next_probe_at = Some(after_ms(at, first));
+                effects.opened = true;
             }
             Circuit::HalfOpen => {
                 h.circuit = Circuit::Open;
@@ -166,7 +343,7 @@ impl Standing {
         let failing_for = h.failing_since.map(|since| at - since).and_then(|d| d.to_std().ok()).unwrap_or_default();
         if self.disabled.is_none() && failing_for >= disable.after && h.consecutive_failures >= disable.min_failures as i32 {
             self.disabled = Some(DisabledReason::Failing);
-            if h.circuit != Circuit::Open {
+            if !h.circuit.holds() {
                 h.circuit = Circuit::Open;
                 h.probe_interval_ms = h.probe_interval_ms.max(first);
                 h.next_probe_at = Some(after_ms(at, h.probe_interval_ms));
@@ -178,15 +355,32 @@ impl Standing {
     /// The endpoint after a batch of results, in the order they happened,
     /// and what that does to its deliveries.
     pub fn observe(self, seen: &[(Seen, Timestamp)], policy: &CircuitPolicy, disable: &DisablePolicy) -> (Self, Effects) {
-        let after = seen.iter().fold(self, |s, &(seen, at)| s.observe_one(seen, at, policy, disable));
-        let failed = seen.iter().any(|(s, _)| *s != Seen::Success);
-        let effects = Effects {
-            hold: after.health.circuit != Circuit::Closed && failed,
-            release: after.health.circuit == Circuit::Closed && after.disabled.is_none() && self.health.circuit != Circuit::Closed,
-            disable: after.disabled.filter(|_| after.disabled != self.disabled),
-            enable: self.disabled.is_some() && after.disabled.is_none(),
-        };
+        let mut effects = Effects::default();
+        let after = seen.iter().fold(self, |s, &(seen, at)| s.observe_one(seen, at, policy, disable, &mut effects));
+        let unsent_again = seen.iter().any(|(s, _)| !s.is_success());
+        effects.hold = after.health.circuit.holds() && unsent_again;
+        // Opened again within the batch: nothing goes back after all.
+        if after.health.circuit.holds() {
+            (effects.recover, effects.release) = (false, 0);
+        }
+        effects.disable = after.disabled.filter(|_| after.disabled != self.disabled);
+        effects.enable = self.disabled.is_some() && after.disabled.is_none();
+        // A disable opens the circuit too; announced as the disable.
+        effects.opened &= after.disabled.is_none();
         (after, effects)
+    }
+
+    /// After a failed probe, the next one comes no later than the earliest
+    /// held retry falls due (`held_retry_due`, a due time later than `at`),
+    /// though never sooner than the first probe's wait: each retry the
+    /// schedule would have made while the circuit is open meets a probe
+    /// soon after its time, and a receiver that answers again is found then.
+    pub fn probe_by_held_retry(mut self, at: Timestamp, held_retry_due: Option<Timestamp>, policy: &CircuitPolicy) -> Self {
+        let h = &mut self.health;
+        if let (Circuit::Open, Some(next), Some(due)) = (h.circuit, h.next_probe_at, held_retry_due) {
+            h.next_probe_at = Some(next.min(due.max(after_ms(at, millis(policy.first_probe)))));
+        }
+        self
     }
 
     /// Whether the prober should look at this endpoint at `at`.
@@ -196,176 +390,60 @@ impl Standing {
             && self.disabled.is_none_or(|d| d == DisabledReason::Failing)
     }
 
-    /// The prober's step for an endpoint whose probe is due, given when its
-    /// first held delivery falls due. A due one is sent as the probe and the
-    /// circuit waits half-open for the result; one not yet due is waited
-    /// for, so a probe never spends an attempt before the schedule would.
-    /// With nothing held, an enabled endpoint's circuit closes (its next
-    /// failure re-opens it, the run of failures being kept) and a disabled
-    /// one waits another interval.
-    pub fn probe(mut self, at: Timestamp, first_held_due: Option<Timestamp>, policy: &CircuitPolicy) -> Self {
+    /// The prober's step for an endpoint whose probe is due, given its held
+    /// delivery to probe or wait for (`held`: when it falls due; the one
+    /// with most attempts among the due ones, else the first to fall due).
+    /// Open or half-open: a due one is sent as the probe and the circuit
+    /// waits half-open for the result; one not yet due is waited for, so a
+    /// probe never spends an attempt before the schedule would; with
+    /// nothing held an enabled endpoint's circuit closes and a disabled one
+    /// waits another interval. Recovering: `RELEASED_PER_TICK` more go back
+    /// at each tick while anything is held; then it closes.
+    pub fn probe(mut self, at: Timestamp, held: Option<Timestamp>, policy: &CircuitPolicy) -> (Self, ProbeStep) {
         let h = &mut self.health;
-        match first_held_due {
-            Some(due) if due <= at => {
+        let step = match (h.circuit, held) {
+            (Circuit::Recovering, Some(_)) => {
+                h.next_probe_at = Some(after_ms(at, millis(policy.release_tick())));
+                ProbeStep::Release(RELEASED_PER_TICK)
+            }
+            (_, Some(due)) if due <= at => {
                 h.circuit = Circuit::HalfOpen;
                 h.next_probe_at = Some(after_ms(at, h.probe_interval_ms.max(millis(policy.probe_guard))));
+                ProbeStep::Probe
             }
-            Some(due) => h.next_probe_at = Some(due),
-            None if self.disabled.is_none() => {
-                h.circuit = Circuit::Closed;
-                h.next_probe_at = None;
+            (Circuit::Recovering, None) => {
+                (h.circuit, h.next_probe_at) = (Circuit::Closed, None);
+                ProbeStep::Closed
             }
-            None => h.next_probe_at = Some(after_ms(at, h.probe_interval_ms.max(millis(policy.first_probe)))),
-        }
-        self
+            (_, Some(due)) => {
+                h.next_probe_at = Some(due);
+                ProbeStep::Wait
+            }
+            (_, None) if self.disabled.is_none() => {
+                (h.circuit, h.next_probe_at) = (Circuit::Closed, None);
+                ProbeStep::Closed
+            }
+            (_, None) => {
+                h.next_probe_at = Some(after_ms(at, h.probe_interval_ms.max(millis(policy.first_probe))));
+                ProbeStep::Wait
+            }
+        };
+        (self, step)
     }
+}
+
+/// What the prober does for an endpoint whose probe is due.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeStep {
+    /// Send the held delivery it was given as the probe.
+    Probe,
+    /// Release this many due held deliveries (recovering).
+    Release(u32),
+    /// The circuit closed: release whatever is still held.
+    Closed,
+    /// Nothing to do before `next_probe_at`.
+    Wait,
 }
 
 #[cfg(test)]
-mod tests {
-    use chrono::{TimeZone, Utc};
-
-    use super::*;
-
-    fn at(secs: i64) -> Timestamp {
-        Utc.timestamp_opt(1_800_000_000 + secs, 0).unwrap()
-    }
-
-    const POLICY: CircuitPolicy = CircuitPolicy {
-        open_after: 5,
-        first_probe: Duration::from_secs(60),
-        max_probe: Duration::from_secs(3600),
-        probe_guard: Duration::from_secs(120),
-    };
-
-    fn healthy() -> Standing {
-        Standing { health: EndpointHealth::new(), disabled: None }
-    }
-
-    fn failures(from: i64, n: i64) -> Vec<(Seen, Timestamp)> {
-        (0..n).map(|i| (Seen::Failure, at(from + i))).collect()
-    }
-
-    #[test]
-    fn the_circuit_opens_after_the_run_of_failures_and_holds_deliveries() {
-        let (s, e) = healthy().observe(&failures(0, 4), &POLICY, &DisablePolicy::default());
-        assert_eq!(s.health.circuit, Circuit::Closed);
-        assert_eq!(s.health.consecutive_failures, 4);
-        assert_eq!(e, Effects::default(), "four failures change nothing but the counters");
-        let (s, e) = s.observe(&failures(4, 1), &POLICY, &DisablePolicy::default());
-        assert_eq!(s.health.circuit, Circuit::Open);
-        assert_eq!(s.health.next_probe_at, Some(at(64)));
-        assert_eq!(s.health.failing_since, Some(at(0)));
-        assert!(e.hold && !e.release && e.disable.is_none());
-    }
-
-    #[test]
-    fn a_success_in_between_resets_the_run() {
-        let mut seen = failures(0, 4);
-        seen.push((Seen::Success, at(4)));
-        seen.extend(failures(5, 4));
-        let (s, _) = healthy().observe(&seen, &POLICY, &DisablePolicy::default());
-        assert_eq!(s.health.circuit, Circuit::Closed);
-        assert_eq!(s.health.consecutive_failures, 4);
-        assert_eq!(s.health.failing_since, Some(at(5)));
-        assert_eq!(s.health.last_success_at, Some(at(4)));
-    }
-
-    #[test]
-    fn probes_back_off_from_the_first_interval_to_the_maximum() {
-        let (mut s, _) = healthy().observe(&failures(0, 5), &POLICY, &DisablePolicy { after: Duration::MAX, min_failures: 10 });
-        let mut waits = Vec::new();
-        let mut now = 4;
-        for _ in 0..8 {
-            let next = s.health.next_probe_at.unwrap();
-            now = (next - at(0)).num_seconds();
-            assert!(s.probe_due(next) && !s.probe_due(next - chrono::Duration::seconds(1)));
-            s = s.probe(next, Some(next), &POLICY);
-            assert_eq!(s.health.circuit, Circuit::HalfOpen);
-            let (after, e) = s.observe(&[(Seen::Failure, at(now))], &POLICY, &DisablePolicy { after: Duration::MAX, min_failures: 10 });
-            assert!(e.hold);
-            waits.push((after.health.next_probe_at.unwrap() - at(now)).num_seconds());
-            s = after;
-        }
-        assert_eq!(waits, [120, 240, 480, 960, 1920, 3600, 3600, 3600]);
-        let (s, e) =
-            s.probe(at(now + 3600), Some(at(0)), &POLICY).observe(&[(Seen::Success, at(now + 3601))], &POLICY, &DisablePolicy::default());
-        assert_eq!(
-            s.health,
-            EndpointHealth { last_success_at: Some(at(now + 3601)), last_failure_at: s.health.last_failure_at, ..EndpointHealth::new() }
-        );
-        assert!(e.release && !e.hold);
-    }
-
-    #[test]
-    fn a_probe_waits_for_its_delivery_to_fall_due() {
-        let (s, _) = healthy().observe(&failures(0, 5), &POLICY, &DisablePolicy::default());
-        let s = s.probe(at(64), Some(at(1800)), &POLICY);
-        assert_eq!((s.health.circuit, s.health.next_probe_at), (Circuit::Open, Some(at(1800))));
-        let s = s.probe(at(1800), Some(at(1800)), &POLICY);
-        assert_eq!(s.health.circuit, Circuit::HalfOpen);
-        assert_eq!(s.health.next_probe_at, Some(at(1800 + 120)), "the guard, longer than the interval, bounds the wait for the result");
-    }
-
-    #[test]
-    fn a_due_probe_with_nothing_held_closes_an_enabled_circuit_but_the_next_failure_reopens_it() {
-        let (s, _) = healthy().observe(&failures(0, 5), &POLICY, &DisablePolicy::default());
-        let s = s.probe(at(64), None, &POLICY);
-        assert_eq!(s.health.circuit, Circuit::Closed);
-        let (s, e) = s.observe(&failures(70, 1), &POLICY, &DisablePolicy::default());
-        assert_eq!(s.health.circuit, Circuit::Open);
-        assert!(e.hold);
-    }
-
-    #[test]
-    fn failing_for_the_window_and_the_count_disables_and_a_success_re_enables() {
-        let rule = DisablePolicy { after: Duration::from_secs(100), min_failures: 10 };
-        // Long enough but too few.
-        let (s, e) = healthy().observe(&[(Seen::Failure, at(0)), (Seen::Failure, at(200))], &POLICY, &rule);
-        assert_eq!((s.disabled, e.disable), (None, None));
-        // Enough failures, window reached.
-        let (s, e) = s.observe(&failures(201, 8), &POLICY, &rule);
-        assert_eq!(s.disabled, Some(DisabledReason::Failing));
-        assert_eq!(e.disable, Some(DisabledReason::Failing));
-        assert!(e.hold);
-        assert!(s.probe_due(s.health.next_probe_at.unwrap()), "a failing endpoint is probed");
-        // A probe that succeeds re-enables it.
-        let s = s.probe(s.health.next_probe_at.unwrap(), Some(at(0)), &POLICY);
-        let (s, e) = s.observe(&[(Seen::Success, at(1000))], &POLICY, &rule);
-        assert_eq!((s.disabled, s.health.circuit), (None, Circuit::Closed));
-        assert!(e.enable && e.release);
-    }
-
-    #[test]
-    fn a_410_disables_at_once_and_is_never_probed() {
-        let (s, e) = healthy().observe(&[(Seen::Gone, at(0))], &POLICY, &DisablePolicy::default());
-        assert_eq!(s.disabled, Some(DisabledReason::Gone));
-        assert_eq!(e.disable, Some(DisabledReason::Gone));
-        assert!(e.hold);
-        assert_eq!(s.health.next_probe_at, None);
-        assert!(!s.probe_due(at(1_000_000)));
-        // A late 2xx from an attempt sent before does not undo the receiver's word.
-        let (s, e) = s.observe(&[(Seen::Success, at(1))], &POLICY, &DisablePolicy::default());
-        assert_eq!(s.disabled, Some(DisabledReason::Gone));
-        assert!(!e.release && !e.enable);
-    }
-
-    #[test]
-    fn a_tenants_disable_is_not_overridden() {
-        let manual = Standing { health: EndpointHealth::new(), disabled: Some(DisabledReason::Manual) };
-        let (s, e) = manual.observe(&[(Seen::Gone, at(0)), (Seen::Success, at(1))], &POLICY, &DisablePolicy::default());
-        assert_eq!(s.disabled, Some(DisabledReason::Manual));
-        assert!(!e.enable && !e.release && e.disable.is_none());
-        let (s, _) = manual.observe(&failures(0, 20), &POLICY, &DisablePolicy::default());
-        assert!(!s.probe_due(at(1_000_000)), "a manually disabled endpoint is never probed");
-    }
-
-    #[test]
-    fn statuses_map_to_what_they_say_about_the_endpoint() {
-        assert_eq!(Seen::of(Some(204)), Seen::Success);
-        assert_eq!(Seen::of(Some(410)), Seen::Gone);
-        for s in [None, Some(301), Some(404), Some(429), Some(500), Some(503)] {
-            assert_eq!(Seen::of(s), Seen::Failure, "{s:?}");
-        }
-    }
-}
+mod tests;

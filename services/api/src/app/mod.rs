@@ -149,8 +149,8 @@ impl App {
 #[derive(Debug, Clone, Copy)]
 pub struct HealthSettings {
     pub circuit: health::CircuitPolicy,
-    /// Held deliveries released per second per endpoint once it recovers.
-    pub release_per_second: u32,
+    /// Deliveries a bulk recovery of an endpoint sends again per second.
+    pub recover_per_second: u32,
     /// The shortest disable window an operator may set for an environment:
     /// an hour in production, a second in development (tests).
     pub shortest_disable_window: std::time::Duration,

@@ -12,7 +12,7 @@ use sqlx::{Connection, PgConnection};
 use super::{
     App, Timestamp,
     deliveries::*,
-    health::{Circuit, Seen},
+    health::Seen,
     material::{SecretsByEndpoint, StoredSecrets},
     state::{self, Reported, Standing, Step},
 };
@@ -212,12 +212,11 @@ impl App {
             decision: candidates.iter().map(|(_, d)| d.as_str()).collect(),
             signature_scheme: candidates.iter().map(|&(i, _)| reports[i].signature_scheme.map(Scheme::as_str)).collect(),
         };
-        let all_succeeded = reports.iter().all(|r| Seen::of(r.http_status) == Seen::Success);
+        let all_succeeded = reports.iter().all(|r| seen_in(r).is_success());
         let mut batch = OutcomeBatch::new(reports, &candidates);
         if all_succeeded {
             let applied = db::deliveries::record_current_outcomes(&mut *conn, &current).await?;
-            let plainly_healthy =
-                applied.iter().all(|a| a.circuit == Circuit::Closed && a.consecutive_failures == 0 && a.disabled_reason.is_none());
+            let plainly_healthy = applied.iter().all(|a| plainly_healthy(a, now, &self.health.circuit));
             let stamp = stale_success_stamps(&applied, now);
             batch.applied(&applied);
             if plainly_healthy && batch.rest().is_empty() {
@@ -346,7 +345,7 @@ impl App {
                 }
                 Step::Advance(d) | Step::Settle(d) => d,
             };
-            seen.push((k, row.endpoint_id, Seen::of(report.http_status)));
+            seen.push((k, row.endpoint_id, seen_in(&report)));
             let moved = standing.after(step);
             row.state = moved.state;
             row.attempt = moved.attempt as i32;
@@ -431,7 +430,7 @@ struct OutcomeBatch {
     decisions: Vec<(&'static str, i64)>,
     /// Each candidate's report position and decision, by delivery.
     candidate_of: HashMap<Uuid, (usize, Decision)>,
-    status_of: Vec<Option<u32>>,
+    seen_of: Vec<Seen>,
     latency_of: Vec<i64>,
 }
 
@@ -442,7 +441,7 @@ impl OutcomeBatch {
             seen: Vec::new(),
             decisions: Vec::new(),
             candidate_of: candidates.iter().map(|&(i, d)| (reports[i].delivery_id, (i, d))).collect(),
-            status_of: reports.iter().map(|r| r.http_status).collect(),
+            seen_of: reports.iter().map(seen_in).collect(),
             latency_of: reports.iter().map(|r| i64::try_from(r.latency_ms).unwrap_or(i64::MAX)).collect(),
         }
     }
@@ -455,7 +454,7 @@ impl OutcomeBatch {
     fn applied(&mut self, applied: &[db::deliveries::AppliedOutcome]) {
         for a in applied {
             let Some(&(i, decision)) = self.candidate_of.get(&a.id) else { continue };
-            self.seen.push((i, a.endpoint_id, Seen::of(self.status_of[i])));
+            self.seen.push((i, a.endpoint_id, self.seen_of[i]));
             self.decisions.push((decision.as_str(), self.latency_of[i]));
             self.answers[i] = Some(Ok(decision));
         }
@@ -465,6 +464,29 @@ impl OutcomeBatch {
     fn rest(&self) -> Vec<usize> {
         (0..self.answers.len()).filter(|&i| self.answers[i].is_none()).collect()
     }
+}
+
+/// An endpoint whose successes change nothing the health rules read, as the
+/// one statement returned it (see `EndpointHealth::is_plainly_healthy`).
+fn plainly_healthy(a: &db::deliveries::AppliedOutcome, now: Timestamp, policy: &super::health::CircuitPolicy) -> bool {
+    let health = super::health::EndpointHealth {
+        circuit: a.circuit,
+        consecutive_failures: a.consecutive_failures,
+        window: super::health::FailureWindow {
+            length_ms: a.window_ms,
+            bucket: a.window_bucket,
+            failures: a.window_failures,
+            previous_failures: a.previous_failures,
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    health.is_plainly_healthy(now, policy) && a.disabled_reason.is_none()
+}
+
+/// What a report says about its endpoint.
+fn seen_in(r: &AttemptReport) -> Seen {
+    Seen::of(r.http_status, r.retry_after, r.attempt)
 }
 
 /// Healthy endpoints whose `last_success_at` is older than the stamp's

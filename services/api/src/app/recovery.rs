@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use super::{
     App, Tenant, Timestamp,
-    health::{Circuit, DisablePolicy, DisabledReason, Seen, Standing},
+    health::{Circuit, DisablePolicy, DisabledReason, Effects, ProbeStep, Seen, Standing},
     operational::Happened,
 };
 use crate::{
@@ -31,6 +31,58 @@ fn standing(row: &HealthRow) -> Standing {
     Standing { health: row.health(), disabled: row.disabled_reason }
 }
 
+/// What the rules decided for a batch's endpoints, gathered for one write
+/// each.
+#[derive(Default)]
+struct HealthChanges {
+    stored: Vec<(Uuid, super::health::EndpointHealth)>,
+    hold: Vec<Uuid>,
+    recover: Vec<Uuid>,
+    release: Vec<(Uuid, u32)>,
+    enable: Vec<Uuid>,
+    disable: HashMap<DisabledReason, Vec<Uuid>>,
+    announce: Vec<(Uuid, Uuid, Happened)>,
+}
+
+impl HealthChanges {
+    fn add(&mut self, row: &HealthRow, before: Standing, after: Standing, effects: Effects) {
+        let id = row.endpoint_id;
+        if after.health.circuit != before.health.circuit {
+            tracing::info!(endpoint_id = %id, from = before.health.circuit.as_str(), to = after.health.circuit.as_str(),
+                consecutive_failures = after.health.consecutive_failures, "endpoint circuit changed");
+        }
+        if after.health != before.health {
+            self.stored.push((id, after.health));
+        }
+        if effects.opened {
+            let h = after.health;
+            let failing = Happened::Failing { consecutive_failures: h.consecutive_failures, since: h.failing_since };
+            self.announce.push((row.environment_id, id, failing));
+        }
+        if let Some(reason) = effects.disable {
+            self.announce.push((row.environment_id, id, Happened::Disabled(reason)));
+            tracing::warn!(endpoint_id = %id, reason = reason.as_str(), "endpoint disabled by Relay; its deliveries are held");
+            self.disable.entry(reason).or_default().push(id);
+        }
+        if effects.enable {
+            tracing::info!(endpoint_id = %id, "endpoint recovered and re-enabled");
+            self.enable.push(id);
+        }
+        if effects.hold {
+            self.hold.push(id);
+        }
+        if effects.recover {
+            self.recover.push(id);
+        }
+        if effects.release > 0 {
+            self.release.push((id, effects.release));
+        }
+        if effects.enable || effects.recover {
+            self.announce.push((row.environment_id, id, Happened::Recovered));
+        }
+    }
+}
+
 fn disable_policy(row: &HealthRow) -> DisablePolicy {
     DisablePolicy {
         after: std::time::Duration::from_secs(row.disable_after_secs.max(1) as u64),
@@ -46,6 +98,7 @@ impl App {
         if seen.is_empty() {
             return Ok(());
         }
+        let policy = &self.health.circuit;
         let mut by_endpoint: BTreeMap<Uuid, Vec<(Seen, Timestamp)>> = BTreeMap::new();
         for &(endpoint, s) in seen {
             by_endpoint.entry(endpoint).or_default().push((s, now));
@@ -56,8 +109,8 @@ impl App {
         let mut stamp = Vec::new();
         let mut changing = Vec::new();
         for row in db::health::read(&mut *tx, &ids).await? {
-            let all_ok = by_endpoint[&row.endpoint_id].iter().all(|(s, _)| *s == Seen::Success);
-            if all_ok && row.circuit == Circuit::Closed && row.consecutive_failures == 0 && row.disabled_reason.is_none() {
+            let all_ok = by_endpoint[&row.endpoint_id].iter().all(|(s, _)| s.is_success());
+            if all_ok && row.health().is_plainly_healthy(now, policy) && row.disabled_reason.is_none() {
                 if row.last_success_at.is_none_or(|at| at + SUCCESS_STAMP_EVERY <= now) {
                     stamp.push(row.endpoint_id);
                 }
@@ -71,73 +124,68 @@ impl App {
         if changing.is_empty() {
             return Ok(());
         }
-        let mut stored = Vec::new();
-        let (mut hold, mut release, mut enable) = (Vec::new(), Vec::new(), Vec::new());
-        let mut disable: HashMap<DisabledReason, Vec<Uuid>> = HashMap::new();
-        let mut announce = Vec::new();
+        let mut changes = HealthChanges::default();
+        let mut reopened = Vec::new();
         for row in db::health::lock(&mut *tx, &changing).await? {
             let before = standing(&row);
-            let (after, effects) = before.observe(&by_endpoint[&row.endpoint_id], &self.health.circuit, &disable_policy(&row));
-            let id = row.endpoint_id;
-            if after.health.circuit != before.health.circuit {
-                tracing::info!(endpoint_id = %id, from = before.health.circuit.as_str(), to = after.health.circuit.as_str(),
-                    consecutive_failures = after.health.consecutive_failures, "endpoint circuit changed");
+            let (after, effects) = before.observe(&by_endpoint[&row.endpoint_id], policy, &disable_policy(&row));
+            if before.health.circuit == Circuit::HalfOpen && after.health.circuit == Circuit::Open {
+                reopened.push(row.endpoint_id);
             }
-            if after.health != before.health {
-                stored.push((id, after.health));
-            }
-            let opened = before.health.circuit == Circuit::Closed && after.health.circuit != Circuit::Closed && after.disabled.is_none();
-            if opened {
-                let h = after.health;
-                let failing = Happened::Failing { consecutive_failures: h.consecutive_failures, since: h.failing_since };
-                announce.push((row.environment_id, id, failing));
-            }
-            if let Some(reason) = effects.disable {
-                announce.push((row.environment_id, id, Happened::Disabled(reason)));
-                tracing::warn!(endpoint_id = %id, reason = reason.as_str(), "endpoint disabled by Relay; its deliveries are held");
-                disable.entry(reason).or_default().push(id);
-            }
-            if effects.enable {
-                tracing::info!(endpoint_id = %id, "endpoint recovered and re-enabled");
-                enable.push(id);
-            }
-            if effects.hold {
-                hold.push(id);
-            }
-            if effects.release {
-                release.push(id);
-            }
-            if effects.enable || effects.release {
-                announce.push((row.environment_id, id, Happened::Recovered));
+            changes.add(&row, before, after, effects);
+        }
+        // A failed probe's next one comes no later than a held retry falls due.
+        if !reopened.is_empty() {
+            let due: HashMap<Uuid, Timestamp> = db::health::next_held_retry_due(&mut *tx, &reopened, now).await?.into_iter().collect();
+            for (id, health) in &mut changes.stored {
+                if let Some(&due) = due.get(id) {
+                    let s = Standing { health: *health, disabled: None }.probe_by_held_retry(now, Some(due), policy);
+                    *health = s.health;
+                }
             }
         }
-        for (reason, ids) in &disable {
+        self.apply_health_changes(&mut *tx, changes).await
+    }
+
+    /// Writes what the rules decided for a batch's endpoints: disables and
+    /// enables, held and released deliveries, the health rows, the
+    /// operational events.
+    async fn apply_health_changes(&self, tx: &mut PgConnection, c: HealthChanges) -> AppResult<()> {
+        for (reason, ids) in &c.disable {
             db::endpoints::set_disabled_by_health(&mut *tx, ids, Some(*reason)).await?;
         }
-        if !enable.is_empty() {
-            db::endpoints::set_disabled_by_health(&mut *tx, &enable, None).await?;
+        if !c.enable.is_empty() {
+            db::endpoints::set_disabled_by_health(&mut *tx, &c.enable, None).await?;
         }
-        if !hold.is_empty() {
-            db::health::hold_pending(&mut *tx, &hold).await?;
+        if !c.hold.is_empty() {
+            db::health::hold_pending(&mut *tx, &c.hold).await?;
         }
-        let released =
-            if release.is_empty() { 0 } else { db::health::release_held(&mut *tx, &release, self.health.release_per_second).await? };
-        db::health::store(&mut *tx, &stored).await?;
+        let mut released = 0;
+        if !c.recover.is_empty() {
+            released += db::health::release_not_due(&mut *tx, &c.recover).await?;
+        }
+        if !c.release.is_empty() {
+            let (ids, counts): (Vec<Uuid>, Vec<i64>) = c.release.iter().map(|&(id, n)| (id, i64::from(n))).unzip();
+            released += db::health::release_due(&mut *tx, &ids, &counts).await?;
+        }
+        db::health::store(&mut *tx, &c.stored).await?;
         if released > 0 {
             db::deliveries::notify_due(&mut *tx).await?;
         }
-        self.announce(&mut *tx, &announce).await?;
-        if stored.iter().any(|(_, h)| h.circuit != Circuit::Closed) {
+        self.announce(&mut *tx, &c.announce).await?;
+        if c.stored.iter().any(|(_, h)| h.circuit != Circuit::Closed) {
             self.probes_wake.wake();
         }
         Ok(())
     }
 
-    /// One pass of the prober: for each open circuit whose probe is due, the
-    /// first held delivery (once it is due by its own schedule) goes back to
-    /// pending, and the circuit waits half-open for its result. Returns the
-    /// endpoints looked at.
+    /// One pass of the prober, for each circuit whose look is due: an open
+    /// one sends its held delivery with the most attempts (once one is due
+    /// by its own schedule) and waits half-open for the result; a
+    /// recovering one releases a few more held deliveries, or closes once
+    /// nothing is held. Returns the endpoints looked at.
     pub async fn probe_due_endpoints(&self) -> AppResult<usize> {
+        let policy = &self.health.circuit;
         let mut tx = self.db.begin().await?;
         let rows = db::health::lock_due_probes(&mut tx, PROBES_PER_PASS).await?;
         if rows.is_empty() {
@@ -145,17 +193,19 @@ impl App {
         }
         let now = self.clock.now();
         let due: Vec<Uuid> = rows.iter().filter(|r| standing(r).probe_due(now)).map(|r| r.endpoint_id).collect();
-        let first: HashMap<Uuid, db::health::FirstHeld> =
-            db::health::first_held(&mut tx, &due).await?.into_iter().map(|f| (f.endpoint_id, f)).collect();
-        let (mut probes, mut stored, mut closed) = (Vec::new(), Vec::new(), Vec::new());
+        let max_attempts = i32::try_from(self.schedule.max_attempts()).unwrap_or(i32::MAX);
+        let candidates: HashMap<Uuid, db::health::ProbeCandidate> =
+            db::health::probe_candidates(&mut tx, &due, max_attempts).await?.into_iter().map(|c| (c.endpoint_id, c)).collect();
+        let (mut probes, mut release, mut closed, mut stored) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for row in &rows {
             let before = standing(row);
             let after = if before.probe_due(now) {
-                let held = first.get(&row.endpoint_id);
-                let after = before.probe(now, held.map(|f| f.next_attempt_at), &self.health.circuit);
-                match (after.health.circuit, held) {
-                    (Circuit::HalfOpen, Some(f)) => probes.push(f.id),
-                    (Circuit::Closed, _) => closed.push(row.endpoint_id),
+                let held = candidates.get(&row.endpoint_id);
+                let (after, step) = before.probe(now, held.map(|c| c.next_attempt_at), policy);
+                match (step, held) {
+                    (ProbeStep::Probe, Some(c)) => probes.push(c.id),
+                    (ProbeStep::Release(n), _) => release.push((row.endpoint_id, i64::from(n))),
+                    (ProbeStep::Closed, _) => closed.push(row.endpoint_id),
                     _ => {}
                 }
                 after
@@ -166,18 +216,25 @@ impl App {
             };
             stored.push((row.endpoint_id, after.health));
         }
-        db::health::release_probes(&mut tx, &probes).await?;
-        // A circuit closed for want of anything held releases whatever an
-        // outcome batch was holding on to meanwhile.
-        let released =
-            if closed.is_empty() { 0 } else { db::health::release_held(&mut tx, &closed, self.health.release_per_second).await? };
+        let mut released = db::health::release_probes(&mut tx, &probes).await?;
+        if !release.is_empty() {
+            let (ids, counts): (Vec<Uuid>, Vec<i64>) = release.into_iter().unzip();
+            released += db::health::release_due(&mut tx, &ids, &counts).await?;
+        }
+        // A circuit closed with nothing held releases whatever an outcome
+        // batch was holding on to meanwhile.
+        if !closed.is_empty() {
+            released += db::health::release_all(&mut tx, &closed).await?;
+        }
         db::health::store(&mut tx, &stored).await?;
-        if !probes.is_empty() || released > 0 {
+        if released > 0 {
             db::deliveries::notify_due(&mut tx).await?;
         }
         tx.commit().await.context("committing probes")?;
         if !probes.is_empty() {
             tracing::info!(probes = probes.len(), "probing open circuits with held deliveries");
+        }
+        if released > 0 {
             self.deliveries_wake.wake();
         }
         Ok(rows.len())

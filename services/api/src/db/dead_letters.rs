@@ -14,6 +14,9 @@ use crate::error::AppResult;
 /// may still report.
 pub const ENDPOINT_DISABLED: &str = "endpoint_disabled";
 pub const ENDPOINT_DELETED: &str = "endpoint_deleted";
+/// A delivery held longer than its environment allows (its endpoint's
+/// circuit open, or disabled by Relay, all that time).
+pub const ENDPOINT_FAILING: &str = "endpoint_failing";
 
 /// Dead letters of one outcome batch, column by column for one `UNNEST` insert.
 #[derive(Default)]

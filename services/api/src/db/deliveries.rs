@@ -189,7 +189,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  live AS (
                    SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
-                          h.circuit <> 'closed' OR e.disabled_reason IS NOT NULL AS holding,
+                          h.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding,
                           CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $8::bigint END AS cap
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
                    WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($5::uuid[]))
@@ -229,10 +229,12 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- invariant, and it fails the statement rather than be
                  -- answered for as written.
                  created AS (
-                   INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at)
+                   INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at,
+                                                   held_since)
                    SELECT id, environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
                           CASE WHEN leased THEN now() END,
-                          CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END
+                          CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END,
+                          CASE WHEN holding THEN now() END
                    FROM marked),
                  -- The leased first attempts of a claimant's events go into
                  -- its hands in the order asked, as far as the bodies fit.
@@ -535,6 +537,12 @@ pub struct AppliedOutcome {
     pub consecutive_failures: i32,
     pub last_success_at: Option<Timestamp>,
     pub disabled_reason: Option<DisabledReason>,
+    /// The window's length, current bucket and failures in it and the
+    /// previous one: whether a failure is still inside the window.
+    pub window_ms: i64,
+    pub window_bucket: i64,
+    pub window_failures: i32,
+    pub previous_failures: i32,
 }
 
 /// Applies each outcome only where it is for the current attempt (pending,
@@ -577,7 +585,8 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
              FROM applied WHERE reported_state = 'dead')
          SELECT a.id AS "id!", a.environment_id AS "environment_id!", a.endpoint_id AS "endpoint_id!", a.event_id AS "event_id!",
                 h.circuit AS "circuit!: Circuit", h.consecutive_failures AS "consecutive_failures!", h.last_success_at,
-                e.disabled_reason AS "disabled_reason?: DisabledReason"
+                e.disabled_reason AS "disabled_reason?: DisabledReason", h.window_ms AS "window_ms!", h.window_bucket AS "window_bucket!",
+                h.window_failures AS "window_failures!", h.previous_failures AS "previous_failures!"
          FROM applied a JOIN endpoint_health h ON h.endpoint_id = a.endpoint_id JOIN webhook_endpoints e ON e.id = a.endpoint_id"#,
         &o.id,
         &o.generation,

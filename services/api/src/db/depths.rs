@@ -53,6 +53,7 @@ pub struct Gauges {
     pub oldest_unpublished_secs: f64,
     pub circuits_open: i64,
     pub circuits_half_open: i64,
+    pub circuits_recovering: i64,
 }
 
 pub async fn operational_gauges(db: &PgPool) -> AppResult<Gauges> {
@@ -61,10 +62,17 @@ pub async fn operational_gauges(db: &PgPool) -> AppResult<Gauges> {
            (SELECT count(*) FROM webhook_deliveries WHERE state = 'held') AS "held!",
            coalesce((SELECT extract(epoch FROM now() - min(created_at))::float8 FROM events WHERE published_at IS NULL), 0) AS "oldest!",
            (SELECT count(*) FROM endpoint_health WHERE circuit = 'open') AS "open!",
-           (SELECT count(*) FROM endpoint_health WHERE circuit = 'half_open') AS "half_open!""#,
+           (SELECT count(*) FROM endpoint_health WHERE circuit = 'half_open') AS "half_open!",
+           (SELECT count(*) FROM endpoint_health WHERE circuit = 'recovering') AS "recovering!""#,
     )
     .fetch_one(db)
     .await
     .context("reading operational gauges")?;
-    Ok(Gauges { deliveries_held: r.held, oldest_unpublished_secs: r.oldest, circuits_open: r.open, circuits_half_open: r.half_open })
+    Ok(Gauges {
+        deliveries_held: r.held,
+        oldest_unpublished_secs: r.oldest,
+        circuits_open: r.open,
+        circuits_half_open: r.half_open,
+        circuits_recovering: r.recovering,
+    })
 }

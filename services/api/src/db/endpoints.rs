@@ -6,7 +6,7 @@ use uuid::Uuid;
 
 use relay_signing::Scheme;
 
-use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, ROTATION_WINDOW, Timestamp};
+use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, FailureWindow, ROTATION_WINDOW, Timestamp};
 use crate::error::AppResult;
 
 /// The environment's endpoint quota, its row locked: concurrent creates
@@ -47,6 +47,13 @@ struct EndpointRow {
     last_failure_at: Option<Timestamp>,
     next_probe_at: Option<Timestamp>,
     probe_interval_ms: i64,
+    window_ms: i64,
+    window_bucket: i64,
+    window_attempts: i32,
+    window_failures: i32,
+    previous_attempts: i32,
+    previous_failures: i32,
+    failed_retries: i32,
     held: i64,
 }
 
@@ -78,6 +85,15 @@ impl TryFrom<EndpointRow> for Endpoint {
                 last_failure_at: r.last_failure_at,
                 next_probe_at: r.next_probe_at,
                 probe_interval_ms: r.probe_interval_ms,
+                window: FailureWindow {
+                    length_ms: r.window_ms,
+                    bucket: r.window_bucket,
+                    attempts: r.window_attempts,
+                    failures: r.window_failures,
+                    previous_attempts: r.previous_attempts,
+                    previous_failures: r.previous_failures,
+                },
+                failed_retries: r.failed_retries,
             },
             held: r.held,
         })
@@ -124,7 +140,8 @@ async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>)
         r#"SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason AS "disabled_reason?: DisabledReason", e.created_at,
                   e.secret_rotated_at, e.signature_scheme, e.public_key, e.previous_public_key, e.signature_scheme_changed_at,
                   h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
-                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms,
+                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts,
+                  h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!"
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)

@@ -10,7 +10,7 @@ pub async fn insert(db: &PgPool, name: &str, endpoint_quota: i32) -> AppResult<E
     Ok(sqlx::query_as!(
         Environment,
         "INSERT INTO environments (id, name, endpoint_quota) VALUES ($1, $2, $3)
-         RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures",
+         RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures, max_held_secs",
         Uuid::now_v7(),
         name,
         endpoint_quota,
@@ -23,7 +23,7 @@ pub async fn set_quota(db: &PgPool, id: Uuid, endpoint_quota: i32) -> AppResult<
     Ok(sqlx::query_as!(
         Environment,
         "UPDATE environments SET endpoint_quota = $2 WHERE id = $1
-         RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures",
+         RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures, max_held_secs",
         id,
         endpoint_quota,
     )
@@ -35,14 +35,21 @@ pub async fn exists(db: &PgPool, id: Uuid) -> AppResult<bool> {
     Ok(sqlx::query_scalar!(r#"SELECT EXISTS (SELECT 1 FROM environments WHERE id = $1) AS "exists!""#, id).fetch_one(db).await?)
 }
 
-pub async fn set_disable_policy(db: &PgPool, id: Uuid, after_secs: i32, min_failures: i32) -> AppResult<Option<Environment>> {
+pub async fn set_disable_policy(
+    db: &PgPool,
+    id: Uuid,
+    after_secs: i32,
+    min_failures: i32,
+    max_held_secs: i32,
+) -> AppResult<Option<Environment>> {
     Ok(sqlx::query_as!(
         Environment,
-        "UPDATE environments SET disable_after_secs = $2, disable_min_failures = $3 WHERE id = $1
-         RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures",
+        "UPDATE environments SET disable_after_secs = $2, disable_min_failures = $3, max_held_secs = $4 WHERE id = $1
+         RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures, max_held_secs",
         id,
         after_secs,
         min_failures,
+        max_held_secs,
     )
     .fetch_optional(db)
     .await?)

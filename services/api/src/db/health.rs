@@ -8,12 +8,10 @@
 //! health lock after this transaction and applies the circuit it finds, so
 //! nothing is left pending behind an open circuit or held behind a closed one.
 
-use std::time::Duration;
-
-use sqlx::{PgConnection, postgres::types::PgInterval};
+use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::models::{Circuit, DisabledReason, EndpointHealth, Timestamp};
+use super::models::{Circuit, DisabledReason, EndpointHealth, FailureWindow, Timestamp};
 use crate::error::AppResult;
 
 /// An endpoint's health with what the rules need beside it.
@@ -27,6 +25,13 @@ pub struct HealthRow {
     pub last_failure_at: Option<Timestamp>,
     pub next_probe_at: Option<Timestamp>,
     pub probe_interval_ms: i64,
+    pub window_ms: i64,
+    pub window_bucket: i64,
+    pub window_attempts: i32,
+    pub window_failures: i32,
+    pub previous_attempts: i32,
+    pub previous_failures: i32,
+    pub failed_retries: i32,
     pub disabled_reason: Option<DisabledReason>,
     /// The environment's rule for disabling a failing endpoint.
     pub disable_after_secs: i32,
@@ -43,6 +48,15 @@ impl HealthRow {
             last_failure_at: self.last_failure_at,
             next_probe_at: self.next_probe_at,
             probe_interval_ms: self.probe_interval_ms,
+            window: FailureWindow {
+                length_ms: self.window_ms,
+                bucket: self.window_bucket,
+                attempts: self.window_attempts,
+                failures: self.window_failures,
+                previous_attempts: self.previous_attempts,
+                previous_failures: self.previous_failures,
+            },
+            failed_retries: self.failed_retries,
         }
     }
 }
@@ -52,7 +66,8 @@ pub async fn read(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
     Ok(sqlx::query_as!(
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
-                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms, e.disabled_reason AS "disabled_reason?: DisabledReason",
+                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts, h.window_failures,
+                  h.previous_attempts, h.previous_failures, h.failed_retries, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.endpoint_id = ANY ($1)"#,
@@ -68,7 +83,8 @@ pub async fn lock(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
     Ok(sqlx::query_as!(
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
-                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms, e.disabled_reason AS "disabled_reason?: DisabledReason",
+                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts, h.window_failures,
+                  h.previous_attempts, h.previous_failures, h.failed_retries, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.endpoint_id = ANY ($1) ORDER BY h.endpoint_id FOR UPDATE OF h"#,
@@ -84,7 +100,8 @@ pub async fn lock_due_probes(tx: &mut PgConnection, limit: i64) -> AppResult<Vec
     Ok(sqlx::query_as!(
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
-                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms, e.disabled_reason AS "disabled_reason?: DisabledReason",
+                  h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts, h.window_failures,
+                  h.previous_attempts, h.previous_failures, h.failed_retries, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.circuit <> 'closed' AND h.next_probe_at <= now()
@@ -105,28 +122,41 @@ pub async fn store(tx: &mut PgConnection, rows: &[(Uuid, EndpointHealth)]) -> Ap
     if rows.is_empty() {
         return Ok(());
     }
+    let column = |f: fn(&EndpointHealth) -> i32| -> Vec<i32> { rows.iter().map(|r| f(&r.1)).collect() };
     let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
     let circuits: Vec<&str> = rows.iter().map(|r| r.1.circuit.as_str()).collect();
-    let failures: Vec<i32> = rows.iter().map(|r| r.1.consecutive_failures).collect();
     let since: Vec<Option<Timestamp>> = rows.iter().map(|r| r.1.failing_since).collect();
     let success: Vec<Option<Timestamp>> = rows.iter().map(|r| r.1.last_success_at).collect();
     let failure: Vec<Option<Timestamp>> = rows.iter().map(|r| r.1.last_failure_at).collect();
     let probe: Vec<Option<Timestamp>> = rows.iter().map(|r| r.1.next_probe_at).collect();
     let interval: Vec<i64> = rows.iter().map(|r| r.1.probe_interval_ms).collect();
+    let length: Vec<i64> = rows.iter().map(|r| r.1.window.length_ms).collect();
+    let bucket: Vec<i64> = rows.iter().map(|r| r.1.window.bucket).collect();
     sqlx::query!(
         "UPDATE endpoint_health h SET circuit = u.circuit, consecutive_failures = u.failures, failing_since = u.since,
-           last_success_at = u.success, last_failure_at = u.failure, next_probe_at = u.probe, probe_interval_ms = u.interval
-         FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::timestamptz[], $6::timestamptz[], $7::timestamptz[], $8::bigint[])
-           AS u(id, circuit, failures, since, success, failure, probe, interval)
+           last_success_at = u.success, last_failure_at = u.failure, next_probe_at = u.probe, probe_interval_ms = u.interval,
+           window_ms = u.length, window_bucket = u.bucket, window_attempts = u.attempts, window_failures = u.window_failures,
+           previous_attempts = u.previous_attempts, previous_failures = u.previous_failures, failed_retries = u.failed_retries
+         FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::timestamptz[], $6::timestamptz[], $7::timestamptz[], $8::bigint[],
+                     $9::bigint[], $10::bigint[], $11::int[], $12::int[], $13::int[], $14::int[], $15::int[])
+           AS u(id, circuit, failures, since, success, failure, probe, interval, length, bucket, attempts, window_failures, previous_attempts,
+                previous_failures, failed_retries)
          WHERE h.endpoint_id = ANY ($1::uuid[]) AND h.endpoint_id = u.id",
         &ids,
         &circuits as &[&str],
-        &failures,
+        &column(|h| h.consecutive_failures),
         &since as &[Option<Timestamp>],
         &success as &[Option<Timestamp>],
         &failure as &[Option<Timestamp>],
         &probe as &[Option<Timestamp>],
         &interval,
+        &length,
+        &bucket,
+        &column(|h| h.window.attempts),
+        &column(|h| h.window.failures),
+        &column(|h| h.window.previous_attempts),
+        &column(|h| h.window.previous_failures),
+        &column(|h| h.failed_retries),
     )
     .execute(&mut *tx)
     .await?;
@@ -152,13 +182,18 @@ pub async fn insert(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<()> {
     Ok(())
 }
 
-/// Back to a clean closed circuit (a tenant enabled the endpoint).
-pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<()> {
+/// A clean slate (a tenant enabled or disabled the endpoint): no run of
+/// failures, nothing in the window; `recovering` while it holds deliveries
+/// (they go back as its answers come in, see `app::health`), else closed.
+pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid, recovering: bool) -> AppResult<()> {
+    let circuit = if recovering { Circuit::Recovering } else { Circuit::Closed };
     sqlx::query!(
-        "UPDATE endpoint_health SET circuit = 'closed', consecutive_failures = 0, failing_since = NULL, next_probe_at = NULL,
-           probe_interval_ms = 0
+        "UPDATE endpoint_health SET circuit = $2, consecutive_failures = 0, failing_since = NULL, probe_interval_ms = 0,
+           next_probe_at = CASE WHEN $2 = 'recovering' THEN now() END,
+           window_attempts = 0, window_failures = 0, previous_attempts = 0, previous_failures = 0, failed_retries = 0
          WHERE endpoint_id = $1",
         endpoint_id,
+        circuit.as_str(),
     )
     .execute(&mut *tx)
     .await?;
@@ -170,7 +205,7 @@ pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<()> {
 /// lease's expiry is not a due time, so those are due from now).
 pub async fn hold_pending(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<u64> {
     Ok(sqlx::query!(
-        "UPDATE webhook_deliveries SET state = 'held', dispatched_at = NULL, updated_at = now(),
+        "UPDATE webhook_deliveries SET state = 'held', dispatched_at = NULL, updated_at = now(), held_since = coalesce(held_since, now()),
            next_attempt_at = CASE WHEN dispatched_at IS NULL THEN next_attempt_at ELSE now() END
          -- The rows by id (as a join the planner may scan the whole table for them).
          WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries
@@ -189,7 +224,7 @@ pub async fn hold_pending(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppRe
 /// their endpoint was disabled as gone).
 pub async fn hold_by_id(db: &sqlx::PgPool, ids: &[Uuid]) -> AppResult<u64> {
     Ok(sqlx::query!(
-        "UPDATE webhook_deliveries SET state = 'held', dispatched_at = NULL, updated_at = now(),
+        "UPDATE webhook_deliveries SET state = 'held', dispatched_at = NULL, updated_at = now(), held_since = coalesce(held_since, now()),
            next_attempt_at = CASE WHEN dispatched_at IS NULL THEN next_attempt_at ELSE now() END
          WHERE id = ANY ($1) AND state = 'pending'",
         ids,
@@ -199,55 +234,155 @@ pub async fn hold_by_id(db: &sqlx::PgPool, ids: &[Uuid]) -> AppResult<u64> {
     .rows_affected())
 }
 
-/// An endpoint's held deliveries back to pending in the order they fell
-/// due, one after another at `per_second`: a receiver that just recovered is not
-/// hit with the whole backlog at once.
-pub async fn release_held(tx: &mut PgConnection, endpoint_ids: &[Uuid], per_second: u32) -> AppResult<u64> {
-    let gap = PgInterval::try_from(Duration::from_secs_f64(1.0 / f64::from(per_second.max(1))))
-        .map_err(|e| anyhow::anyhow!("a release gap is not an interval: {e}"))?;
+/// Held deliveries of these endpoints that are not yet due go back to
+/// pending with their due times (the recovery began: the schedule paces
+/// those); the due ones stay held for `release_due`.
+pub async fn release_not_due(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<u64> {
     Ok(sqlx::query!(
-        "UPDATE webhook_deliveries d SET state = 'pending', dispatched_at = NULL, next_attempt_at = now() + (r.k - 1) * $2::interval,
-           updated_at = now()
-         FROM (SELECT id, row_number() OVER (PARTITION BY endpoint_id ORDER BY next_attempt_at, id) AS k FROM webhook_deliveries
-               WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'held' FOR UPDATE SKIP LOCKED))) r
-         WHERE d.id = r.id",
+        "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, held_since = NULL, updated_at = now()
+         WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'held' AND next_attempt_at > now()
+                               FOR UPDATE SKIP LOCKED))",
         endpoint_ids,
-        gap,
     )
     .execute(&mut *tx)
     .await?
     .rows_affected())
 }
 
-/// The first held delivery (by due time) of each endpoint, locked; ones
-/// an outcome batch holds are passed over.
-pub struct FirstHeld {
+/// Up to `counts[i]` due held deliveries of `endpoint_ids[i]` back to
+/// pending, the earliest due first, as they are (attempt and due time kept:
+/// each is attempted as the retry it was). Rows another transaction holds
+/// are passed over. Returns how many went back.
+pub async fn release_due(tx: &mut PgConnection, endpoint_ids: &[Uuid], counts: &[i64]) -> AppResult<u64> {
+    Ok(sqlx::query!(
+        "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, held_since = NULL, updated_at = now()
+         WHERE id = ANY (ARRAY(
+           SELECT d.id FROM UNNEST($1::uuid[], $2::bigint[]) AS u(endpoint_id, n)
+           CROSS JOIN LATERAL (SELECT id FROM webhook_deliveries
+                               WHERE endpoint_id = u.endpoint_id AND state = 'held' AND next_attempt_at <= now()
+                               ORDER BY next_attempt_at, id LIMIT u.n FOR UPDATE SKIP LOCKED) d))",
+        endpoint_ids,
+        counts,
+    )
+    .execute(&mut *tx)
+    .await?
+    .rows_affected())
+}
+
+/// Every held delivery of these endpoints back to pending as it is (the
+/// circuit closed with something still held: a tenant's enable, or rows
+/// an outcome batch held while the prober found none).
+pub async fn release_all(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<u64> {
+    Ok(sqlx::query!(
+        "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, held_since = NULL, updated_at = now()
+         WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'held' FOR UPDATE SKIP LOCKED))",
+        endpoint_ids,
+    )
+    .execute(&mut *tx)
+    .await?
+    .rows_affected())
+}
+
+/// Each endpoint's held delivery to probe: among the due ones, the one with
+/// the most attempts (a receiver that refuses first requests and accepts
+/// retries answers it), the earliest due of those; with none due, the first
+/// to fall due (to wait for). None for an endpoint that holds nothing.
+pub struct ProbeCandidate {
     pub endpoint_id: Uuid,
     pub id: Uuid,
     pub next_attempt_at: Timestamp,
 }
 
-pub async fn first_held(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec<FirstHeld>> {
+pub async fn probe_candidates(tx: &mut PgConnection, endpoint_ids: &[Uuid], max_attempts: i32) -> AppResult<Vec<ProbeCandidate>> {
     Ok(sqlx::query_as!(
-        FirstHeld,
-        r#"SELECT u.endpoint_id AS "endpoint_id!", p.id, p.next_attempt_at
+        ProbeCandidate,
+        r#"SELECT u.endpoint_id AS "endpoint_id!", p.id AS "id!", p.next_attempt_at AS "next_attempt_at!"
            FROM UNNEST($1::uuid[]) AS u(endpoint_id)
-           CROSS JOIN LATERAL (SELECT id, next_attempt_at FROM webhook_deliveries
-                               WHERE endpoint_id = u.endpoint_id AND state = 'held'
-                               ORDER BY next_attempt_at, id LIMIT 1 FOR UPDATE SKIP LOCKED) p"#,
+           CROSS JOIN LATERAL (
+             -- Per attempt number, most first, the earliest due (an index
+             -- probe each: the held rows by endpoint, attempt, due time)…
+             (SELECT d.id, d.next_attempt_at FROM generate_series($2::int, 1, -1) AS a(n)
+              CROSS JOIN LATERAL (SELECT id, next_attempt_at FROM webhook_deliveries
+                                  WHERE endpoint_id = u.endpoint_id AND state = 'held' AND attempt = a.n AND next_attempt_at <= now()
+                                  ORDER BY next_attempt_at, id LIMIT 1) d
+              LIMIT 1)
+             UNION ALL
+             -- …else the first to fall due.
+             (SELECT id, next_attempt_at FROM webhook_deliveries WHERE endpoint_id = u.endpoint_id AND state = 'held'
+              ORDER BY next_attempt_at, id LIMIT 1)
+             LIMIT 1) p"#,
         endpoint_ids,
+        max_attempts,
     )
     .fetch_all(&mut *tx)
     .await?)
 }
 
-/// Held deliveries become pending as they are (due): the probes.
+/// Each endpoint's earliest held retry (an attempt after the first) that
+/// falls due after `after`: the next probe comes no later (see
+/// `app::health::Standing::probe_by_held_retry`).
+pub async fn next_held_retry_due(tx: &mut PgConnection, endpoint_ids: &[Uuid], after: Timestamp) -> AppResult<Vec<(Uuid, Timestamp)>> {
+    Ok(sqlx::query!(
+        r#"SELECT u.endpoint_id AS "endpoint_id!", r.due AS "due!"
+           FROM UNNEST($1::uuid[]) AS u(endpoint_id)
+           CROSS JOIN LATERAL (SELECT next_attempt_at AS due FROM webhook_deliveries
+                               WHERE endpoint_id = u.endpoint_id AND state = 'held' AND attempt > 1 AND next_attempt_at > $2
+                               ORDER BY next_attempt_at LIMIT 1) r"#,
+        endpoint_ids,
+        after,
+    )
+    .fetch_all(&mut *tx)
+    .await?
+    .into_iter()
+    .map(|r| (r.endpoint_id, r.due))
+    .collect())
+}
+
+/// Whether the endpoint holds any delivery.
+pub async fn holds_any(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<bool> {
+    Ok(sqlx::query_scalar!(
+        r#"SELECT EXISTS (SELECT 1 FROM webhook_deliveries WHERE endpoint_id = $1 AND state = 'held') AS "held!""#,
+        endpoint_id
+    )
+    .fetch_one(&mut *tx)
+    .await?)
+}
+
+/// Held deliveries become pending as they are (due): the probes. Their
+/// `held_since` stays: a probe that fails is held again with the rest, and
+/// the bound on holding counts from when it was first held.
 pub async fn release_probes(tx: &mut PgConnection, ids: &[Uuid]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, updated_at = now() WHERE id = ANY ($1) AND state = 'held'",
         ids,
     )
     .execute(&mut *tx)
+    .await?
+    .rows_affected())
+}
+
+/// Held deliveries held longer than their environment's `max_held_secs`
+/// end as dead letters `endpoint_failing` (replayable like any other), at
+/// most `limit` per call: an endpoint gone for good neither pins its events
+/// past retention nor grows storage without end.
+pub async fn expire_held(db: &sqlx::PgPool, limit: i64) -> AppResult<u64> {
+    Ok(sqlx::query!(
+        "WITH ended AS (
+           UPDATE webhook_deliveries d SET state = 'dead', dispatched_at = NULL, last_error = $1, held_since = NULL, updated_at = now()
+           WHERE d.id = ANY (ARRAY(
+             SELECT h.id FROM webhook_deliveries h JOIN environments v ON v.id = h.environment_id
+             -- The shortest bound of any environment first: an index range
+             -- on the held rows' age, not a walk over every held row.
+             WHERE h.state = 'held' AND h.held_since < now() - make_interval(secs => (SELECT min(max_held_secs) FROM environments))
+               AND h.held_since < now() - make_interval(secs => v.max_held_secs)
+             ORDER BY h.held_since LIMIT $2 FOR UPDATE OF h SKIP LOCKED))
+           RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.last_status)
+         INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
+         SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $1, $1 FROM ended",
+        super::dead_letters::ENDPOINT_FAILING,
+        limit,
+    )
+    .execute(db)
     .await?
     .rows_affected())
 }

@@ -224,8 +224,13 @@ pub enum Circuit {
     Closed,
     /// Failing: deliveries are held; one is sent as a probe at `next_probe_at`.
     Open,
-    /// A probe is on its way; its result closes or re-opens the circuit.
+    /// A probe is on its way; its success starts the recovery, its failure
+    /// re-opens the circuit.
     HalfOpen,
+    /// A probe succeeded: new deliveries flow, and the held ones go back as
+    /// the receiver's answers come in (two more for each success); closed
+    /// once nothing is held.
+    Recovering,
 }
 
 impl Circuit {
@@ -234,8 +239,30 @@ impl Circuit {
             Self::Closed => "closed",
             Self::Open => "open",
             Self::HalfOpen => "half_open",
+            Self::Recovering => "recovering",
         }
     }
+
+    /// Whether deliveries of the endpoint are held (written held by an
+    /// expansion, held again after a failed attempt).
+    pub fn holds(self) -> bool {
+        matches!(self, Self::Open | Self::HalfOpen)
+    }
+}
+
+/// An endpoint's recent attempts as the circuit counts them: two aligned
+/// buckets of the window's length (`length_ms`, kept with the counts so a
+/// read needs no settings), the current one numbered `bucket` (epoch ms /
+/// length). Counted from the first failure on: while no failure is inside
+/// the window, successes are not counted (the rules in `app::health`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FailureWindow {
+    pub length_ms: i64,
+    pub bucket: i64,
+    pub attempts: i32,
+    pub failures: i32,
+    pub previous_attempts: i32,
+    pub previous_failures: i32,
 }
 
 /// An endpoint's health: its circuit and the run of results behind it.
@@ -248,6 +275,10 @@ pub struct EndpointHealth {
     pub last_failure_at: Option<Timestamp>,
     pub next_probe_at: Option<Timestamp>,
     pub probe_interval_ms: i64,
+    pub window: FailureWindow,
+    /// Failed attempts after a delivery's first, in the current run of
+    /// failures: evidence that retrying does not help either.
+    pub failed_retries: i32,
 }
 
 #[derive(Debug, Clone)]
@@ -258,6 +289,8 @@ pub struct Environment {
     pub created_at: Timestamp,
     pub disable_after_secs: i32,
     pub disable_min_failures: i32,
+    /// Held deliveries older than this become dead letters `endpoint_failing`.
+    pub max_held_secs: i32,
 }
 
 #[derive(Debug, Clone)]

@@ -26,6 +26,7 @@ fn environment(e: Environment) -> pb::Environment {
         created_at: Some(ts(e.created_at)),
         disable_after_secs: e.disable_after_secs.max(0) as u32,
         disable_min_failures: e.disable_min_failures.max(0) as u32,
+        max_held_secs: e.max_held_secs.max(0) as u32,
     }
 }
 
@@ -78,7 +79,7 @@ impl AdminService for AdminApi {
         let r = req.into_inner();
         let env = self
             .app
-            .set_disable_policy(id("environment_id", &r.environment_id)?, r.disable_after_secs, r.disable_min_failures)
+            .set_disable_policy(id("environment_id", &r.environment_id)?, r.disable_after_secs, r.disable_min_failures, r.max_held_secs)
             .await
             .map_err(status)?;
         Ok(Response::new(pb::SetDisablePolicyResponse { environment: Some(environment(env)) }))
