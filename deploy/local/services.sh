@@ -12,6 +12,76 @@ log() { printf '\033[1m[relay]\033[0m %s\n' "$*" >&2; }
 
 port_open() { (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; }
 
+# Who listens on a TCP port: "pid N (command line)", or nothing when the
+# port is free. ss names the process; without ss, /proc says which socket
+# inode listens on the port and which process holds that inode. A process of
+# another user shows as "a process of another user" when neither can see it.
+port_holder() {
+  local port=$1 pid=""
+  if command -v ss >/dev/null; then
+    local line
+    line=$(ss -Hltnp "sport = :$port" 2>/dev/null | head -1)
+    [ -n "$line" ] || return 0
+    pid=$(printf '%s' "$line" | grep -o 'pid=[0-9]*' | head -1 | cut -d= -f2)
+  else
+    local hex inodes inode fd
+    hex=$(printf '%04X' "$port")
+    # Listening sockets (state 0A) on the port, IPv4 and IPv6.
+    inodes=$(awk -v p=":$hex" '$4 == "0A" && substr($2, length($2) - 4) == p {print $10}' /proc/net/tcp /proc/net/tcp6 2>/dev/null)
+    [ -n "$inodes" ] || return 0
+    for fd in /proc/[0-9]*/fd/*; do
+      for inode in $inodes; do
+        if [ "$(readlink "$fd" 2>/dev/null)" = "socket:[$inode]" ]; then
+          pid=${fd#/proc/}; pid=${pid%%/*}; break 2
+        fi
+      done
+    done
+  fi
+  if [ -z "$pid" ]; then echo "a process of another user"; return 0; fi
+  echo "pid $pid ($(tr '\0' ' ' 2>/dev/null <"/proc/$pid/cmdline" | sed 's/ $//'))"
+}
+
+# Fails, naming the holder, when a port up needs is taken: starting anyway
+# would leave a service that dies with "Address already in use" in its log.
+require_free_port() { # port, what it is for, the variable that moves it
+  local holder
+  holder=$(port_holder "$1")
+  [ -z "$holder" ] && return 0
+  log "port $1 ($2) is taken by $holder; stop it, or choose another port with $3=<port>"
+  return 1
+}
+
+# Whether a pid is still the process a pid file named (its command line
+# still names the binary), so a recycled pid is never signalled.
+still_running() { # pid, binary name
+  tr '\0' ' ' 2>/dev/null <"/proc/$1/cmdline" | grep -q -- "$2"
+}
+
+# Stops what a pid file names and waits for it to exit: SIGTERM, up to
+# RELAY_DOWN_WAIT_SECS (20) for it to drain and exit, then SIGKILL, said
+# so. Returning only once it is gone is what lets up start again at once
+# on the same ports.
+stop_pidfile() { # name, binary name
+  local name=$1 binary=$2 file="$STATE/$1.pid" pid waited=0 limit=$((${RELAY_DOWN_WAIT_SECS:-20} * 10))
+  [ -f "$file" ] || return 0
+  pid=$(cat "$file")
+  if still_running "$pid" "$binary"; then
+    kill "$pid" 2>/dev/null
+    while still_running "$pid" "$binary" && [ "$waited" -lt "$limit" ]; do sleep 0.1; waited=$((waited + 1)); done
+    if still_running "$pid" "$binary"; then
+      log "$name (pid $pid) did not exit within $((limit / 10)) s of SIGTERM; killing it (SIGKILL)"
+      kill -KILL "$pid" 2>/dev/null
+      waited=0
+      while still_running "$pid" "$binary" && [ "$waited" -lt 50 ]; do sleep 0.1; waited=$((waited + 1)); done
+      if still_running "$pid" "$binary"; then log "$name (pid $pid) survives SIGKILL"; return 1; fi
+      log "killed $name"
+    else
+      log "stopped $name ($((waited / 10)).$((waited % 10)) s)"
+    fi
+  fi
+  rm -f "$file"
+}
+
 as_root() {
   if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi
 }

@@ -13,6 +13,7 @@ mod retention;
 mod schemes;
 mod security;
 mod ssrf;
+mod switch_off;
 mod traces;
 
 use std::time::Duration;

@@ -21,6 +21,7 @@ pub mod relay;
 pub mod rest;
 pub mod schedule;
 pub mod secrets;
+pub mod switch_offs;
 
 use anyhow::{Context, Result};
 use relay_contracts::{
@@ -152,6 +153,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         lanes: Default::default(),
         portal: app::portal::PortalSettings { public_url: cfg.public_url.clone(), secure_cookie: cfg.public_url.starts_with("https://") },
         attempt_stats: Default::default(),
+        switch_offs: std::sync::Arc::new(switch_offs::NatsSwitchOffs { client: js.client(), names: names.clone() }),
     };
     if !cfg.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");

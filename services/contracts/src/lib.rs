@@ -167,6 +167,13 @@ impl StreamNames {
         format!("{}dispatcher-deliver", self.prefix)
     }
 
+    /// The core-NATS subject on which one dispatcher (by its claimant id)
+    /// hears that attempts it holds were switched off
+    /// (`relay.queue.v1.SwitchedOff`).
+    pub fn switched_off_subject(&self, claimant: &str) -> String {
+        format!("{}switched-off.{claimant}", self.prefix)
+    }
+
     /// The broker message id of one event. Event ids are chosen by tenants and
     /// unique per environment, so the environment is part of the id.
     pub fn event_message_id(environment_id: &str, event_id: &str) -> String {

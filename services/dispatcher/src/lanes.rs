@@ -33,6 +33,7 @@ use crate::{
     config::DispatcherConfig,
     http_client::Sender,
     seam::Seam,
+    switched_off::Switches,
     verdict::{Verdict, retry_later, settle_by, verdict},
 };
 
@@ -122,6 +123,7 @@ impl LaneSet {
             stop: stop.clone(),
             claimant,
             claim_hold,
+            switches: Default::default(),
         });
         Ok(Self { shared })
     }
@@ -141,6 +143,11 @@ impl LaneSet {
     /// Who this process is when it claims an attempt, and for how long.
     pub(crate) fn claim(&self) -> (String, Duration) {
         (self.shared.claimant.clone(), self.shared.claim_hold)
+    }
+
+    /// The attempts switched off while in this process's hands.
+    pub(crate) fn switches(&self) -> Arc<Switches> {
+        self.shared.switches.clone()
     }
 
     pub(crate) async fn close(&self) {
@@ -170,6 +177,9 @@ struct LaneShared {
     /// outlasts the POST; the margin is for reporting the outcome, which
     /// ends the claim.
     claim_hold: Duration,
+    /// Attempts the api switched off (their endpoint disabled or deleted)
+    /// while in this process's hands, and those on the wire.
+    switches: Arc<Switches>,
 }
 
 impl LaneShared {
@@ -344,10 +354,18 @@ impl Lane {
         let event_id = material.event_id.clone();
         let outcome = async {
             let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");
-            attempt::send(&self.shared.sender, material).await
+            // At the last moment, after any wait for a permit: an endpoint
+            // switched off meanwhile gets no request from here on.
+            let _on_wire = self.shared.switches.on_wire(&key)?;
+            Some(attempt::send(&self.shared.sender, material).await)
         }
         .instrument(span.clone())
         .await;
+        let Some(outcome) = outcome else {
+            tracing::info!(delivery_id = %job.delivery_id, endpoint_id = %job.endpoint_id, attempt = job.attempt, "its endpoint was switched off before this attempt started; not sent");
+            self.shared.unsettled.lock().expect("unpoisoned").remove(&key);
+            return source.settle(Verdict::Ack).await;
+        };
         if let Some(status) = outcome.http_status {
             span.record("http_status", status);
         }

@@ -9,6 +9,7 @@ pub mod consume;
 pub mod http_client;
 mod lanes;
 pub mod seam;
+mod switched_off;
 mod verdict;
 
 use std::{sync::Arc, time::Duration};
@@ -111,7 +112,49 @@ pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
         let (js, names, seam, cfg, lanes, stop) = (js.clone(), names.clone(), seam.clone(), cfg.clone(), lanes.clone(), stop_rx.clone());
         tasks.spawn(supervise(which, js, names, seam, cfg, lanes, stop));
     }
+    tasks.spawn(hear_switch_offs(client.clone(), names, &cfg, &lanes, stop_rx));
     Ok(RunningDispatcher { shutdown: stop_tx, tasks, nats: client })
+}
+
+/// Listens for the api's switch-off notices (see `switched_off`), starting
+/// again when the subscription fails, until `stop`.
+fn hear_switch_offs(
+    client: async_nats::Client,
+    names: StreamNames,
+    cfg: &DispatcherConfig,
+    lanes: &lanes::LaneSet,
+    mut stop: watch::Receiver<bool>,
+) -> impl std::future::Future<Output = Result<()>> + Send + 'static {
+    let (claimant, claim_hold) = lanes.claim();
+    let switches = lanes.switches();
+    // A refusal outlives every claim the api could have seen, and with it
+    // any material this process got for the attempt; an attempt on the wire
+    // ends by its timeout, and its response's body by 2 s after.
+    let keep = claim_hold + relay_config::timing::MATERIAL_FRESH;
+    let on_wire_bound = cfg.attempt_timeout + Duration::from_secs(3);
+    async move {
+        loop {
+            let heard = switched_off::listen(
+                client.clone(),
+                names.clone(),
+                claimant.clone(),
+                switches.clone(),
+                (keep, on_wire_bound),
+                stop.clone(),
+            )
+            .await;
+            if *stop.borrow() {
+                return Ok(());
+            }
+            if let Err(e) = heard {
+                tracing::warn!(error = format!("{e:#}"), "listening for switch-off notices stopped; starting again");
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+                _ = stop.changed() => return Ok(()),
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]

@@ -1,8 +1,15 @@
-//! Webhook endpoints: registration rules, the quota, secrets and rotation.
+//! Webhook endpoints: registration rules, the quota, secrets and rotation,
+//! and switching one off (disable, delete) so that nothing starts after the
+//! tenant is answered.
 
-use std::net::IpAddr;
+use std::{
+    collections::HashMap,
+    net::IpAddr,
+    time::{Duration, Instant},
+};
 
 use anyhow::Context;
+use relay_contracts::relay::queue::v1::{DeliveryJob, SwitchedOff};
 use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;
@@ -12,7 +19,7 @@ use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
 use crate::db::{
     self,
-    deliveries::end_pending_of_endpoint,
+    deliveries::{HeldClaim, end_pending_of_endpoint},
     endpoints::{EndpointUpdate, NewSigningMaterial},
 };
 use crate::{
@@ -247,17 +254,22 @@ impl App {
     /// Disabling ends every pending or held delivery of the endpoint as a
     /// dead letter with reason `endpoint_disabled`: nothing already scheduled
     /// is sent, nothing waits forever, and the tenant can replay after
-    /// re-enabling. Enabling releases what the endpoint held while Relay had
-    /// disabled it (throttled, oldest first) and starts its health afresh.
+    /// re-enabling. Enabling starts its health afresh, recovering what the
+    /// endpoint held while Relay had disabled it (as its answers come in).
+    ///
+    /// A disable is answered only once no attempt of the endpoint can start
+    /// any more (see [`App::await_switch_off`]).
     pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
         // The endpoint is locked first here and last by an outcome batch that
         // disables it automatically (deliveries → health → endpoint), so the
         // two can close a circle; Postgres then ends one of them, and this
         // one runs again.
-        retry_lost_conflicts(|| self.set_endpoint_enabled_once(tenant, id, enabled)).await
+        let (endpoint, held) = retry_lost_conflicts(|| self.set_endpoint_enabled_once(tenant, id, enabled)).await?;
+        self.await_switch_off(id, held).await;
+        Ok(endpoint)
     }
 
-    async fn set_endpoint_enabled_once(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
+    async fn set_endpoint_enabled_once(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<(Endpoint, Vec<HeldClaim>)> {
         let mut tx = self.db.begin().await?;
         let reason = (!enabled).then_some(DisabledReason::Manual);
         db::endpoints::set_disabled(&mut tx, tenant.environment_id, id, reason)
@@ -269,14 +281,13 @@ impl App {
         // taking health last cannot close a circle with it.
         // Enabled: what it held goes back as its answers come in (the
         // circuit recovers, see `health`), the ones not yet due at once.
-        let recovering = if enabled {
+        let (recovering, held) = if enabled {
             if db::health::release_not_due(&mut tx, &[id]).await? > 0 {
                 db::deliveries::notify_due(&mut tx).await?;
             }
-            db::health::holds_any(&mut tx, id).await?
+            (db::health::holds_any(&mut tx, id).await?, Vec::new())
         } else {
-            end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DISABLED).await?;
-            false
+            (false, end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DISABLED).await?)
         };
         db::health::reset(&mut tx, id, recovering).await?;
         let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back an endpoint")?;
@@ -284,26 +295,97 @@ impl App {
         if recovering {
             self.probes_wake.wake();
         }
-        Ok(endpoint)
+        Ok((endpoint, held))
     }
 
     /// Soft: the row stays so its dead letters can. Pending deliveries end
-    /// as dead letters with reason `endpoint_deleted`.
+    /// as dead letters with reason `endpoint_deleted`. Answered only once no
+    /// attempt of the endpoint can start any more (see
+    /// [`App::await_switch_off`]).
     pub async fn delete_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
-        retry_lost_conflicts(|| self.delete_endpoint_once(tenant, id)).await
+        let held = retry_lost_conflicts(|| self.delete_endpoint_once(tenant, id)).await?;
+        self.await_switch_off(id, held).await;
+        Ok(())
     }
 
-    async fn delete_endpoint_once(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
+    async fn delete_endpoint_once(&self, tenant: Tenant, id: Uuid) -> AppResult<Vec<HeldClaim>> {
         let mut tx = self.db.begin().await?;
         if !db::endpoints::soft_delete(&mut tx, tenant.environment_id, id).await? {
             return Err(AppError::not_found("webhook endpoint"));
         }
-        end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DELETED).await?;
+        let held = end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DELETED).await?;
         db::environments::forget_operations_endpoint(&mut tx, id).await?;
         tx.commit().await.context("committing an endpoint deletion")?;
-        Ok(())
+        Ok(held)
+    }
+
+    /// After a switch-off (a tenant's disable or delete) committed: waits
+    /// until no attempt it ended can still start, so that the tenant, once
+    /// answered, receives no request of the endpoint's that starts later.
+    ///
+    /// Ending the deliveries is not enough on its own: a dispatcher sends
+    /// the first attempts handed to it with an expansion (or an outcome's
+    /// refill), and those whose material it fetched in the last 2 s, without
+    /// asking the api again. Every such attempt is claimed for that
+    /// dispatcher, and the switch-off's statement returned every live claim
+    /// on the attempts it ended (and fenced off any claim still to be
+    /// taken). So each dispatcher holding one is told which (a core-NATS
+    /// request on its own subject); it refuses them from then on and
+    /// answers once none of them is on the wire. Asking a dispatcher before
+    /// every attempt instead would cost a round trip on the hot path for
+    /// the sake of a rare call; this costs the sender a lookup in a set.
+    ///
+    /// Bounded: a dispatcher that does not answer (gone, cut off from the
+    /// broker, or older than the notices) is waited out until its claims run
+    /// out (the attempt timeout + 7 s; past its claim a dispatcher starts
+    /// no attempt and has none on the wire), and never longer than
+    /// [`SWITCH_OFF_WAIT`], so the tenant is answered inside its call's
+    /// deadline (with an attempt timeout above 18 s, a dispatcher that is
+    /// cut off could outlast that wait). A disable or delete therefore
+    /// takes as long as the attempt on the wire has left, which the
+    /// receiver decides, at most the attempt timeout.
+    ///
+    /// Cancel-safe: the switch-off is committed before this begins, and
+    /// this only waits (no transaction, nothing half-written): a caller
+    /// that gives up (tenant calls run detached, see `crate::detach`, so a
+    /// vanished client does not even stop it) loses nothing but the wait.
+    async fn await_switch_off(&self, endpoint_id: Uuid, held: Vec<HeldClaim>) {
+        if held.is_empty() {
+            return;
+        }
+        let started = Instant::now();
+        let mut by_claimant: HashMap<Uuid, (Vec<DeliveryJob>, i64)> = HashMap::new();
+        for c in held {
+            let (attempts, remaining_ms) = by_claimant.entry(c.claimant).or_default();
+            attempts.push(DeliveryJob {
+                delivery_id: c.delivery_id.to_string(),
+                endpoint_id: endpoint_id.to_string(),
+                attempt: c.attempt as u32,
+                generation: c.generation as u32,
+                ..Default::default()
+            });
+            *remaining_ms = (*remaining_ms).max(c.remaining_ms);
+        }
+        let dispatchers = by_claimant.len();
+        futures::future::join_all(by_claimant.into_iter().map(|(claimant, (attempts, remaining_ms))| async move {
+            let within = Duration::from_millis(u64::try_from(remaining_ms).unwrap_or(0)).min(SWITCH_OFF_WAIT);
+            let notice = SwitchedOff { endpoint_id: endpoint_id.to_string(), attempts };
+            if let Err(why) = self.switch_offs.tell(claimant, &notice, within).await {
+                let rest = within.saturating_sub(started.elapsed());
+                tracing::warn!(%endpoint_id, %claimant, attempts = notice.attempts.len(), error = %why, wait_ms = rest.as_millis() as u64,
+                    "a dispatcher holding attempts of a switched-off endpoint did not answer; waiting out its claims");
+                tokio::time::sleep(rest).await;
+            }
+        }))
+        .await;
+        tracing::info!(%endpoint_id, dispatchers, waited_ms = started.elapsed().as_millis() as u64, "no attempt of the switched-off endpoint can start");
     }
 }
+
+/// The longest a disable or delete waits for dispatchers (see
+/// [`App::await_switch_off`]): inside the tenant's call deadline, with room
+/// for the transaction before it.
+const SWITCH_OFF_WAIT: Duration = crate::detach::TENANT_WORK_DEADLINE.saturating_sub(Duration::from_secs(5));
 
 /// Runs a transaction again, up to three times in all, while it loses a
 /// conflict (a deadlock Postgres broke by ending it); a last loss is

@@ -91,6 +91,9 @@ pub struct App {
     pub portal: portal::PortalSettings,
     /// Attempts recorded by this process, added up for the portal's charts.
     pub attempt_stats: Arc<attempt_stats::AttemptStats>,
+    /// Tells dispatchers which attempts in their hands a disable or delete
+    /// ended (see `endpoints`).
+    pub switch_offs: Arc<dyn crate::switch_offs::SwitchOffs>,
 }
 
 /// The use-cases that run on connections of their own, in batches.
