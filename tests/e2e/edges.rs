@@ -171,20 +171,45 @@ async fn a_connection_left_inside_a_dropped_begin_is_never_handed_out_again() ->
 /// One HTTP/1.1 exchange on a fresh connection, as raw bytes: for requests no
 /// well-behaved client would send. Returns the status, the head (lowercase)
 /// and the body.
-async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> anyhow::Result<(u16, String, String)> {
+pub(crate) async fn raw_exchange(addr: std::net::SocketAddr, request: &[u8]) -> anyhow::Result<(u16, String, String)> {
     raw_exchange_within(addr, request, Duration::from_secs(10)).await
 }
 
-async fn raw_exchange_within(addr: std::net::SocketAddr, request: &[u8], within: Duration) -> anyhow::Result<(u16, String, String)> {
+pub(crate) async fn raw_exchange_within(
+    addr: std::net::SocketAddr,
+    request: &[u8],
+    within: Duration,
+) -> anyhow::Result<(u16, String, String)> {
+    raw_exchange_paced(addr, vec![(Duration::ZERO, request.to_vec())], within).await
+}
+
+/// The same, the request written in parts, each after its pause, while the
+/// answer is read (the server may answer, and close, before it has read
+/// everything). The connection is never half-closed: a body the parts
+/// leave unfinished stays unfinished.
+pub(crate) async fn raw_exchange_paced(
+    addr: std::net::SocketAddr,
+    parts: Vec<(Duration, Vec<u8>)>,
+    within: Duration,
+) -> anyhow::Result<(u16, String, String)> {
     use tokio::io::AsyncReadExt;
-    let mut tcp = tokio::net::TcpStream::connect(addr).await?;
-    // The server may answer (and close) before it has read everything.
-    let _ = tcp.write_all(request).await;
+    let (mut rd, mut wr) = tokio::net::TcpStream::connect(addr).await?.into_split();
+    let writer = tokio::spawn(async move {
+        for (pause, bytes) in parts {
+            tokio::time::sleep(pause).await;
+            if wr.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+        // The write half lives until the answer is in (the task is then
+        // aborted): dropping it would half-close the connection.
+        std::future::pending::<()>().await
+    });
     let mut out = Vec::new();
     let read = tokio::time::timeout(within, async {
         let mut buf = [0u8; 8192];
         loop {
-            match tcp.read(&mut buf).await {
+            match rd.read(&mut buf).await {
                 Ok(0) | Err(_) => break,
                 Ok(n) => out.extend_from_slice(&buf[..n]),
             }
@@ -200,6 +225,7 @@ async fn raw_exchange_within(addr: std::net::SocketAddr, request: &[u8], within:
         }
     })
     .await;
+    writer.abort();
     anyhow::ensure!(read.is_ok(), "no answer within {within:?}");
     let text = String::from_utf8_lossy(&out).into_owned();
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((text.as_str(), ""));

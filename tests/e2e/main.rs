@@ -8,6 +8,7 @@ mod edges;
 mod faults;
 mod health;
 mod portal;
+mod portal_bounds;
 mod receiving;
 mod retention;
 mod schemes;

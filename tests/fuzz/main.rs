@@ -16,6 +16,12 @@
 //! printed at the start) and `i`. The ids they start from may differ between
 //! runs — ids the api hands out join the pools as they arrive — so every
 //! failure is reported with the exact bytes that caused it.
+//!
+//! The portal's pages and forms, which share the REST port, are fuzzed the
+//! same way by [`portal`], with mutations of their own (sessions, CSRF
+//! tokens, hostile form and query values, slow and unfinished bodies).
+
+mod portal;
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -47,6 +53,10 @@ const MAX_REPORTED: usize = 20;
 const EXCERPT_BYTES: usize = 300;
 /// Ids kept per tenant and kind for filling paths.
 const POOL_CAP: usize = 64;
+
+/// Each fuzz starts a stack of its own and keeps the api busy from eight
+/// workers: two at once on two cores would time each other out.
+static ONE_FUZZ_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 // ---------------------------------------------------------------------------
 // The deterministic generator (`relay_tests::Rng`), with what this file adds.
@@ -214,12 +224,16 @@ enum Body {
     Members(Vec<(String, String)>),
     /// Bytes exactly as sent.
     Raw(Vec<u8>),
+    /// A form's fields, each name and value as sent (already percent-encoded,
+    /// so that invalid encodings survive).
+    Form(Vec<(String, String)>),
 }
 
 impl Body {
     fn bytes(&self) -> Vec<u8> {
         match self {
             Body::Raw(b) => b.clone(),
+            Body::Form(fields) => fields.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join("&").into_bytes(),
             Body::Members(ms) => {
                 let inner: Vec<String> = ms.iter().map(|(k, v)| format!("{}:{v}", Value::String(k.clone()))).collect();
                 format!("{{{}}}", inner.join(",")).into_bytes()
@@ -235,7 +249,7 @@ impl Body {
         }
         match self {
             Body::Members(m) => Some(m),
-            Body::Raw(_) => None,
+            Body::Raw(_) | Body::Form(_) => None,
         }
     }
 }
@@ -289,6 +303,8 @@ struct Req {
     raw_lines: Vec<Vec<u8>>,
     body: Body,
     framing: Framing,
+    /// Send the body a byte at a time, each after this pause.
+    trickle: Option<Duration>,
     /// The route it was made from and the mutations applied, for the report.
     route: String,
     params: Vec<String>,
@@ -302,6 +318,8 @@ struct Wire {
     hang_up: bool,
     /// The server is expected to wait for bytes that never come.
     may_hang: bool,
+    /// How many bytes go at once, and the pause before each later byte.
+    trickle: Option<(usize, Duration)>,
 }
 
 fn json_string(s: &str) -> String {
@@ -337,8 +355,15 @@ impl Req {
                 Body::Members(fields.iter().filter_map(|(name, ty)| Some((name.clone(), seed_value(name, ty, rng, world)?))).collect())
             }
         };
+        let mut req = Self::new(&route.method, &route.template, path, headers, body);
+        req.params = route.params().into_iter().map(str::to_owned).collect();
+        req
+    }
+
+    /// A well-formed HTTP/1.1 request for the route `method template`, as yet unmutated.
+    fn new(method: &str, template: &str, path: String, headers: Vec<(String, Vec<u8>)>, body: Body) -> Self {
         Self {
-            method: route.method.clone(),
+            method: method.to_owned(),
             path,
             query: None,
             version: "HTTP/1.1".into(),
@@ -346,8 +371,9 @@ impl Req {
             raw_lines: Vec::new(),
             body,
             framing: Framing::Exact,
-            route: format!("{} {}", route.method, route.template),
-            params: route.params().into_iter().map(str::to_owned).collect(),
+            trickle: None,
+            route: format!("{method} {template}"),
+            params: Vec::new(),
             applied: Vec::new(),
         }
     }
@@ -434,8 +460,9 @@ impl Req {
         };
         out.extend_from_slice(&framing);
         out.extend_from_slice(b"\r\n");
+        let trickle = self.trickle.map(|pause| (out.len(), pause));
         out.extend_from_slice(&payload);
-        Wire { bytes: out, hang_up, may_hang }
+        Wire { bytes: out, hang_up, may_hang, trickle }
     }
 }
 
@@ -500,16 +527,17 @@ const MUTATIONS: &[(&str, u64, Mutate)] = &[
     ("wire_framing", 7, odd_framing),
 ];
 
-fn pick_mutation(rng: &mut Rng) -> usize {
-    let total: u64 = MUTATIONS.iter().map(|m| m.1).sum();
+/// The index of an entry of `table`, drawn by the weights `weight` gives.
+fn pick_weighted<T>(rng: &mut Rng, table: &[T], weight: impl Fn(&T) -> u64) -> usize {
+    let total: u64 = table.iter().map(&weight).sum();
     let mut at = rng.next_u64() % total;
-    for (i, m) in MUTATIONS.iter().enumerate() {
-        if at < m.1 {
+    for (i, m) in table.iter().enumerate() {
+        if at < weight(m) {
             return i;
         }
-        at -= m.1;
+        at -= weight(m);
     }
-    MUTATIONS.len() - 1
+    table.len() - 1
 }
 
 fn build(rng: &mut Rng, world: &World) -> Req {
@@ -519,7 +547,7 @@ fn build(rng: &mut Rng, world: &World) -> Req {
     if rng.chance(8) {
         return req;
     }
-    let mut picked: Vec<usize> = (0..rng.range(1, 3)).map(|_| pick_mutation(rng)).collect();
+    let mut picked: Vec<usize> = (0..rng.range(1, 3)).map(|_| pick_weighted(rng, MUTATIONS, |m| m.1)).collect();
     picked.sort_unstable();
     for i in picked {
         let (name, _, mutate) = MUTATIONS[i];
@@ -723,7 +751,7 @@ fn members(req: &mut Req) -> &mut Vec<(String, String)> {
     }
     match &mut req.body {
         Body::Members(m) => m,
-        Body::Raw(_) => unreachable!("just made an object"),
+        Body::Raw(_) | Body::Form(_) => unreachable!("just made an object"),
     }
 }
 
@@ -1102,7 +1130,18 @@ async fn exchange(addr: SocketAddr, wire: &Wire, head_only: bool, limit: Duratio
     // Written while the answer is read: the server may answer (and close)
     // before it has read everything, as it should for a body too large.
     let write = async {
-        if wr.write_all(&wire.bytes).await.is_ok() && wire.hang_up {
+        let (now, later) = wire.bytes.split_at(wire.trickle.map_or(wire.bytes.len(), |(at_once, _)| at_once.min(wire.bytes.len())));
+        let mut written = wr.write_all(now).await.is_ok();
+        if let Some((_, pause)) = wire.trickle {
+            for byte in later {
+                if !written {
+                    break;
+                }
+                tokio::time::sleep(pause).await;
+                written = wr.write_all(std::slice::from_ref(byte)).await.is_ok();
+            }
+        }
+        if written && wire.hang_up {
             let _ = wr.shutdown().await;
         }
         // Not dropped until the answer is in: a dropped write half would
@@ -1144,8 +1183,12 @@ async fn exchange(addr: SocketAddr, wire: &Wire, head_only: bool, limit: Duratio
 }
 
 async fn ready(addr: SocketAddr) -> bool {
-    let wire =
-        Wire { bytes: b"GET /readyz HTTP/1.1\r\nhost: relay\r\nconnection: close\r\n\r\n".to_vec(), hang_up: false, may_hang: false };
+    let wire = Wire {
+        bytes: b"GET /readyz HTTP/1.1\r\nhost: relay\r\nconnection: close\r\n\r\n".to_vec(),
+        hang_up: false,
+        may_hang: false,
+        trickle: None,
+    };
     matches!(exchange(addr, &wire, false, Duration::from_secs(5)).await, Outcome::Answered(a) if a.status == 200)
 }
 
@@ -1321,10 +1364,53 @@ impl Report {
     }
 }
 
+/// What a fuzz asks of its answers.
+trait Judge: Sync {
+    fn world(&self) -> &World;
+    /// How long one exchange may take.
+    fn limit(&self) -> Duration;
+    /// Everything wrong with one answer.
+    fn problems(&self, req: &Req, a: &Answer) -> Vec<String>;
+    /// Whose credential the server reads from the request.
+    fn caller(&self, req: &Req) -> Option<Tenant>;
+    /// Ids an answer hands out join the pools.
+    fn learn(&self, _req: &Req, _a: &Answer) {}
+    /// Whether an exchange that timed out is a failure even while the api
+    /// stays ready (else it is reported as a hang, unless it may hang).
+    fn timeout_fails(&self) -> bool;
+}
+
+impl Judge for World {
+    fn world(&self) -> &World {
+        self
+    }
+
+    fn limit(&self) -> Duration {
+        EXCHANGE_TIMEOUT
+    }
+
+    fn problems(&self, req: &Req, a: &Answer) -> Vec<String> {
+        problems(req, self, a)
+    }
+
+    fn caller(&self, req: &Req) -> Option<Tenant> {
+        credential(req, self)
+    }
+
+    fn learn(&self, req: &Req, a: &Answer) {
+        learn(req, self, a);
+    }
+
+    fn timeout_fails(&self) -> bool {
+        false
+    }
+}
+
 /// Sends one request and records what came of it.
-async fn run_one(world: &World, report: &Mutex<Report>, index: &str, req: &Req) {
+async fn run_one(judge: &impl Judge, report: &Mutex<Report>, index: &str, req: &Req) {
+    let world = judge.world();
     let wire = req.wire();
-    let outcome = exchange(world.addr, &wire, req.method == "HEAD", EXCHANGE_TIMEOUT).await;
+    let outcome = exchange(world.addr, &wire, req.method == "HEAD", judge.limit()).await;
     // Checked before the report is locked: a timeout asks the api if it lives.
     let alive_after_timeout = match outcome {
         Outcome::TimedOut => Some(ready(world.addr).await),
@@ -1333,9 +1419,9 @@ async fn run_one(world: &World, report: &Mutex<Report>, index: &str, req: &Req) 
     let lock = || report.lock().expect("the report is never poisoned");
     match outcome {
         Outcome::Answered(a) => {
-            let found = problems(req, world, &a);
-            let cross = credential(req, world).and_then(|caller| foreign_id(req, world, caller)).is_some();
-            learn(req, world, &a);
+            let found = judge.problems(req, &a);
+            let cross = judge.caller(req).and_then(|caller| foreign_id(req, world, caller)).is_some();
+            judge.learn(req, &a);
             let mut r = lock();
             r.sent += 1;
             r.cross_tenant += usize::from(cross);
@@ -1359,6 +1445,8 @@ async fn run_one(world: &World, report: &Mutex<Report>, index: &str, req: &Req) 
             r.timeouts += 1;
             if alive_after_timeout == Some(false) {
                 r.fail("no answer, and /readyz no longer answers 200", index, req, &wire, None);
+            } else if judge.timeout_fails() {
+                r.fail(&format!("no answer within {:?}", judge.limit()), index, req, &wire, None);
             } else if !wire.may_hang && r.hangs.len() < MAX_REPORTED {
                 r.hangs.push(format!("{index} {} [{}]: {}", req.route, req.applied.join(", "), excerpt(&wire.bytes)));
             }
@@ -1368,21 +1456,20 @@ async fn run_one(world: &World, report: &Mutex<Report>, index: &str, req: &Req) 
 
 // ---------------------------------------------------------------------------
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_rest_route_survives_mutated_requests_with_json_errors_and_no_5xx() -> anyhow::Result<()> {
-    let seed = seed_from_env();
-    let total: usize = match std::env::var("RELAY_FUZZ_REQUESTS") {
-        Ok(v) => v.trim().parse().unwrap_or_else(|_| panic!("RELAY_FUZZ_REQUESTS={v:?} is not a number")),
-        Err(_) => DEFAULT_REQUESTS,
-    };
-    println!("fuzz: seed {seed:#x} (RELAY_FUZZ_SEED to replay), {total} requests (RELAY_FUZZ_REQUESTS), {WORKERS} workers");
+/// How many mutated requests to send: `var` when set, else `default`.
+fn requests_from_env(var: &str, default: usize) -> usize {
+    match std::env::var(var) {
+        Ok(v) => v.trim().parse().unwrap_or_else(|_| panic!("{var}={v:?} is not a number")),
+        Err(_) => default,
+    }
+}
 
-    // A real stack with real ids: the fuzzed tenant's endpoints, an event
-    // with deliveries, a dead letter; and a second tenant with its own.
-    let stack = Stack::start(Options::default()).await?;
+/// A real stack's ids for a fuzz to start from: the fuzzed tenant's
+/// endpoints, an event with deliveries, a dead letter; and a second tenant
+/// ("bystander") with its own.
+async fn populated(stack: &Stack, receiver: &Receiver, routes: Vec<Route>) -> anyhow::Result<World> {
     let own = stack.tenant("fuzzed").await?;
     let other = stack.tenant("bystander").await?;
-    let receiver = Receiver::start().await?;
     receiver.reply("/dead", Reply::Status(500));
     let rest = Rest::new(&stack.rest_url, Some(&own.api_key));
     let (a, _) = rest.endpoint(&receiver.url("/a"), &["fz"]).await?;
@@ -1415,15 +1502,125 @@ async fn every_rest_route_survives_mutated_requests_with_json_errors_and_no_5xx(
     ids.add(Tenant::Other, Kind::Event, &their_event);
     let shared_event_id = Uuid::new_v4().to_string();
     ids.owner.insert(shared_event_id.clone(), None);
-    let world = Arc::new(World {
+    Ok(World {
         addr: stack.addrs.rest,
         own_key: own.api_key.clone(),
         other_key: other.api_key.clone(),
         created_url: receiver.url("/created"),
         shared_event_id,
-        routes: routes(),
+        routes,
         ids: Mutex::new(ids),
-    });
+    })
+}
+
+/// Runs `one(i)` for every request index below `total`, from eight workers;
+/// how long they all took.
+async fn fan_out<F, Fut>(total: usize, one: F) -> anyhow::Result<Duration>
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let started = Instant::now();
+    let next = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|_| {
+            let (one, next) = (one.clone(), next.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= total {
+                        break;
+                    }
+                    one(i).await;
+                }
+            })
+        })
+        .collect();
+    for w in workers {
+        w.await?;
+    }
+    Ok(started.elapsed())
+}
+
+/// Prints what a fuzz saw, and fails with its first failures, if any.
+fn summarise(name: &str, r: &Report, seed: u64, elapsed: Duration) {
+    let statuses: Vec<String> = r.statuses.iter().map(|(s, n)| format!("{s}×{n}")).collect();
+    println!(
+        "{name} summary: {} requests sent, 2xx {} 3xx {} 4xx {} 5xx {} other {}, {} timed out, {} unanswered, {} cross-tenant; seed {seed:#x}; {:.1} s",
+        r.sent,
+        r.class(200, 300),
+        r.class(300, 400),
+        r.class(400, 500),
+        r.class(500, 600),
+        r.class(0, 200) + r.class(600, u16::MAX),
+        r.timeouts,
+        r.silent,
+        r.cross_tenant,
+        elapsed.as_secs_f64()
+    );
+    println!("{name} statuses: {}", statuses.join(" "));
+    println!("{name} refusals: {}", r.reasons.iter().map(|(k, n)| format!("{k}×{n}")).collect::<Vec<_>>().join(" "));
+    if !r.hangs.is_empty() {
+        println!("{name}: {} timeouts of requests that were complete (the api stayed ready):\n  {}", r.hangs.len(), r.hangs.join("\n  "));
+    }
+}
+
+/// Ends a fuzz: what it saw printed, the stack stopped, and its verdict:
+/// no failure, the api still ready, and `after` (a normal request sent
+/// after the fuzz) done.
+async fn finish(
+    name: &str,
+    report: &Mutex<Report>,
+    seed: u64,
+    elapsed: Duration,
+    stack: Stack,
+    after: anyhow::Result<()>,
+) -> anyhow::Result<()> {
+    let alive = ready(stack.addrs.rest).await;
+    let r = std::mem::take(&mut *report.lock().expect("not poisoned"));
+    summarise(name, &r, seed, elapsed);
+    let stopped = stack.stop().await;
+    assert_no_failures(&r, seed);
+    assert!(alive, "/readyz answers 200 after the {name}");
+    after.map_err(|e| anyhow::anyhow!("a normal request after the {name}: {e:#}"))?;
+    stopped
+}
+
+fn assert_no_failures(r: &Report, seed: u64) {
+    assert!(
+        r.failures.is_empty(),
+        "{} failures ({}) with seed {seed:#x}; the first {}:\n{}\nstatuses: {}",
+        r.failed,
+        r.kinds.iter().map(|(k, n)| format!("{k}: {n}")).collect::<Vec<_>>().join("; "),
+        r.failures.len(),
+        r.failures.join("\n"),
+        r.statuses.iter().map(|(s, n)| format!("{s}×{n}")).collect::<Vec<_>>().join(" ")
+    );
+}
+
+/// A fuzz about to run: alone, its seed and size read, its stack started.
+struct Fuzz {
+    _alone: tokio::sync::MutexGuard<'static, ()>,
+    seed: u64,
+    total: usize,
+    stack: Stack,
+    receiver: Receiver,
+}
+
+/// Starts the fuzz `name`, of `var` (else `default`) mutated requests.
+async fn begin(name: &str, var: &str, default: usize) -> anyhow::Result<Fuzz> {
+    let alone = ONE_FUZZ_AT_A_TIME.lock().await;
+    let seed = seed_from_env();
+    let total = requests_from_env(var, default);
+    println!("{name}: seed {seed:#x} (RELAY_FUZZ_SEED to replay), {total} requests ({var}), {WORKERS} workers");
+    Ok(Fuzz { _alone: alone, seed, total, stack: Stack::start(Options::default()).await?, receiver: Receiver::start().await? })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rest_route_survives_mutated_requests_with_json_errors_and_no_5xx() -> anyhow::Result<()> {
+    let Fuzz { seed, total, stack, receiver, _alone } = begin("fuzz", "RELAY_FUZZ_REQUESTS", DEFAULT_REQUESTS).await?;
+    let world = Arc::new(populated(&stack, &receiver, routes()).await?);
+    let rest = Rest::new(&stack.rest_url, Some(&world.own_key));
     assert!(!world.routes.is_empty(), "docs/openapi.json lists no routes");
     let report = Arc::new(Mutex::new(Report::default()));
 
@@ -1466,65 +1663,20 @@ async fn every_rest_route_survives_mutated_requests_with_json_errors_and_no_5xx(
     println!("fuzz: {probes} cross-tenant probes sent ({} routes)", world.routes.len());
 
     // Then the mutated requests, from eight workers.
-    let started = Instant::now();
-    let next = Arc::new(AtomicUsize::new(0));
-    let workers: Vec<_> = (0..WORKERS)
-        .map(|_| {
-            let (world, report, next) = (world.clone(), report.clone(), next.clone());
-            tokio::spawn(async move {
-                loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    if i >= total {
-                        break;
-                    }
-                    let mut rng = rng_for_request(seed, i);
-                    let req = build(&mut rng, &world);
-                    run_one(&world, &report, &format!("#{i}"), &req).await;
-                }
-            })
-        })
-        .collect();
-    for w in workers {
-        w.await?;
-    }
-    let elapsed = started.elapsed();
+    let elapsed = fan_out(total, {
+        let (world, report) = (world.clone(), report.clone());
+        move |i| {
+            let (world, report) = (world.clone(), report.clone());
+            async move {
+                let mut rng = rng_for_request(seed, i);
+                let req = build(&mut rng, &world);
+                run_one(&*world, &report, &format!("#{i}"), &req).await;
+            }
+        }
+    })
+    .await?;
 
-    // Still alive, still accepting work.
-    let alive = ready(world.addr).await;
-    let after = rest.publish("fz", json!({"after": "the fuzz"})).await;
-
-    let r = std::mem::take(&mut *report.lock().expect("not poisoned"));
-    let statuses: Vec<String> = r.statuses.iter().map(|(s, n)| format!("{s}×{n}")).collect();
-    println!(
-        "fuzz summary: {} requests sent, 2xx {} 3xx {} 4xx {} 5xx {} other {}, {} timed out, {} unanswered, {} cross-tenant; seed {seed:#x}; {:.1} s",
-        r.sent,
-        r.class(200, 300),
-        r.class(300, 400),
-        r.class(400, 500),
-        r.class(500, 600),
-        r.class(0, 200) + r.class(600, u16::MAX),
-        r.timeouts,
-        r.silent,
-        r.cross_tenant,
-        elapsed.as_secs_f64()
-    );
-    println!("fuzz statuses: {}", statuses.join(" "));
-    println!("fuzz refusals: {}", r.reasons.iter().map(|(k, n)| format!("{k}×{n}")).collect::<Vec<_>>().join(" "));
-    if !r.hangs.is_empty() {
-        println!("fuzz: {} timeouts of requests that were complete (the api stayed ready):\n  {}", r.hangs.len(), r.hangs.join("\n  "));
-    }
-
-    let stopped = stack.stop().await;
-    assert!(
-        r.failures.is_empty(),
-        "{} failures ({}) with seed {seed:#x}; the first {}:\n{}\nstatuses: {}",
-        r.failed,
-        r.kinds.iter().map(|(k, n)| format!("{k}: {n}")).collect::<Vec<_>>().join("; "),
-        r.failures.len(),
-        r.failures.join("\n"),
-        statuses.join(" ")
-    );
-    assert!(alive, "/readyz answers 200 after the fuzz");
-    after.map_err(|e| anyhow::anyhow!("a normal publish after the fuzz: {e:#}"))?;
-    stopped
+    // Still accepting work.
+    let after = rest.publish("fz", json!({"after": "the fuzz"})).await.map(drop);
+    finish("fuzz", &report, seed, elapsed, stack, after).await
 }

@@ -7,6 +7,7 @@
 pub mod apikeys;
 pub mod app;
 pub mod auth;
+pub mod body;
 pub mod broker;
 pub mod config;
 pub mod db;

@@ -88,7 +88,10 @@ pub(crate) fn check_event_type(t: &str) -> AppResult<()> {
     if t.is_empty() || t.len() > MAX_EVENT_TYPE_LEN || t.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(AppError::invalid(
             "invalid_event_type",
-            format!("event type {} must be 1 to {MAX_EVENT_TYPE_LEN} characters with no spaces", crate::error::quoted(t)),
+            format!(
+                "event type {} must be 1 to {MAX_EVENT_TYPE_LEN} characters with no spaces or control characters",
+                crate::error::quoted(t)
+            ),
         ));
     }
     Ok(())

@@ -27,7 +27,10 @@ use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::{
-    db::lane::{Lane, Shape},
+    db::{
+        self,
+        lane::{Lane, Shape},
+    },
     error::{AppError, AppResult},
     schedule::RetrySchedule,
     secrets::Keyring,
@@ -196,6 +199,18 @@ pub struct Tenant {
 }
 
 pub use crate::db::models::Timestamp;
+
+/// A time a caller gave, refused with its field named when Postgres could
+/// not store it (see [`db::storable`]).
+pub(crate) fn check_time(field: &str, t: Timestamp) -> AppResult<Timestamp> {
+    if !db::storable(t) {
+        return Err(AppError::invalid(
+            "invalid_timestamp",
+            format!("{field} is out of range: times from 4713 BC to 294276 AD are accepted, got {}", t.format("%Y-%m-%d %H:%M:%S UTC")),
+        ));
+    }
+    Ok(t)
+}
 
 pub(crate) fn require_nonempty(field: &'static str, value: &str) -> AppResult<()> {
     if value.trim().is_empty() {

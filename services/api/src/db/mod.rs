@@ -85,7 +85,32 @@ pub fn interval(d: Duration) -> crate::error::AppResult<sqlx::postgres::types::P
     Ok(sqlx::postgres::types::PgInterval::try_from(d).map_err(|e| anyhow::anyhow!("{d:?} is not an interval: {e}"))?)
 }
 
+/// Whether a `timestamptz` can hold `t`. Postgres's range starts at its
+/// Julian day 0, 4714-11-24 BC (proleptic year -4713) at midnight UTC, and
+/// ends after 294276 AD, beyond the last year `chrono` represents (262143),
+/// so only the start can be passed. A time outside it fails the statement
+/// that binds it, as a server error, so callers' times are checked first.
+pub fn storable(t: models::Timestamp) -> bool {
+    let earliest = chrono::NaiveDate::from_ymd_opt(-4713, 11, 24).expect("a valid date").and_time(chrono::NaiveTime::MIN).and_utc();
+    t >= earliest
+}
+
 /// Whether Postgres answers a query now (readiness).
 pub async fn answers(db: &PgPool) -> bool {
     sqlx::query_scalar!("SELECT 1 AS one").fetch_one(db).await.is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn storable_times_start_where_postgres_timestamps_do() {
+        // Postgres's MIN_TIMESTAMP, in microseconds from its epoch (2000-01-01 UTC).
+        let pg_epoch = chrono::DateTime::from_timestamp(946_684_800, 0).expect("2000-01-01");
+        let earliest = pg_epoch + chrono::TimeDelta::microseconds(-211_813_488_000_000_000);
+        assert!(storable(earliest));
+        assert!(!storable(earliest - chrono::TimeDelta::microseconds(1)));
+        assert!(storable(chrono::DateTime::<chrono::Utc>::MAX_UTC));
+    }
 }

@@ -61,9 +61,10 @@ pub fn time(field: &'static str, raw: Option<&prost_types::Timestamp>) -> Result
     let Some(t) = raw else {
         return Err(status(crate::error::AppError::invalid("missing_field", format!("{field} is required"))));
     };
-    chrono::DateTime::from_timestamp(t.seconds, u32::try_from(t.nanos).unwrap_or(u32::MAX)).ok_or_else(|| {
+    let t = chrono::DateTime::from_timestamp(t.seconds, u32::try_from(t.nanos).unwrap_or(u32::MAX)).ok_or_else(|| {
         status(crate::error::AppError::invalid("invalid_timestamp", format!("{field} is out of range: {}s {}ns", t.seconds, t.nanos)))
-    })
+    })?;
+    crate::app::check_time(field, t).map_err(status)
 }
 
 /// A recovery request as both adapters (tenant, operator) read it, and the

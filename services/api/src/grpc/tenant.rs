@@ -87,7 +87,8 @@ fn parse_held_cursor(cursor: &str) -> Result<Option<(crate::app::Timestamp, uuid
     }
     let parsed = cursor
         .split_once('_')
-        .and_then(|(micros, id)| Some((chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?, uuid::Uuid::parse_str(id).ok()?)));
+        .and_then(|(micros, id)| Some((chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?, uuid::Uuid::parse_str(id).ok()?)))
+        .filter(|(at, _)| crate::db::storable(*at));
     match parsed {
         Some(c) => Ok(Some(c)),
         None => Err(status(AppError::invalid("invalid_cursor", "cursor must be the next_cursor of a previous page"))),

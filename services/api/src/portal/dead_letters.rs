@@ -5,14 +5,13 @@ use std::collections::HashMap;
 
 use askama::Template;
 use axum::{
-    Form,
     extract::{Path, State},
     http::{HeaderMap, StatusCode},
     response::Response,
 };
 use uuid::Uuid;
 
-use super::{Frame, Section, failed, form_on, html, outcome_text, redirect, session, when};
+use super::{Frame, Posted, Section, failed, html, not_found, outcome_text, path_id, redirect, session, when};
 use crate::app::App;
 
 /// How many a page lists (the newest).
@@ -75,18 +74,13 @@ pub async fn list(State(app): State<App>, headers: HeaderMap) -> Response {
 
 #[derive(serde::Deserialize)]
 pub struct ReplayForm {
-    #[serde(default)]
-    csrf: String,
     /// Where to go after: the event's page (only an id is accepted).
     #[serde(default)]
     event_id: String,
 }
 
-pub async fn replay(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<ReplayForm>) -> Response {
-    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
-        Ok(found) => found,
-        Err(resp) => return resp,
-    };
+pub async fn replay(State(app): State<App>, Path(id): Path<String>, Posted { session: s, form, .. }: Posted<ReplayForm>) -> Response {
+    let Some(id) = path_id(&id) else { return not_found() };
     match app.replay_dead_letter(Some(s.tenant), id).await {
         Ok(_) => match form.event_id.parse::<Uuid>() {
             Ok(event) => redirect(&format!("/portal/events/{event}")),

@@ -4,8 +4,7 @@
 
 use askama::Template;
 use axum::{
-    Form,
-    extract::{Path, State},
+    extract::{Path, RawQuery, State},
     http::{HeaderMap, StatusCode},
     response::Response,
 };
@@ -13,10 +12,10 @@ use relay_signing::{Scheme, SigningSecret};
 use uuid::Uuid;
 
 use super::{
-    Frame, Section, callers_mistake, chart, failed, form_on, form_session, html, not_found, outcome_text, path_id, redirect, session, when,
+    Frame, Posted, Section, callers_mistake, chart, failed, html, not_found, outcome_text, path_id, query_param, redirect, session, when,
 };
 use crate::{
-    app::{App, endpoints::Endpoint, endpoints::EndpointChange, recover::Recovery},
+    app::{App, endpoints::Endpoint, endpoints::EndpointChange, portal::PortalSession, recover::Recovery},
     db::health::HeldRow,
 };
 
@@ -86,8 +85,6 @@ pub async fn list(State(app): State<App>, headers: HeaderMap) -> Response {
 #[derive(serde::Deserialize)]
 pub struct EndpointForm {
     #[serde(default)]
-    csrf: String,
-    #[serde(default)]
     url: String,
     /// One per line, or separated by commas.
     #[serde(default)]
@@ -147,12 +144,7 @@ struct SecretShown {
     secret: Option<String>,
 }
 
-fn secret_page(
-    s: &crate::app::portal::PortalSession,
-    heading: &'static str,
-    endpoint: Endpoint,
-    secret: Option<SigningSecret>,
-) -> Response {
+fn secret_page(s: &PortalSession, heading: &'static str, endpoint: Endpoint, secret: Option<SigningSecret>) -> Response {
     html(
         StatusCode::OK,
         SecretShown {
@@ -164,11 +156,8 @@ fn secret_page(
     )
 }
 
-pub async fn create(State(app): State<App>, headers: HeaderMap, Form(form): Form<EndpointForm>) -> Response {
-    let s = match form_session(&app, &headers, &form.csrf).await {
-        Ok(s) => s,
-        Err(resp) => return resp,
-    };
+pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Response {
+    let Posted { session: s, form, .. } = posted;
     match app.create_endpoint(s.tenant, form.url.trim(), &split_types(&form.event_types), &form.signature_scheme).await {
         Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
         Err(e) if callers_mistake(&e) => html(
@@ -217,13 +206,7 @@ struct Show {
     notice: Option<&'static str>,
 }
 
-async fn show_page(
-    app: &App,
-    s: &crate::app::portal::PortalSession,
-    id: Uuid,
-    error: Option<(StatusCode, String)>,
-    notice: Option<&'static str>,
-) -> Response {
+async fn show_page(app: &App, s: &PortalSession, id: Uuid, error: Option<(StatusCode, String)>, notice: Option<&'static str>) -> Response {
     let endpoint = match app.get_endpoint(s.tenant, id).await {
         Ok(e) => e,
         Err(e) => return failed(e),
@@ -251,25 +234,14 @@ async fn show_page(
     )
 }
 
-#[derive(serde::Deserialize)]
-pub struct ShowQuery {
-    #[serde(default)]
-    done: String,
-}
-
-pub async fn show(
-    State(app): State<App>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    axum::extract::Query(q): axum::extract::Query<ShowQuery>,
-) -> Response {
+pub async fn show(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, RawQuery(query): RawQuery) -> Response {
     let (_, s) = match session(&app, &headers).await {
         Ok(s) => s,
         Err(resp) => return resp,
     };
     let Some(id) = path_id(&id) else { return not_found() };
     // A fixed set of notices: nothing from the query reaches the page.
-    let notice = match q.done.as_str() {
+    let notice = match query_param(query.as_deref(), "done").as_str() {
         "saved" => Some("Saved."),
         "enabled" => Some("Enabled: held deliveries are being sent."),
         "disabled" => Some("Disabled: pending deliveries became dead letters, to replay after enabling."),
@@ -283,11 +255,9 @@ fn endpoint_url(id: Uuid, done: &str) -> String {
     format!("/portal/endpoints/{id}?done={done}")
 }
 
-pub async fn update(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<EndpointForm>) -> Response {
-    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
-        Ok(found) => found,
-        Err(resp) => return resp,
-    };
+pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Posted<EndpointForm>) -> Response {
+    let Posted { session: s, form, .. } = posted;
+    let Some(id) = path_id(&id) else { return not_found() };
     let types = split_types(&form.event_types);
     if types.is_empty() {
         return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, "an endpoint needs at least one event type".into())), None).await;
@@ -306,41 +276,32 @@ pub async fn update(State(app): State<App>, headers: HeaderMap, Path(id): Path<S
     }
 }
 
-pub async fn rotate(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
-    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
-        Ok(found) => found,
-        Err(resp) => return resp,
-    };
+pub async fn rotate(State(app): State<App>, Path(id): Path<String>, Posted { session: s, .. }: Posted) -> Response {
+    let Some(id) = path_id(&id) else { return not_found() };
     match app.rotate_endpoint_secret(s.tenant, id).await {
         Ok((endpoint, secret)) => secret_page(&s, "Secret rotated: the previous one keeps signing for 24 hours", endpoint, secret),
         Err(e) => failed(e),
     }
 }
 
-async fn set_enabled(app: App, headers: HeaderMap, id: String, csrf: String, enabled: bool) -> Response {
-    let (s, id) = match form_on(&app, &headers, &csrf, &id).await {
-        Ok(found) => found,
-        Err(resp) => return resp,
-    };
+async fn set_enabled(app: App, s: PortalSession, id: String, enabled: bool) -> Response {
+    let Some(id) = path_id(&id) else { return not_found() };
     match app.set_endpoint_enabled(s.tenant, id, enabled).await {
         Ok(_) => redirect(&endpoint_url(id, if enabled { "enabled" } else { "disabled" })),
         Err(e) => failed(e),
     }
 }
 
-pub async fn enable(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
-    set_enabled(app, headers, id, form.csrf, true).await
+pub async fn enable(State(app): State<App>, Path(id): Path<String>, posted: Posted) -> Response {
+    set_enabled(app, posted.session, id, true).await
 }
 
-pub async fn disable(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
-    set_enabled(app, headers, id, form.csrf, false).await
+pub async fn disable(State(app): State<App>, Path(id): Path<String>, posted: Posted) -> Response {
+    set_enabled(app, posted.session, id, false).await
 }
 
-pub async fn delete(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
-    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
-        Ok(found) => found,
-        Err(resp) => return resp,
-    };
+pub async fn delete(State(app): State<App>, Path(id): Path<String>, Posted { session: s, .. }: Posted) -> Response {
+    let Some(id) = path_id(&id) else { return not_found() };
     match app.delete_endpoint(s.tenant, id).await {
         Ok(()) => redirect("/portal/"),
         Err(e) => failed(e),
@@ -349,11 +310,8 @@ pub async fn delete(State(app): State<App>, headers: HeaderMap, Path(id): Path<S
 
 /// Sends the endpoint's dead and held deliveries of the last 7 days again
 /// (a recovery operation, throttled).
-pub async fn recover(State(app): State<App>, headers: HeaderMap, Path(id): Path<String>, Form(form): Form<super::CsrfForm>) -> Response {
-    let (s, id) = match form_on(&app, &headers, &form.csrf, &id).await {
-        Ok(found) => found,
-        Err(resp) => return resp,
-    };
+pub async fn recover(State(app): State<App>, Path(id): Path<String>, Posted { session: s, .. }: Posted) -> Response {
+    let Some(id) = path_id(&id) else { return not_found() };
     let until = chrono::Utc::now();
     match app.recover_endpoint(Some(s.tenant), id, until - chrono::TimeDelta::days(7), until, false).await {
         Ok(Recovery::Started(_) | Recovery::WouldRecover(_)) => redirect(&endpoint_url(id, "recovering")),

@@ -7,23 +7,30 @@
 //! Every response carries a Content-Security-Policy that allows no script at
 //! all and styles only from `/portal/assets/`, embedded in the binary; every
 //! value a tenant or customer wrote is HTML-escaped by the templates; every
-//! form that changes something carries the session's CSRF token.
+//! form that changes something carries the session's CSRF token, and is
+//! read only once its session is known ([`form`]). Bad input is the
+//! caller's mistake, named on a 400 page, never a 5xx; answers the
+//! framework makes on its own (an unknown page, a method a page does not
+//! take, a form it cannot read) are the portal's pages too, with the same
+//! headers.
 
 mod chart;
 mod dead_letters;
 mod endpoints;
 mod events;
+mod form;
 
 use askama::Template;
 use axum::{
-    Form, Router,
+    Router,
     extract::{RawQuery, State},
     http::{HeaderMap, HeaderValue, StatusCode, header},
     response::{IntoResponse, Response},
-    routing::{get, post},
+    routing::{any, get, post},
 };
 use subtle::ConstantTimeEq;
 
+pub use self::form::{FORM_READ_TIMEOUT, MAX_FORM_BYTES, Posted};
 use crate::{
     app::{App, portal::PortalSession},
     error::{AppError, ErrorCode},
@@ -63,6 +70,10 @@ pub fn routes(app: App) -> Router {
         .route("/portal/dead-letters/{id}/replay", post(dead_letters::replay))
         .route("/portal/assets/portal.css", get(|| async { page(StatusCode::OK, "text/css; charset=utf-8", STYLESHEET.to_owned()) }))
         .route("/portal/assets/portal.js", get(|| async { page(StatusCode::OK, "text/javascript; charset=utf-8", SCRIPT.to_owned()) }))
+        // Anything else under the portal is the portal's own 404 page, not
+        // the REST facade's JSON one.
+        .route("/portal/{*rest}", any(|| async { not_found() }))
+        .layer(axum::middleware::map_response(framework_answer))
         // A browser that goes away (a closed tab, a second click) must not
         // cancel a page's database work half-way: each request runs in a
         // task of its own.
@@ -146,18 +157,78 @@ struct Message<'a> {
 #[template(path = "portal/enter.html")]
 struct Entering;
 
-/// A response with the portal's headers: the CSP, no framing, no sniffing,
-/// no referrer (a link's token never leaves in a Referer), nothing cached.
+/// A response with the portal's headers ([`secure`]).
 fn page(status: StatusCode, content_type: &'static str, body: String) -> Response {
     let mut resp = (status, body).into_response();
+    resp.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    secure(resp)
+}
+
+/// The portal's headers: the CSP, no framing, no sniffing, no referrer (a
+/// link's token never leaves in a Referer), nothing cached.
+fn secure(mut resp: Response) -> Response {
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
     h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CONTENT_SECURITY_POLICY));
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
     h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
     resp
+}
+
+/// Whether a request path is the portal's: its answers are its pages, even
+/// those made before any route is found (see `rest::server`).
+pub fn owns(path: &str) -> bool {
+    path == "/portal" || path.starts_with("/portal/")
+}
+
+/// The page for a request refused before any of its work was done, by
+/// status; `why` says what to change.
+pub fn refusal(status: StatusCode, why: &str) -> Response {
+    let title = match status {
+        StatusCode::NOT_FOUND => "Not found",
+        StatusCode::METHOD_NOT_ALLOWED => "Not available here",
+        StatusCode::REQUEST_TIMEOUT => "That took too long",
+        StatusCode::PAYLOAD_TOO_LARGE => "That is more than the portal accepts",
+        StatusCode::URI_TOO_LONG => "That address is too long",
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => "That form could not be read",
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE => "That request is too large",
+        s if s.is_server_error() => "Something went wrong",
+        _ => "That did not work",
+    };
+    message(status, title, why)
+}
+
+/// An answer the framework made on its own, with none of the portal's
+/// headers (every page of the portal has them): a method a route does not
+/// take (405, its `Allow` kept), a path or query its extractor could not
+/// read (400). It becomes the portal's page for that status; its own text
+/// is not shown, as it may quote the request.
+async fn framework_answer(resp: Response) -> Response {
+    if resp.headers().contains_key(header::CONTENT_SECURITY_POLICY) {
+        return resp;
+    }
+    let status = resp.status();
+    if !(status.is_client_error() || status.is_server_error()) {
+        return secure(resp);
+    }
+    let why = match status {
+        StatusCode::NOT_FOUND => return not_found(),
+        StatusCode::METHOD_NOT_ALLOWED => "This address does not take that kind of request.",
+        s if s.is_server_error() => "Please try again in a moment.",
+        _ => "The request could not be read. Go back to the portal and try again.",
+    };
+    let allow = resp.headers().get(header::ALLOW).cloned();
+    let mut page = refusal(status, why);
+    if let Some(allow) = allow {
+        page.headers_mut().insert(header::ALLOW, allow);
+    }
+    page
+}
+
+/// A query parameter's value (the first, when given twice); empty when absent.
+fn query_param(query: Option<&str>, name: &str) -> String {
+    query.and_then(|q| url::form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == name).map(|(_, v)| v.into_owned())).unwrap_or_default()
 }
 
 pub fn html(status: StatusCode, t: impl Template) -> Response {
@@ -232,10 +303,7 @@ pub async fn session(app: &App, headers: &HeaderMap) -> Result<(String, PortalSe
 /// from another site is not sent on a redirect of that same navigation,
 /// but it is on the page's own next navigation.
 async fn enter(State(app): State<App>, RawQuery(query): RawQuery) -> Response {
-    let token = query
-        .as_deref()
-        .and_then(|q| url::form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == "token").map(|(_, v)| v.into_owned()))
-        .unwrap_or_default();
+    let token = query_param(query.as_deref(), "token");
     match app.enter_portal(&token).await {
         Ok(Some(started)) => {
             let max_age = (started.expires_at - chrono::Utc::now()).num_seconds().max(0);
@@ -257,32 +325,9 @@ async fn enter(State(app): State<App>, RawQuery(query): RawQuery) -> Response {
     }
 }
 
-#[derive(serde::Deserialize)]
-pub struct CsrfForm {
-    #[serde(default)]
-    pub csrf: String,
-}
-
 /// A state-changing form must carry the session's CSRF token.
-pub fn csrf_ok(s: &PortalSession, csrf: &str) -> bool {
+fn csrf_ok(s: &PortalSession, csrf: &str) -> bool {
     !csrf.is_empty() && bool::from(csrf.as_bytes().ct_eq(s.csrf_token.as_bytes()))
-}
-
-/// The session of a form's request, when the form carries its CSRF token.
-pub async fn form_session(app: &App, headers: &HeaderMap, csrf: &str) -> Result<PortalSession, Response> {
-    let (_, s) = session(app, headers).await?;
-    if !csrf_ok(&s, csrf) {
-        return Err(forbidden_form());
-    }
-    Ok(s)
-}
-
-/// A form posted to one thing's path: the session (CSRF checked) and the
-/// thing's id.
-pub async fn form_on(app: &App, headers: &HeaderMap, csrf: &str, raw_id: &str) -> Result<(PortalSession, uuid::Uuid), Response> {
-    let s = form_session(app, headers, csrf).await?;
-    let Some(id) = path_id(raw_id) else { return Err(not_found()) };
-    Ok((s, id))
 }
 
 /// An id from a path; anything but a UUID is a page that does not exist
@@ -293,22 +338,16 @@ pub fn path_id(raw: &str) -> Option<uuid::Uuid> {
 
 /// The same page for "never existed" and "another environment's".
 pub fn not_found() -> Response {
-    message(StatusCode::NOT_FOUND, "Not found", "There is nothing here, or it belongs to another account.")
+    refusal(StatusCode::NOT_FOUND, "There is nothing here, or it belongs to another account.")
 }
 
+/// The page a form without its session's CSRF token gets (nothing changed).
 fn forbidden_form() -> Response {
     message(StatusCode::FORBIDDEN, "This form has expired", "Reload the page and try again.")
 }
 
-async fn logout(State(app): State<App>, headers: HeaderMap, Form(form): Form<CsrfForm>) -> Response {
-    let (token, s) = match session(&app, &headers).await {
-        Ok(s) => s,
-        Err(resp) => return resp,
-    };
-    if !csrf_ok(&s, &form.csrf) {
-        return forbidden_form();
-    }
-    if let Err(e) = app.leave_portal(&token).await {
+async fn logout(State(app): State<App>, posted: Posted) -> Response {
+    if let Err(e) = app.leave_portal(&posted.token).await {
         tracing::warn!(error = ?e, "ending a portal session failed");
         return unavailable();
     }

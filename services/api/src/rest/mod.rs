@@ -6,13 +6,14 @@
 //! who could never succeed: the head's limits ([`server`]), the route, a
 //! credential in the URL (refused), the declared body size (413), the API key
 //! (401), room in the api's budget for request bodies (503 when full), then
-//! the body, read with its limit enforced while it streams (413). Only then
-//! is it bound into the method's request message (body, path, query; a path
-//! binding is never overridden), encoded, and sent in-process to the same
-//! tonic services the gRPC port serves, carrying the verified tenant. The
-//! reply is printed as proto3 JSON with the proto field names. Errors keep
-//! the gRPC status, mapped to HTTP as grpc-gateway maps it, with a JSON body
-//! `{code, message, reason}` ([`errors`]).
+//! the body, read with its limit enforced while it streams (413) and within
+//! a time limit (408), by the rule the portal's forms share ([`crate::body`]).
+//! Only then is it bound into the method's request message (body, path,
+//! query; a path binding is never overridden), encoded, and sent in-process
+//! to the same tonic services the gRPC port serves, carrying the verified
+//! tenant. The reply is printed as proto3 JSON with the proto field names.
+//! Errors keep the gRPC status, mapped to HTTP as grpc-gateway maps it, with
+//! a JSON body `{code, message, reason}` ([`errors`]).
 
 // Handlers here fail with a ready-made HTTP response; boxing it buys nothing.
 #![allow(clippy::result_large_err)]
@@ -33,7 +34,7 @@ use axum::{
     routing::{MethodFilter, MethodRouter},
 };
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use http_body_util::{BodyExt, Full, LengthLimitError, Limited};
+use http_body_util::{BodyExt, Full};
 use prost::Message;
 use prost_reflect::{DynamicMessage, FieldDescriptor, Kind, ReflectMessage, SerializeOptions, Value};
 use serde_json::value::RawValue;
@@ -47,6 +48,7 @@ pub(crate) use self::rules::{Binding, is_raw_json, rest_methods};
 use crate::{
     app::{App, events::MAX_ENVELOPE_BYTES},
     auth,
+    body::{BodyError, declared_length, read_bounded},
 };
 
 /// The largest request body the facade reads. The largest request that can
@@ -157,16 +159,7 @@ async fn handle(
             "API keys are accepted only in the Authorization header (`Authorization: Bearer <key>`), never in the URL",
         ));
     }
-    let declared = match headers.get(header::CONTENT_LENGTH) {
-        None => None,
-        Some(v) => match v.to_str().ok().and_then(|v| v.trim().parse::<u64>().ok()) {
-            Some(n) => Some(n),
-            None => return Err(invalid("invalid_content_length", "Content-Length must be a whole number of bytes")),
-        },
-    };
-    if let Some(n) = declared.filter(|&n| n > MAX_BODY_BYTES as u64) {
-        return Err(too_large(Some(n)));
-    }
+    let declared = declared_length(&headers, MAX_BODY_BYTES).map_err(|e| body_refused(&e))?;
     let tenant = auth::tenant_from_header(&facade.app, headers.get(header::AUTHORIZATION)).await.map_err(|st| status_response(&st))?;
 
     let body = if binding.body_all {
@@ -183,22 +176,7 @@ async fn handle(
         .ok()
         .flatten()
         .ok_or_else(overloaded)?;
-        let read = tokio::time::timeout(BODY_READ_TIMEOUT, Limited::new(body, MAX_BODY_BYTES).collect()).await;
-        let bytes = match read {
-            Ok(Ok(collected)) => collected.to_bytes(),
-            Ok(Err(e)) if e.is::<LengthLimitError>() => return Err(too_large(None)),
-            Ok(Err(_)) => {
-                return Err(invalid("unreadable_body", "the request body could not be read (malformed chunked encoding, or cut short)"));
-            }
-            Err(_) => {
-                return Err(error_response(
-                    StatusCode::REQUEST_TIMEOUT,
-                    Code::DeadlineExceeded,
-                    "body_timeout",
-                    &format!("the request body did not arrive within {} s of its head", BODY_READ_TIMEOUT.as_secs()),
-                ));
-            }
-        };
+        let bytes = read_bounded(body, MAX_BODY_BYTES, BODY_READ_TIMEOUT).await.map_err(|e| body_refused(&e))?;
         Some((bytes, permits))
     } else {
         None
@@ -217,12 +195,10 @@ async fn handle(
     }
 }
 
-fn too_large(declared: Option<u64>) -> Response {
-    let message = match declared {
-        Some(n) => format!("a request body may be at most {MAX_BODY_BYTES} bytes; this one declares {n}"),
-        None => format!("a request body may be at most {MAX_BODY_BYTES} bytes; this one is longer"),
-    };
-    error_response(StatusCode::PAYLOAD_TOO_LARGE, Code::InvalidArgument, "body_too_large", &message)
+/// A body not read, as a REST error: a slow one is a deadline, the rest the caller's mistake.
+fn body_refused(e: &BodyError) -> Response {
+    let code = if matches!(e, BodyError::TooSlow(_)) { Code::DeadlineExceeded } else { Code::InvalidArgument };
+    error_response(e.status(), code, e.reason(), &e.to_string())
 }
 
 /// A path or query value, parsed as the field's scalar type.

@@ -1,6 +1,8 @@
 //! The REST port's HTTP server: hyper with its limits set deliberately, the
 //! request head checked before anything is routed, and hyper's own answers
 //! to unparseable requests given the same JSON error body as every other.
+//! (The portal shares the port: a head refused on one of its paths is its
+//! page; hyper's own answers, made before any path is read, stay JSON.)
 
 use std::{
     future::Future,
@@ -85,13 +87,20 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<
     Ok(())
 }
 
-/// The request head's limits, answered in JSON before routing.
+/// The request head's limits, answered before routing: in JSON, or as the
+/// portal's page for a path of the portal's.
 async fn checked_head(router: Router, req: Request) -> Response {
+    let refuse = |status: StatusCode, reason: &str, message: &str| {
+        if crate::portal::owns(req.uri().path()) {
+            crate::portal::refusal(status, message)
+        } else {
+            error_response(status, Code::InvalidArgument, reason, message)
+        }
+    };
     let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     if target > MAX_URI_BYTES {
-        return error_response(
+        return refuse(
             StatusCode::URI_TOO_LONG,
-            Code::InvalidArgument,
             "uri_too_long",
             &format!("the request target may be at most {MAX_URI_BYTES} bytes; this one is {target}"),
         );
@@ -99,9 +108,8 @@ async fn checked_head(router: Router, req: Request) -> Response {
     let count = req.headers().len();
     let bytes: usize = req.headers().iter().map(|(k, v)| k.as_str().len() + v.len()).sum();
     if count > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
-        return error_response(
+        return refuse(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            Code::InvalidArgument,
             "headers_too_large",
             &format!(
                 "a request may carry at most {MAX_HEADERS} header fields and {MAX_HEADER_BYTES} bytes of them; this one has {count} fields, {bytes} bytes"
