@@ -27,6 +27,14 @@ ALTER TABLE endpoint_health
     ADD COLUMN previous_failures  integer NOT NULL DEFAULT 0 CHECK (previous_failures >= 0),
     ADD COLUMN failed_retries     integer NOT NULL DEFAULT 0 CHECK (failed_retries >= 0);
 
+-- An endpoint is handed one attempt at a time (instead of its in-flight
+-- cap) only while failing costs its lane: its last failure went unanswered
+-- (a timeout, a connection refused), or its retries fail too. A fast 5xx
+-- from a receiver that fails sometimes no longer narrows it (it did after
+-- any failure, which slowed receivers that accept retries).
+ALTER TABLE endpoint_health ADD COLUMN one_at_a_time boolean NOT NULL DEFAULT false;
+UPDATE endpoint_health SET one_at_a_time = consecutive_failures > 0;
+
 -- Circuits opened by the old rule (five failures in a row) are re-judged by
 -- the new one: they recover, releasing what they hold as answers come back;
 -- an endpoint that is really down opens again on evidence.

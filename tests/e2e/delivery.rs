@@ -427,7 +427,6 @@ async fn disabled_and_deleted_endpoints_get_nothing_more_and_their_deliveries_en
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_hundred_hanging_endpoints_do_not_delay_a_healthy_one() -> anyhow::Result<()> {
-    use relay_contracts::relay::admin::v1::SetEndpointQuotaRequest;
     const HANGING: usize = 100;
     const FAILING: usize = 5;
     const EVENTS: usize = 20;
@@ -439,12 +438,7 @@ async fn a_hundred_hanging_endpoints_do_not_delay_a_healthy_one() -> anyhow::Res
         ..Options::default().tiers("0,60000,60000,60000,60000,60000,60000")
     })
     .await?;
-    let tenant = stack.tenant("isolation").await?;
-    stack
-        .admin()
-        .await?
-        .set_endpoint_quota(SetEndpointQuotaRequest { environment_id: tenant.environment_id.clone(), endpoint_quota: 110 })
-        .await?;
+    let tenant = stack.tenant_with_quota("isolation", 110).await?;
     let receiver = Receiver::start().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     for i in 0..HANGING {

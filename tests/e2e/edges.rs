@@ -503,14 +503,8 @@ async fn an_api_out_of_database_connections_answers_503_with_retry_after() -> an
 /// delivery pending: each one is delivered, or a dead letter with its reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_delivery_strands_when_its_endpoint_is_switched_off_during_expansion() -> anyhow::Result<()> {
-    use relay_contracts::relay::admin::v1::SetEndpointQuotaRequest;
     let stack = Stack::start(Options::default()).await?;
-    let tenant = stack.tenant("switch-off").await?;
-    stack
-        .admin()
-        .await?
-        .set_endpoint_quota(SetEndpointQuotaRequest { environment_id: tenant.environment_id.clone(), endpoint_quota: 1000 })
-        .await?;
+    let tenant = stack.tenant_with_quota("switch-off", 1000).await?;
     let receiver = Receiver::start().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let mut events = Vec::new();

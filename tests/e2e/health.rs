@@ -288,36 +288,44 @@ async fn handed_out(pg: &sqlx::PgPool, endpoint: &str) -> anyhow::Result<i64> {
     .await?)
 }
 
-/// An endpoint whose last attempt failed is handed one attempt at a time
-/// (its backlog waits in Postgres, not in the broker behind a receiver that
-/// may be timing out); its first success gives it its whole cap back.
+/// An endpoint whose last attempt went unanswered (a timeout) is handed one
+/// attempt at a time: its backlog waits in Postgres, not in the broker or a
+/// lane behind a receiver that may be timing out; its first success gives
+/// it its whole cap back. A fast 5xx does not narrow it (a receiver that
+/// fails sometimes keeps its pace).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_endpoint_whose_last_attempt_failed_is_handed_one_attempt_at_a_time_until_it_succeeds() -> anyhow::Result<()> {
+async fn an_endpoint_whose_last_attempt_timed_out_is_handed_one_attempt_at_a_time_until_it_succeeds() -> anyhow::Result<()> {
     // The retry comes 500 ms after the first failure: time for the test to
-    // see that failure and make the receiver slow before the retry arrives
-    // (with the default 50 ms, a loaded CI machine once let the retry meet
-    // the 500 too, and the receiver counted eleven requests).
+    // see that failure and change the receiver before the retry arrives.
     let stack = Stack::start(Options {
         endpoint_cap: 16,
-        attempt_timeout: Duration::from_secs(10),
+        attempt_timeout: Duration::from_secs(3),
         retry_tiers: relay_api::schedule::RetrySchedule::parse("0,500,500,500,500,500,500")?,
         ..Options::default()
     })
     .await?;
     let tenant = stack.tenant("wobbly").await?;
     let receiver = Receiver::start().await?;
-    receiver.reply("/wobbly", Reply::Status(500));
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let (endpoint, _) = rest.endpoint(&receiver.url("/wobbly"), &["t"]).await?;
+    let pg = stack.pg().await?;
+
+    // A fast 500: the endpoint keeps its cap.
+    receiver.reply("/wobbly", Reply::Status(500));
     let mut events = vec![rest.publish("t", json!({"n": 0})).await?];
     endpoint_where(&rest, &endpoint, Duration::from_secs(20), "failed once", |e| e["health"]["consecutive_failures"] == 1).await;
+    let narrowed: bool =
+        sqlx::query_scalar("SELECT one_at_a_time FROM endpoint_health WHERE endpoint_id = $1::uuid").bind(&endpoint).fetch_one(&pg).await?;
+    assert!(!narrowed, "a fast 5xx does not narrow the endpoint");
 
+    // Its retry times out (held past the 3 s attempt timeout).
+    receiver.reply("/wobbly", Reply::Hang(Duration::from_secs(4)));
+    endpoint_where(&rest, &endpoint, Duration::from_secs(20), "timed out", |e| e["health"]["consecutive_failures"] == 2).await;
     // Slow but answering: each request is held 2 s, then answered 200.
     receiver.reply("/wobbly", Reply::Hang(Duration::from_secs(2)));
     for n in 1..=8 {
         events.push(rest.publish("t", json!({"n": n})).await?);
     }
-    let pg = stack.pg().await?;
     let (mut most, mut waiting) = (0, 0);
     for _ in 0..15 {
         most = most.max(handed_out(&pg, &endpoint).await?);
@@ -326,7 +334,7 @@ async fn an_endpoint_whose_last_attempt_failed_is_handed_one_attempt_at_a_time_u
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(waiting, 9, "all nine deliveries were pending while the first slow attempt ran");
-    assert_eq!(most, 1, "one attempt handed out at a time while the last attempt had failed");
+    assert_eq!(most, 1, "one attempt handed out at a time while the last attempt had timed out");
 
     // The slow attempt succeeds: the whole cap is back, and the rest are
     // handed out together (the dispatcher still sends one at a time).
@@ -340,9 +348,9 @@ async fn an_endpoint_whose_last_attempt_failed_is_handed_one_attempt_at_a_time_u
     }
     assert!(most_after >= 4, "after a success more than one attempt is handed out again, saw at most {most_after}");
     receiver.reply("/wobbly", Reply::Status(204));
-    let got = receiver.wait_at("/wobbly", 10, Duration::from_secs(30)).await;
-    assert_eq!(got.len(), 10, "one failure, then each of the nine events once");
-    let mut ids: Vec<String> = got[1..].iter().map(|r| r.header("relay-webhook-id")).collect();
+    let got = receiver.wait_at("/wobbly", 11, Duration::from_secs(30)).await;
+    assert_eq!(got.len(), 11, "a failure and a timeout, then each of the nine events once");
+    let mut ids: Vec<String> = got[2..].iter().map(|r| r.header("relay-webhook-id")).collect();
     ids.sort();
     events.sort();
     assert_eq!(ids, events, "every event delivered once");

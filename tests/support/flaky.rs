@@ -2,8 +2,10 @@
 //! first request of each webhook, at random, in bursts of 429s, for a while
 //! after being idle, by timing out — for the behaviours that react to
 //! failures. Each is a `Reply::Flaky` for one path of a `Receiver`; its
-//! answers depend on the webhook's id (`webhook-id` or `relay-webhook-id`),
-//! how many times that id came before, and the time.
+//! answers depend on the webhook (its payload's `fate` when it has one, so
+//! that two runs sending the same payloads meet the same failures; else its
+//! id, `webhook-id` or `relay-webhook-id`), how many times that webhook came
+//! before, and the time.
 
 use std::{
     collections::HashMap,
@@ -86,22 +88,24 @@ impl Flaky {
         Arc::new(Self { behaviour, started: Instant::now(), state: Mutex::default() })
     }
 
-    /// The answer to a request with these headers, at `now`.
-    pub fn answer(&self, headers: &HeaderMap, now: Instant) -> Answer {
+    /// The answer to a request with these headers and body, at `now`.
+    pub fn answer(&self, headers: &HeaderMap, body: &[u8], now: Instant) -> Answer {
         let id = ["webhook-id", "relay-webhook-id"]
             .iter()
             .find_map(|h| headers.get(*h).and_then(|v| v.to_str().ok()))
             .unwrap_or_default()
             .to_owned();
+        let fate = serde_json::from_slice::<serde_json::Value>(body).ok().and_then(|b| b["payload"].get("fate").map(|f| f.to_string()));
         let mut memory = self.state.lock().expect("not poisoned");
+        let key = fate.unwrap_or_else(|| id.clone());
         let nth = {
-            let n = memory.seen.entry(id.clone()).or_default();
+            let n = memory.seen.entry(key.clone()).or_default();
             *n += 1;
             *n
         };
         let idle_for = memory.last_request.map(|last| now.saturating_duration_since(last));
         memory.last_request = Some(now);
-        let answer = self.decide(&mut memory, &id, nth, idle_for, now);
+        let answer = self.decide(&mut memory, &key, nth, idle_for, now);
         memory.log.push(Answered { id, nth, at: now, answer: answer.clone() });
         answer
     }
@@ -111,10 +115,10 @@ impl Flaky {
         self.state.lock().expect("not poisoned").log.clone()
     }
 
-    fn decide(&self, memory: &mut Memory, id: &str, nth: u32, idle_for: Option<Duration>, now: Instant) -> Answer {
+    fn decide(&self, memory: &mut Memory, key: &str, nth: u32, idle_for: Option<Duration>, now: Instant) -> Answer {
         match self.behaviour {
             Behaviour::FailFirst(status) => Answer::status(if nth == 1 { status } else { 200 }),
-            Behaviour::FailRandomly(percent) => Answer::status(if chance(id, nth) < percent { 500 } else { 200 }),
+            Behaviour::FailRandomly(percent) => Answer::status(if chance(key, nth) < percent { 500 } else { 200 }),
             Behaviour::ThrottleInBursts { every, burst } => {
                 let into = now.saturating_duration_since(self.started).as_millis() % every.as_millis().max(1);
                 if into < burst.as_millis() {
@@ -131,7 +135,7 @@ impl Flaky {
                 Answer::status(if cold { 502 } else { 200 })
             }
             Behaviour::TimeOut { percent, hold } => {
-                if chance(id, nth) < percent {
+                if chance(key, nth) < percent {
                     Answer { status: 200, retry_after: None, after: hold }
                 } else {
                     Answer::status(200)
@@ -142,10 +146,10 @@ impl Flaky {
     }
 }
 
-/// A number in 0..100 that depends only on the webhook id and the request's
-/// number for it.
-fn chance(id: &str, nth: u32) -> u32 {
+/// A number in 0..100 that depends only on the webhook's key and the
+/// request's number for it.
+fn chance(key: &str, nth: u32) -> u32 {
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    (id, nth).hash(&mut h);
+    (key, nth).hash(&mut h);
     (h.finish() % 100) as u32
 }

@@ -554,10 +554,15 @@ impl Stack {
 
     /// An environment with an API key, made through the admin service.
     pub async fn tenant(&self, name: &str) -> Result<TenantCreds> {
+        self.tenant_with_quota(name, 0).await
+    }
+
+    /// A tenant that may register `endpoint_quota` endpoints (0: the default).
+    pub async fn tenant_with_quota(&self, name: &str, endpoint_quota: u32) -> Result<TenantCreds> {
         use relay_contracts::relay::admin::v1::{CreateApiKeyRequest, CreateEnvironmentRequest};
         let mut admin = self.admin().await?;
         let env = admin
-            .create_environment(CreateEnvironmentRequest { name: name.into(), endpoint_quota: 0 })
+            .create_environment(CreateEnvironmentRequest { name: name.into(), endpoint_quota })
             .await?
             .into_inner()
             .environment
@@ -732,7 +737,7 @@ impl Receiver {
             let (sink, table) = (sink.clone(), table.clone());
             async move {
                 let path = uri.path().to_owned();
-                let headers_seen = headers.clone();
+                let (headers_seen, body_seen) = (headers.clone(), body.clone());
                 sink.lock().expect("not poisoned").push(Received { path: path.clone(), headers, body, at: Instant::now() });
                 let reply = table.lock().expect("not poisoned").get(&path).cloned().unwrap_or(Reply::Status(200));
                 use axum::response::IntoResponse;
@@ -747,7 +752,7 @@ impl Receiver {
                         (axum::http::StatusCode::OK, "late").into_response()
                     }
                     Reply::Flaky(f) => {
-                        let answer = f.answer(&headers_seen, Instant::now());
+                        let answer = f.answer(&headers_seen, &body_seen, Instant::now());
                         tokio::time::sleep(answer.after).await;
                         let status = axum::http::StatusCode::from_u16(answer.status).expect("valid status");
                         match answer.retry_after {

@@ -13,6 +13,12 @@
 //! not failure: it slows the endpoint (the dispatcher waits as asked), and
 //! counts neither way.
 //!
+//! Short of opening, an endpoint whose failures cost its lane — the last one
+//! went unanswered (a timeout, a refused connection), or its retries fail
+//! too — is handed one attempt at a time instead of its in-flight cap, until
+//! a success; a fast 5xx from a receiver that fails sometimes does not
+//! narrow it.
+//!
 //! ```text
 //!   closed | recovering ──evidence of down──► open (pending deliveries held)
 //!   open ──next_probe_at, a held delivery due──► half_open (the due one with most attempts sent)
@@ -110,8 +116,14 @@ impl Default for DisablePolicy {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Seen {
     Success,
-    /// `retry`: the attempt was not the delivery's first.
+    /// A failure with an answer (a status that is not 2xx, 410 or
+    /// back-pressure). `retry`: the attempt was not the delivery's first.
     Failure {
+        retry: bool,
+    },
+    /// A failure without an answer: a timeout, a connection refused or
+    /// reset. It held the endpoint's lane for as long as it took.
+    Unanswered {
         retry: bool,
     },
     /// 410: the receiver says the endpoint is gone for good.
@@ -128,6 +140,7 @@ impl Seen {
             Some(410) => Self::Gone,
             Some(429) => Self::Throttled,
             Some(503) if retry_after.is_some() => Self::Throttled,
+            None => Self::Unanswered { retry: attempt > 1 },
             _ => Self::Failure { retry: attempt > 1 },
         }
     }
@@ -174,6 +187,7 @@ impl EndpointHealth {
             probe_interval_ms: 0,
             window: FailureWindow::default(),
             failed_retries: 0,
+            one_at_a_time: false,
         }
     }
 
@@ -281,6 +295,7 @@ impl Standing {
                 h.consecutive_failures = 0;
                 h.failing_since = None;
                 h.failed_retries = 0;
+                h.one_at_a_time = false;
                 h.last_success_at = Some(at);
                 if self.disabled == Some(DisabledReason::Failing) {
                     self.disabled = None;
@@ -301,9 +316,15 @@ impl Standing {
                 }
                 return self;
             }
-            Seen::Failure { retry } => {
+            Seen::Failure { retry } | Seen::Unanswered { retry } => {
                 if retry {
                     h.failed_retries = h.failed_retries.saturating_add(1);
+                }
+                // Failing costs the lane: each attempt waits out a timeout,
+                // or retrying does not help. The backlog then waits in
+                // Postgres, handed out one at a time, not queued in a lane.
+                if matches!(seen, Seen::Unanswered { .. }) || h.failed_retries >= policy.min_failed_retries as i32 {
+                    h.one_at_a_time = true;
                 }
             }
             Seen::Gone => {}

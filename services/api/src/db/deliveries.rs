@@ -239,7 +239,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                    SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
                           h.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding,
-                          CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $8::bigint END AS cap
+                          CASE WHEN h.one_at_a_time THEN 1 ELSE $8::bigint END AS cap
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
                    WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($5::uuid[]))
                      AND e.deleted_at IS NULL
@@ -432,8 +432,7 @@ pub struct RefillRow {
 }
 
 /// Fills the free slots of these endpoints (each within its in-flight cap,
-/// as the relay counts it: one for an endpoint that failed its last
-/// attempt) with their oldest due waiting deliveries, in one statement: each
+/// as the relay counts it: one for an endpoint handed one at a time) with their oldest due waiting deliveries, in one statement: each
 /// locked as it is read (rows another pass holds are passed over), claimed
 /// for `claimant` for `hold`, and leased where the claim was taken, up to
 /// `payload_budget` bytes of envelopes (the first row's always); returns the
@@ -452,7 +451,7 @@ pub async fn refill<'e>(
     Ok(sqlx::query_as!(
         RefillRow,
         r#"WITH capped AS MATERIALIZED (
-             SELECT h.endpoint_id, CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $2::bigint END AS cap
+             SELECT h.endpoint_id, CASE WHEN h.one_at_a_time THEN 1 ELSE $2::bigint END AS cap
              FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id
              WHERE h.endpoint_id = ANY ($1::uuid[]) AND e.deleted_at IS NULL AND (e.enabled OR e.disabled_reason = 'failing')),
            counted AS MATERIALIZED (
@@ -786,7 +785,7 @@ pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: 
              WHERE d.state = 'pending' AND d.dispatched_at IS NULL AND d.endpoint_id > w.endpoint_id
              ORDER BY d.endpoint_id, d.next_attempt_at LIMIT 1) AS n),
          capped AS MATERIALIZED (
-           SELECT w.endpoint_id, CASE WHEN h.consecutive_failures > 0 THEN 1 ELSE $2::bigint END AS cap
+           SELECT w.endpoint_id, CASE WHEN h.one_at_a_time THEN 1 ELSE $2::bigint END AS cap
            FROM walk w JOIN endpoint_health h ON h.endpoint_id = w.endpoint_id
            -- Only endpoints with something due: one whose retries are all
            -- later costs its probe and nothing more.

@@ -54,6 +54,7 @@ struct EndpointRow {
     previous_attempts: i32,
     previous_failures: i32,
     failed_retries: i32,
+    one_at_a_time: bool,
     held: i64,
 }
 
@@ -94,6 +95,7 @@ impl TryFrom<EndpointRow> for Endpoint {
                     previous_failures: r.previous_failures,
                 },
                 failed_retries: r.failed_retries,
+                one_at_a_time: r.one_at_a_time,
             },
             held: r.held,
         })
@@ -141,7 +143,7 @@ async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>)
                   e.secret_rotated_at, e.signature_scheme, e.public_key, e.previous_public_key, e.signature_scheme_changed_at,
                   h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts,
-                  h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries,
+                  h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!"
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)

@@ -32,6 +32,7 @@ pub struct HealthRow {
     pub previous_attempts: i32,
     pub previous_failures: i32,
     pub failed_retries: i32,
+    pub one_at_a_time: bool,
     pub disabled_reason: Option<DisabledReason>,
     /// The environment's rule for disabling a failing endpoint.
     pub disable_after_secs: i32,
@@ -57,6 +58,7 @@ impl HealthRow {
                 previous_failures: self.previous_failures,
             },
             failed_retries: self.failed_retries,
+            one_at_a_time: self.one_at_a_time,
         }
     }
 }
@@ -67,7 +69,7 @@ pub async fn read(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts, h.window_failures,
-                  h.previous_attempts, h.previous_failures, h.failed_retries, e.disabled_reason AS "disabled_reason?: DisabledReason",
+                  h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.endpoint_id = ANY ($1)"#,
@@ -84,7 +86,7 @@ pub async fn lock(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts, h.window_failures,
-                  h.previous_attempts, h.previous_failures, h.failed_retries, e.disabled_reason AS "disabled_reason?: DisabledReason",
+                  h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.endpoint_id = ANY ($1) ORDER BY h.endpoint_id FOR UPDATE OF h"#,
@@ -101,7 +103,7 @@ pub async fn lock_due_probes(tx: &mut PgConnection, limit: i64) -> AppResult<Vec
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts, h.window_failures,
-                  h.previous_attempts, h.previous_failures, h.failed_retries, e.disabled_reason AS "disabled_reason?: DisabledReason",
+                  h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time, e.disabled_reason AS "disabled_reason?: DisabledReason",
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.circuit <> 'closed' AND h.next_probe_at <= now()
@@ -132,15 +134,17 @@ pub async fn store(tx: &mut PgConnection, rows: &[(Uuid, EndpointHealth)]) -> Ap
     let interval: Vec<i64> = rows.iter().map(|r| r.1.probe_interval_ms).collect();
     let length: Vec<i64> = rows.iter().map(|r| r.1.window.length_ms).collect();
     let bucket: Vec<i64> = rows.iter().map(|r| r.1.window.bucket).collect();
+    let one_at_a_time: Vec<bool> = rows.iter().map(|r| r.1.one_at_a_time).collect();
     sqlx::query!(
         "UPDATE endpoint_health h SET circuit = u.circuit, consecutive_failures = u.failures, failing_since = u.since,
            last_success_at = u.success, last_failure_at = u.failure, next_probe_at = u.probe, probe_interval_ms = u.interval,
            window_ms = u.length, window_bucket = u.bucket, window_attempts = u.attempts, window_failures = u.window_failures,
-           previous_attempts = u.previous_attempts, previous_failures = u.previous_failures, failed_retries = u.failed_retries
+           previous_attempts = u.previous_attempts, previous_failures = u.previous_failures, failed_retries = u.failed_retries,
+           one_at_a_time = u.one_at_a_time
          FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::timestamptz[], $6::timestamptz[], $7::timestamptz[], $8::bigint[],
-                     $9::bigint[], $10::bigint[], $11::int[], $12::int[], $13::int[], $14::int[], $15::int[])
+                     $9::bigint[], $10::bigint[], $11::int[], $12::int[], $13::int[], $14::int[], $15::int[], $16::bool[])
            AS u(id, circuit, failures, since, success, failure, probe, interval, length, bucket, attempts, window_failures, previous_attempts,
-                previous_failures, failed_retries)
+                previous_failures, failed_retries, one_at_a_time)
          WHERE h.endpoint_id = ANY ($1::uuid[]) AND h.endpoint_id = u.id",
         &ids,
         &circuits as &[&str],
@@ -157,6 +161,7 @@ pub async fn store(tx: &mut PgConnection, rows: &[(Uuid, EndpointHealth)]) -> Ap
         &column(|h| h.window.previous_attempts),
         &column(|h| h.window.previous_failures),
         &column(|h| h.failed_retries),
+        &one_at_a_time,
     )
     .execute(&mut *tx)
     .await?;
@@ -190,7 +195,8 @@ pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid, recovering: bool) -
     sqlx::query!(
         "UPDATE endpoint_health SET circuit = $2, consecutive_failures = 0, failing_since = NULL, probe_interval_ms = 0,
            next_probe_at = CASE WHEN $2 = 'recovering' THEN now() END,
-           window_attempts = 0, window_failures = 0, previous_attempts = 0, previous_failures = 0, failed_retries = 0
+           window_attempts = 0, window_failures = 0, previous_attempts = 0, previous_failures = 0, failed_retries = 0,
+           one_at_a_time = false
          WHERE endpoint_id = $1",
         endpoint_id,
         circuit.as_str(),

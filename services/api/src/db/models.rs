@@ -279,6 +279,9 @@ pub struct EndpointHealth {
     /// Failed attempts after a delivery's first, in the current run of
     /// failures: evidence that retrying does not help either.
     pub failed_retries: i32,
+    /// Handed one attempt at a time instead of its in-flight cap: failing
+    /// costs its lane (see `app::health`).
+    pub one_at_a_time: bool,
 }
 
 #[derive(Debug, Clone)]

@@ -121,7 +121,7 @@ fn receivers_that_fail_at_random_never_open_the_circuit() {
 fn a_receiver_that_times_out_a_fifth_of_its_requests_never_opens_the_circuit() {
     let mut rng = StdRng::seed_from_u64(7);
     let mut receiver = |_, attempt, _| {
-        if rng.random_range(0..5) == 0 { (Seen::Failure { retry: retry_of(attempt) }, 15_000) } else { (Seen::Success, 40) }
+        if rng.random_range(0..5) == 0 { (Seen::Unanswered { retry: retry_of(attempt) }, 15_000) } else { (Seen::Success, 40) }
     };
     let (results, _) = plain_schedule(&paced(2_000, 50), &mut receiver);
     assert!(!run(&results).1);
@@ -400,7 +400,30 @@ fn statuses_map_to_what_they_say_about_the_endpoint() {
     assert_eq!(Seen::of(Some(429), secs, 3), Seen::Throttled);
     assert_eq!(Seen::of(Some(503), secs, 1), Seen::Throttled);
     assert_eq!(Seen::of(Some(503), None, 1), Seen::Failure { retry: false });
-    for s in [None, Some(301), Some(404), Some(500), Some(502)] {
+    for s in [Some(301), Some(404), Some(500), Some(502)] {
         assert_eq!(Seen::of(s, None, 2), Seen::Failure { retry: true }, "{s:?}");
+    }
+    assert_eq!(Seen::of(None, None, 1), Seen::Unanswered { retry: false }, "a timeout or a refused connection");
+}
+
+#[test]
+fn an_endpoint_is_handed_one_attempt_at_a_time_only_while_failing_costs_its_lane() {
+    let step = |s: Standing, seen: Seen| s.observe(&[(seen, at(0))], &POLICY, &NEVER_DISABLE).0;
+    // Fast 5xx to first attempts (a receiver that accepts retries): its cap stays.
+    let mut s = healthy();
+    for _ in 0..100 {
+        s = step(s, Seen::Failure { retry: false });
+    }
+    assert!(!s.health.one_at_a_time);
+    // A timeout held the lane: one at a time, until a success.
+    let s = step(s, Seen::Unanswered { retry: false });
+    assert!(s.health.one_at_a_time);
+    let s = step(s, Seen::Success);
+    assert!(!s.health.one_at_a_time);
+    // Retries failing too: one at a time once the evidence is in.
+    let mut s = s;
+    for i in 1..=5 {
+        s = step(s, Seen::Failure { retry: true });
+        assert_eq!(s.health.one_at_a_time, i >= 5, "after {i} failed retries");
     }
 }
