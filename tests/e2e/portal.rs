@@ -524,3 +524,45 @@ async fn browser_get(base: &str, path: &str, cookie: &str) -> anyhow::Result<hea
     anyhow::ensure!(resp.status() == 200, "{path} answered {}", resp.status());
     Ok(resp.headers().clone())
 }
+
+/// The portal tells a receiver that fails sometimes (its retries get
+/// through) from one that is down: only the second is shown as down, with
+/// its deliveries held; the first is active, with its recent failures.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_portal_tells_a_receiver_whose_retries_succeed_from_one_that_is_down() -> anyhow::Result<()> {
+    use relay_tests::flaky::{Behaviour, Flaky};
+    let stack = Stack::start(Options::default().probes(Duration::from_secs(30), Duration::from_secs(30))).await?;
+    let tenant = stack.tenant("truth").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/not-ready", Reply::Flaky(Flaky::new(Behaviour::FailFirst(503))));
+    receiver.reply("/down", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (not_ready, _) = rest.endpoint(&receiver.url("/not-ready"), &["t"]).await?;
+    let (down, _) = rest.endpoint(&receiver.url("/down"), &["t"]).await?;
+    let mut opened = false;
+    for n in 0..200 {
+        rest.publish("t", json!({"n": n})).await?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if rest.get(&format!("/v1/webhooks/{down}")).await?["health"]["state"] == "open" {
+            opened = true;
+            break;
+        }
+    }
+    assert!(opened, "the endpoint that is down opened");
+    let ep = rest.get(&format!("/v1/webhooks/{not_ready}")).await?;
+    assert_eq!(ep["health"]["state"], "closed", "{ep}");
+
+    let http = browser();
+    let session = enter(&http, &mint(&rest).await?).await?;
+    let (status, _, html) = page(&http, format!("{}/portal/endpoints/{not_ready}", stack.rest_url), Some(&session)).await?;
+    assert_eq!(status, 200);
+    assert!(html.contains(r#"id="endpoint-status">active<"#), "{html}");
+    assert!(html.contains("Recent attempts") && html.contains("failed in the last 2 minutes"), "its failures are shown: {html}");
+    assert!(!html.contains("Down since"), "{html}");
+    let (_, _, html) = page(&http, format!("{}/portal/endpoints/{down}", stack.rest_url), Some(&session)).await?;
+    assert!(html.contains(r#"id="endpoint-status">down: deliveries held<"#), "{html}");
+    assert!(html.contains("Down since"), "{html}");
+    let (_, _, list) = page(&http, format!("{}/portal/", stack.rest_url), Some(&session)).await?;
+    assert_eq!(list.matches("down: deliveries held").count(), 1, "{list}");
+    stack.stop().await
+}

@@ -15,7 +15,13 @@ use super::{
     Frame, Posted, Section, callers_mistake, chart, failed, html, not_found, outcome_text, path_id, query_param, redirect, session, when,
 };
 use crate::{
-    app::{App, endpoints::Endpoint, endpoints::EndpointChange, portal::PortalSession, recover::Recovery},
+    app::{
+        App,
+        endpoints::{Endpoint, EndpointChange},
+        health::{Circuit, DisabledReason},
+        portal::PortalSession,
+        recover::Recovery,
+    },
     db::health::HeldRow,
 };
 
@@ -34,15 +40,28 @@ pub struct EndpointView {
     pub rotated_at: Option<String>,
     pub last_success_at: Option<String>,
     pub failing_since: Option<String>,
+    /// Attempts and failures over the circuit's window, once any failed.
+    pub recent: Option<String>,
 }
 
 impl From<Endpoint> for EndpointView {
     fn from(e: Endpoint) -> Self {
-        let (status, status_class) = match (e.enabled, e.health.circuit.as_str()) {
-            (false, _) => (if e.disabled_reason.is_some_and(|r| r.holds()) { "disabled by Relay: failing" } else { "disabled" }, "bad"),
-            (true, "closed") => ("active", "ok"),
-            (true, _) => ("failing: deliveries held", "warn"),
+        // What the circuit decided, not every failure: a receiver whose
+        // retries succeed is active, however many first attempts it refuses.
+        let (status, status_class) = match (e.enabled, e.health.circuit) {
+            (false, _) => (
+                match e.disabled_reason {
+                    Some(DisabledReason::Gone) => "disabled by Relay: it answered 410 Gone",
+                    Some(DisabledReason::Failing) => "disabled by Relay: failing",
+                    _ => "disabled",
+                },
+                "bad",
+            ),
+            (true, Circuit::Closed) => ("active", "ok"),
+            (true, Circuit::Recovering) => ("recovering: held deliveries going out", "warn"),
+            (true, Circuit::Open | Circuit::HalfOpen) => ("down: deliveries held", "bad"),
         };
+        let (recent_attempts, recent_failures) = e.health.window.recent(chrono::Utc::now());
         Self {
             id: e.id.to_string(),
             url: e.url,
@@ -56,7 +75,10 @@ impl From<Endpoint> for EndpointView {
             created_at: when(e.created_at),
             rotated_at: e.secret_rotated_at.map(when),
             last_success_at: e.health.last_success_at.map(when),
-            failing_since: e.health.failing_since.map(when),
+            // Only while Relay holds its deliveries: a run of failures that
+            // retries get through is not an endpoint failing.
+            failing_since: e.health.failing_since.filter(|_| e.health.circuit.holds()).map(when),
+            recent: (recent_attempts > 0).then(|| format!("{recent_failures} of {recent_attempts} failed in the last 2 minutes")),
         }
     }
 }
