@@ -202,8 +202,8 @@ pub struct ExpandedRow {
 /// one delivery per subscribed, active endpoint of each claimed event
 /// (first attempt due now), and claims the attempts handed back.
 ///
-/// Rows within their endpoint's in-flight `cap` (one for an endpoint that
-/// failed its last attempt) are written already leased for their event's
+/// Rows within their endpoint's in-flight `cap` (one for an endpoint handed
+/// one attempt at a time, see `app::health`) are written already leased for their event's
 /// `lease_ms`; those of an event with a claimant are also claimed for it, in
 /// the order asked, as far as `payload_budget` bytes of envelopes go, and
 /// come back with their material. The rest wait, due, for the relay.
@@ -767,8 +767,9 @@ pub struct Claimed {
 /// slot for a timeout each) thus costs a probe and a bounded count per pass,
 /// not a read of its whole parked backlog; a pass costs O(endpoints with
 /// waiting rows). Rows whose lease ran out come from their own index. An
-/// endpoint that failed its last attempt gets one slot, not `cap`: no use
-/// handing a receiver that is timing out more work to time out on.
+/// endpoint handed one attempt at a time (its last failure went unanswered,
+/// or its retries fail too; see `app::health`) gets one slot, not `cap`: no
+/// use handing a receiver that is timing out more work to time out on.
 /// Returns the rows' ids: each endpoint's rows are already within its free
 /// slots, so every one may be claimed.
 pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: i64) -> AppResult<Vec<Uuid>> {
