@@ -534,7 +534,7 @@ async fn redirects_timeouts_and_refused_connections_are_failures_with_their_caus
 /// state the code reads is always one it knows.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_stored_states_are_exactly_the_states_the_code_knows() -> anyhow::Result<()> {
-    use relay_api::db::models::DeliveryState;
+    use relay_domain::delivery::DeliveryState;
     let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
     let pg = stack.pg().await?;
     let check: String =

@@ -300,7 +300,7 @@ async fn an_endpoint_whose_last_attempt_timed_out_is_handed_one_attempt_at_a_tim
     let stack = Stack::start(Options {
         endpoint_cap: 16,
         attempt_timeout: Duration::from_secs(3),
-        retry_tiers: relay_api::schedule::RetrySchedule::parse("0,500,500,500,500,500,500")?,
+        retry_tiers: relay_domain::schedule::RetrySchedule::parse("0,500,500,500,500,500,500")?,
         ..Options::default()
     })
     .await?;

@@ -142,7 +142,7 @@ async fn the_circuit_never_costs_a_delivery_the_retry_schedule_would_have_made()
     let opts = || {
         let mut o = Options { attempt_timeout: ATTEMPT_TIMEOUT, endpoint_cap: 64, ..Options::default() }.tiers(TIERS);
         // Production's rule; probes from 10 s, backing off to 20 s within a run.
-        o.circuit = relay_api::app::health::CircuitPolicy::production(Duration::ZERO);
+        o.circuit = relay_domain::health::CircuitPolicy::production(Duration::ZERO);
         o.circuit.max_probe = Duration::from_secs(20);
         o
     };

@@ -15,9 +15,10 @@ use std::{
 
 use anyhow::{Context, Result};
 use axum::{Router, body::Bytes, http::HeaderMap};
-use relay_api::{Listeners, RunningApi, app::health::CircuitPolicy, config::ApiConfig, schedule::RetrySchedule, secrets::Keyring};
+use relay_api::{Listeners, RunningApi, config::ApiConfig, secrets::Keyring};
 use relay_contracts::relay::admin::v1::admin_service_client::AdminServiceClient;
 use relay_dispatcher::{DispatcherConfig, RunningDispatcher};
+use relay_domain::{health::CircuitPolicy, schedule::RetrySchedule};
 use relay_netguard::Policy;
 use sqlx::{Connection, Executor, PgConnection};
 use tokio::net::TcpListener;

@@ -6,11 +6,9 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use anyhow::{Context, Result, bail};
 use relay_netguard::Policy;
 
-use crate::{
-    app::{HealthSettings, health::CircuitPolicy},
-    schedule::RetrySchedule,
-    secrets::Keyring,
-};
+use relay_domain::{health::CircuitPolicy, schedule::RetrySchedule};
+
+use crate::{app::HealthSettings, secrets::Keyring};
 
 pub use relay_config::Deployment;
 use relay_config::{Env, timing};

@@ -20,7 +20,6 @@ pub mod portal;
 pub mod queue;
 pub mod relay;
 pub mod rest;
-pub mod schedule;
 pub mod secrets;
 pub mod switch_offs;
 

@@ -71,7 +71,7 @@ impl App {
         min_failures: u32,
         max_held_secs: u32,
     ) -> AppResult<Environment> {
-        let default = super::health::DisablePolicy::default();
+        let default = relay_domain::health::DisablePolicy::default();
         let after_secs = if after_secs == 0 { default.after.as_secs() as u32 } else { after_secs };
         let min_failures = if min_failures == 0 { default.min_failures } else { min_failures };
         let shortest = self.health.shortest_disable_window.as_secs().max(1) as u32;

@@ -9,15 +9,13 @@ use anyhow::Context;
 use relay_signing::{Scheme, SigningSecret};
 use uuid::Uuid;
 
-pub use super::state::Decision;
 use super::{App, Tenant};
 pub use crate::db::dead_letters::DeadLetter;
 use crate::{
     db,
     error::{AppError, AppResult},
 };
-
-pub use crate::db::models::ROTATION_WINDOW;
+pub use relay_domain::delivery::Decision;
 
 #[derive(Debug)]
 pub struct Expanded {

@@ -163,7 +163,8 @@ impl App {
         let material = NewSigningMaterial { key_id: &key_id, ciphertext: &ciphertext, public_key: minted.public_key.as_deref() };
         let id = db::endpoints::insert(&mut tx, tenant.environment_id, &url, &event_types, scheme, material).await?;
         db::health::insert(&mut tx, id).await?;
-        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back a new endpoint")?;
+        let endpoint =
+            db::endpoints::get(&mut tx, tenant.environment_id, id, self.clock.now()).await?.context("reading back a new endpoint")?;
         tx.commit().await.context("committing a new endpoint")?;
         Ok((endpoint, minted.shown()))
     }
@@ -221,7 +222,8 @@ impl App {
         });
         let update = EndpointUpdate { url: url.as_deref(), event_types: event_types.as_deref(), scheme, material };
         db::endpoints::update(&mut tx, id, update).await?;
-        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back an updated endpoint")?;
+        let endpoint =
+            db::endpoints::get(&mut tx, tenant.environment_id, id, self.clock.now()).await?.context("reading back an updated endpoint")?;
         tx.commit().await.context("committing an endpoint update")?;
         if scheme.is_some_and(|s| s != current) {
             tracing::info!(endpoint_id = %id, from = %current, to = %endpoint.signature_scheme, "signature scheme changed");
@@ -230,12 +232,14 @@ impl App {
     }
 
     pub async fn list_endpoints(&self, tenant: Tenant) -> AppResult<Vec<Endpoint>> {
-        db::endpoints::list(&self.db, tenant.environment_id).await
+        db::endpoints::list(&self.db, tenant.environment_id, self.clock.now()).await
     }
 
     pub async fn get_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<Endpoint> {
         let mut conn = self.db.acquire().await?;
-        db::endpoints::get(&mut conn, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))
+        db::endpoints::get(&mut conn, tenant.environment_id, id, self.clock.now())
+            .await?
+            .ok_or_else(|| AppError::not_found("webhook endpoint"))
     }
 
     /// Mints new material of the endpoint's scheme (a secret, or a key
@@ -249,7 +253,8 @@ impl App {
         let (key_id, ciphertext) = self.keyring.encrypt(&minted.stored);
         let material = NewSigningMaterial { key_id: &key_id, ciphertext: &ciphertext, public_key: minted.public_key.as_deref() };
         db::endpoints::rotate_secret(&mut tx, id, material).await?;
-        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back a rotated endpoint")?;
+        let endpoint =
+            db::endpoints::get(&mut tx, tenant.environment_id, id, self.clock.now()).await?.context("reading back a rotated endpoint")?;
         tx.commit().await.context("committing a secret rotation")?;
         Ok((endpoint, minted.shown()))
     }
@@ -293,7 +298,8 @@ impl App {
             (false, end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DISABLED).await?)
         };
         db::health::reset(&mut tx, id, recovering).await?;
-        let endpoint = db::endpoints::get(&mut tx, tenant.environment_id, id).await?.context("reading back an endpoint")?;
+        let endpoint =
+            db::endpoints::get(&mut tx, tenant.environment_id, id, self.clock.now()).await?.context("reading back an endpoint")?;
         tx.commit().await.context("committing an endpoint state change")?;
         if recovering {
             self.probes_wake.wake();

@@ -6,7 +6,9 @@ use std::collections::{HashMap, HashSet};
 use anyhow::Context;
 use uuid::Uuid;
 
-use super::{App, Timestamp, deliveries::*, health::DisabledReason, state::DeliveryState};
+use relay_domain::{delivery::DeliveryState, health::DisabledReason};
+
+use super::{App, Timestamp, deliveries::*};
 use crate::{
     db,
     error::{AppError, AppResult, ErrorCode},
@@ -224,11 +226,8 @@ impl App {
         let scheme = db::models::stored_scheme(endpoint_id, stored.scheme)?;
         let (key_id, ciphertext) = stored.current;
         let mut secrets = vec![self.keyring.decrypt(key_id, ciphertext).context("decrypting a signing secret")?];
-        if let (Some((key_id, ct)), Some(at)) = (stored.previous, stored.rotated_at) {
-            let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
-            if now < at + window {
-                secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
-            }
+        if let Some((key_id, ct)) = stored.previous.filter(|_| relay_domain::signing::previous_still_signs(stored.rotated_at, now)) {
+            secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
         }
         decrypted.insert(endpoint_id, (scheme, secrets.clone()));
         Ok((scheme, secrets))

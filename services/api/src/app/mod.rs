@@ -10,17 +10,16 @@ pub mod deliveries;
 pub mod endpoints;
 pub mod events;
 pub mod expansion;
-pub mod health;
 pub(crate) mod material;
 pub mod operational;
 mod outcomes;
 pub mod portal;
 pub mod recover;
 mod recovery;
-pub mod state;
 
 use std::sync::Arc;
 
+use relay_domain::{health, schedule::RetrySchedule};
 use relay_netguard::Policy;
 use sqlx::PgPool;
 use tokio::sync::Notify;
@@ -32,7 +31,6 @@ use crate::{
         lane::{Lane, Shape},
     },
     error::{AppError, AppResult},
-    schedule::RetrySchedule,
     secrets::Keyring,
 };
 
@@ -198,7 +196,7 @@ pub struct Tenant {
     pub environment_id: Uuid,
 }
 
-pub use crate::db::models::Timestamp;
+pub use relay_domain::Timestamp;
 
 /// A time a caller gave, refused with its field named when Postgres could
 /// not store it (see [`db::storable`]).

@@ -14,7 +14,9 @@ use serde_json::json;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{App, Tenant, Timestamp, health::DisabledReason};
+use relay_domain::health::DisabledReason;
+
+use super::{App, Tenant, Timestamp};
 use crate::{
     db,
     error::{AppError, AppResult},

@@ -9,12 +9,15 @@ use uuid::Uuid;
 
 use sqlx::{Connection, PgConnection};
 
+use relay_domain::{
+    delivery::{self as state, Reported, Standing, Step},
+    health::Seen,
+};
+
 use super::{
     App, Timestamp,
     deliveries::*,
-    health::Seen,
     material::{SecretsByEndpoint, StoredSecrets},
-    state::{self, Reported, Standing, Step},
 };
 use crate::{
     db,
@@ -468,11 +471,11 @@ impl OutcomeBatch {
 
 /// An endpoint whose successes change nothing the health rules read, as the
 /// one statement returned it (see `EndpointHealth::is_plainly_healthy`).
-fn plainly_healthy(a: &db::deliveries::AppliedOutcome, now: Timestamp, policy: &super::health::CircuitPolicy) -> bool {
-    let health = super::health::EndpointHealth {
+fn plainly_healthy(a: &db::deliveries::AppliedOutcome, now: Timestamp, policy: &relay_domain::health::CircuitPolicy) -> bool {
+    let health = relay_domain::health::EndpointHealth {
         circuit: a.circuit,
         consecutive_failures: a.consecutive_failures,
-        window: super::health::FailureWindow {
+        window: relay_domain::health::FailureWindow {
             length_ms: a.window_ms,
             bucket: a.window_bucket,
             failures: a.window_failures,

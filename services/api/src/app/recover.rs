@@ -68,7 +68,7 @@ impl App {
         let ops = db::operations::lock_running(&mut tx).await?;
         let mut sent = 0;
         for op in ops {
-            let endpoint = db::endpoints::get(&mut tx, op.environment_id, op.endpoint_id).await?;
+            let endpoint = db::endpoints::get(&mut tx, op.environment_id, op.endpoint_id, self.clock.now()).await?;
             if !endpoint.is_some_and(|e| e.enabled) {
                 db::operations::fail(&mut tx, op.id, "the endpoint was disabled or deleted before the recovery finished").await?;
                 continue;

@@ -9,11 +9,9 @@ use anyhow::Context;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::{
-    App, Tenant, Timestamp,
-    health::{Circuit, DisablePolicy, DisabledReason, Effects, ProbeStep, Seen, Standing},
-    operational::Happened,
-};
+use relay_domain::health::{Circuit, DisablePolicy, DisabledReason, Effects, ProbeStep, Seen, Standing};
+
+use super::{App, Tenant, Timestamp, operational::Happened};
 use crate::{
     db::{self, health::HealthRow},
     error::{AppError, AppResult},
@@ -35,7 +33,7 @@ fn standing(row: &HealthRow) -> Standing {
 /// each.
 #[derive(Default)]
 struct HealthChanges {
-    stored: Vec<(Uuid, super::health::EndpointHealth)>,
+    stored: Vec<(Uuid, relay_domain::health::EndpointHealth)>,
     hold: Vec<Uuid>,
     recover: Vec<Uuid>,
     release: Vec<(Uuid, u32)>,
@@ -212,7 +210,7 @@ impl App {
             } else {
                 // Never probed (a tenant's or receiver's disable): off the
                 // prober's list until something opens it again.
-                Standing { health: super::health::EndpointHealth { next_probe_at: None, ..before.health }, ..before }
+                Standing { health: relay_domain::health::EndpointHealth { next_probe_at: None, ..before.health }, ..before }
             };
             stored.push((row.endpoint_id, after.health));
         }

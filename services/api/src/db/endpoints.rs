@@ -6,7 +6,7 @@ use uuid::Uuid;
 
 use relay_signing::Scheme;
 
-use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, FailureWindow, ROTATION_WINDOW, Timestamp};
+use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, FailureWindow, Timestamp};
 use crate::error::AppResult;
 
 /// The environment's endpoint quota, its row locked: concurrent creates
@@ -58,14 +58,13 @@ struct EndpointRow {
     held: i64,
 }
 
-impl TryFrom<EndpointRow> for Endpoint {
-    type Error = anyhow::Error;
-
-    fn try_from(r: EndpointRow) -> anyhow::Result<Self> {
+impl EndpointRow {
+    /// The endpoint as read at `now`: its previous public key is shown while
+    /// it still signs.
+    fn read_at(self, now: Timestamp) -> anyhow::Result<Endpoint> {
+        let r = self;
         let signature_scheme = super::models::stored_scheme(r.id, &r.signature_scheme)?;
-        // The previous key is shown while it still signs.
-        let window = chrono::Duration::from_std(ROTATION_WINDOW).expect("24 h fits");
-        let previous_public_key = r.previous_public_key.filter(|_| r.secret_rotated_at.is_some_and(|at| chrono::Utc::now() < at + window));
+        let previous_public_key = r.previous_public_key.filter(|_| relay_domain::signing::previous_still_signs(r.secret_rotated_at, now));
         Ok(Endpoint {
             id: r.id,
             url: r.url,
@@ -135,8 +134,9 @@ pub async fn insert(
     .await?)
 }
 
-/// The live endpoints of an environment (`id` = `None`), or one of them.
-async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>) -> AppResult<Vec<Endpoint>> {
+/// The live endpoints of an environment (`id` = `None`), or one of them, as
+/// read at `now`.
+async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>, now: Timestamp) -> AppResult<Vec<Endpoint>> {
     sqlx::query_as!(
         EndpointRow,
         r#"SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason AS "disabled_reason?: DisabledReason", e.created_at,
@@ -154,16 +154,16 @@ async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>)
     .fetch_all(&mut *conn)
     .await?
     .into_iter()
-    .map(|r| Endpoint::try_from(r).map_err(Into::into))
+    .map(|r| r.read_at(now).map_err(Into::into))
     .collect()
 }
 
-pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<Endpoint>> {
-    select(&mut *db.acquire().await?, environment_id, None).await
+pub async fn list(db: &PgPool, environment_id: Uuid, now: Timestamp) -> AppResult<Vec<Endpoint>> {
+    select(&mut *db.acquire().await?, environment_id, None, now).await
 }
 
-pub async fn get(conn: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<Option<Endpoint>> {
-    Ok(select(conn, environment_id, Some(id)).await?.pop())
+pub async fn get(conn: &mut PgConnection, environment_id: Uuid, id: Uuid, now: Timestamp) -> AppResult<Option<Endpoint>> {
+    Ok(select(conn, environment_id, Some(id), now).await?.pop())
 }
 
 /// A live endpoint's scheme and current secret, its row locked for a change

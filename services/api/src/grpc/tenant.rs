@@ -8,6 +8,8 @@ use relay_contracts::relay::tenant::v1::{
 use tonic::{Request, Response, Status};
 use tracing::{Instrument as _, field::Empty};
 
+use relay_domain::delivery::DeliveryState;
+
 use super::{id, status, ts};
 use crate::{
     app::{
@@ -15,7 +17,6 @@ use crate::{
         deliveries::DeadLetter,
         endpoints::{Endpoint, EndpointChange},
         events::{Attempt, Delivery},
-        state::DeliveryState,
     },
     auth,
     db::health::HeldRow,

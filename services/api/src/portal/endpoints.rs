@@ -14,11 +14,12 @@ use uuid::Uuid;
 use super::{
     Frame, Posted, Section, callers_mistake, chart, failed, html, not_found, outcome_text, path_id, query_param, redirect, session, when,
 };
+use relay_domain::health::{Circuit, DisabledReason};
+
 use crate::{
     app::{
         App,
         endpoints::{Endpoint, EndpointChange},
-        health::{Circuit, DisabledReason},
         portal::PortalSession,
         recover::Recovery,
     },

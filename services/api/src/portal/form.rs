@@ -15,7 +15,10 @@ use axum::{
 };
 use serde::de::DeserializeOwned;
 
-use super::{csrf_ok, forbidden_form, refusal, session};
+use super::{
+    page::{forbidden_form, refusal},
+    session::{csrf_ok, session},
+};
 use crate::{
     app::{App, portal::PortalSession},
     body::{BodyError, declared_length, read_bounded},

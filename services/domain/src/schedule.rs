@@ -5,7 +5,16 @@
 
 use std::time::Duration;
 
-use anyhow::{Result, bail};
+/// A retry schedule that cannot be used, named.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ScheduleError {
+    #[error("the tiers must be comma-separated milliseconds, got {0:?}")]
+    NotMillis(String),
+    #[error("the first tier must be 0: a first attempt is sent immediately")]
+    FirstNotImmediate,
+    #[error("a tier of {} ms is longer than the {} days a dead letter is kept", .0.as_millis(), MAX_TIER.as_secs() / 86_400)]
+    TooLong(Duration),
+}
 
 /// No delay is longer than a dead letter is kept.
 const MAX_TIER: Duration = Duration::from_secs(7 * 86_400);
@@ -26,13 +35,17 @@ impl RetrySchedule {
 
     /// Comma-separated milliseconds, e.g. `0,10,10,10,10,10,10`; tests use it
     /// to walk all seven attempts in well under a second each.
-    pub fn parse(spec: &str) -> Result<Self> {
-        let tiers = spec.split(',').map(|t| t.trim().parse::<u64>().map(Duration::from_millis)).collect::<Result<Vec<_>, _>>()?;
+    pub fn parse(spec: &str) -> Result<Self, ScheduleError> {
+        let tiers = spec
+            .split(',')
+            .map(|t| t.trim().parse::<u64>().map(Duration::from_millis))
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|_| ScheduleError::NotMillis(spec.to_owned()))?;
         if tiers.is_empty() || tiers[0] != Duration::ZERO {
-            bail!("the first tier must be 0: a first attempt is sent immediately");
+            return Err(ScheduleError::FirstNotImmediate);
         }
         if let Some(t) = tiers.iter().find(|t| **t > MAX_TIER) {
-            bail!("a tier of {} ms is longer than the {} days a dead letter is kept", t.as_millis(), MAX_TIER.as_secs() / 86_400);
+            return Err(ScheduleError::TooLong(*t));
         }
         Ok(Self { tiers })
     }

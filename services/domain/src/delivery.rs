@@ -19,8 +19,143 @@
 
 use chrono::SubsecRound;
 
-pub use crate::db::models::{Decision, DeliveryState};
-use crate::{db::models::Timestamp, schedule::RetrySchedule};
+use crate::{Timestamp, schedule::RetrySchedule};
+
+/// Where a delivery stands. Stored as checked text (`webhook_deliveries.state`,
+/// CHECK constraint in the first migration); these spellings are the only
+/// ones the Rust code writes or reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::Type), sqlx(type_name = "text", rename_all = "lowercase"))]
+pub enum DeliveryState {
+    /// Due at `next_attempt_at`, or leased to the broker for its current attempt.
+    Pending,
+    /// Waiting for its endpoint to recover (circuit open, or disabled as
+    /// `gone` or `failing`): no relay pass looks at it. Released to pending
+    /// in order when the endpoint recovers; the oldest is sent as the probe.
+    Held,
+    /// An attempt got a 2xx. Final.
+    Delivered,
+    /// The attempts ran out, or the endpoint was switched off; a dead letter
+    /// holds the record. Final until replayed.
+    Dead,
+}
+
+impl DeliveryState {
+    pub const ALL: [Self; 4] = [Self::Pending, Self::Held, Self::Delivered, Self::Dead];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Held => "held",
+            Self::Delivered => "delivered",
+            Self::Dead => "dead",
+        }
+    }
+}
+
+/// What recording one attempt did to its delivery: the seam's answer to an
+/// outcome, and the attempt log's `decision` column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    Delivered,
+    Rescheduled { next_attempt_at: Timestamp },
+    DeadLettered,
+}
+
+impl Decision {
+    /// `as_str` of a reschedule.
+    pub const RESCHEDULED: &'static str = "rescheduled";
+
+    /// The delivery's state once this decision is applied.
+    pub fn state(&self) -> DeliveryState {
+        match self {
+            Self::Delivered => DeliveryState::Delivered,
+            Self::Rescheduled { .. } => DeliveryState::Pending,
+            Self::DeadLettered => DeliveryState::Dead,
+        }
+    }
+
+    /// The delivery's attempt number once this decision is applied to `attempt`.
+    pub fn next_attempt(&self, attempt: u32) -> u32 {
+        match self {
+            Self::Rescheduled { .. } => attempt + 1,
+            _ => attempt,
+        }
+    }
+
+    pub fn next_attempt_at(&self) -> Option<Timestamp> {
+        match self {
+            Self::Rescheduled { next_attempt_at } => Some(*next_attempt_at),
+            _ => None,
+        }
+    }
+
+    /// The attempt log's spelling (and the metrics label).
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Self::Delivered => "delivered",
+            Self::Rescheduled { .. } => Self::RESCHEDULED,
+            Self::DeadLettered => "dead_lettered",
+        }
+    }
+
+    /// Reads back what `as_str` (and `next_attempt_at`) stored.
+    pub fn from_log(decision: &str, next_attempt_at: Option<Timestamp>) -> Option<Self> {
+        match (decision, next_attempt_at) {
+            ("delivered", _) => Some(Self::Delivered),
+            (Self::RESCHEDULED, Some(next_attempt_at)) => Some(Self::Rescheduled { next_attempt_at }),
+            ("dead_lettered", _) => Some(Self::DeadLettered),
+            _ => None,
+        }
+    }
+
+    /// How a report that changes nothing is answered: with where the
+    /// delivery stands now.
+    pub fn standing(state: DeliveryState, next_attempt_at: Timestamp) -> Self {
+        match state {
+            DeliveryState::Delivered => Self::Delivered,
+            DeliveryState::Dead => Self::DeadLettered,
+            DeliveryState::Pending | DeliveryState::Held => Self::Rescheduled { next_attempt_at },
+        }
+    }
+}
+
+/// Why a delivery became a dead letter (`webhook_dead_letters.reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::Type), sqlx(type_name = "text", rename_all = "snake_case"))]
+pub enum DeadLetterReason {
+    /// Every attempt failed.
+    AttemptsExhausted,
+    /// The tenant disabled the endpoint while the delivery was pending or held.
+    EndpointDisabled,
+    /// The tenant deleted the endpoint while the delivery was pending or held.
+    EndpointDeleted,
+    /// Held longer than its environment allows while its endpoint was down.
+    EndpointFailing,
+}
+
+impl DeadLetterReason {
+    pub const ALL: [Self; 4] = [Self::AttemptsExhausted, Self::EndpointDisabled, Self::EndpointDeleted, Self::EndpointFailing];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::AttemptsExhausted => "attempts_exhausted",
+            Self::EndpointDisabled => "endpoint_disabled",
+            Self::EndpointDeleted => "endpoint_deleted",
+            Self::EndpointFailing => "endpoint_failing",
+        }
+    }
+
+    pub fn parse(stored: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|r| r.as_str() == stored)
+    }
+
+    /// A switch-off by the tenant: provisional while the attempt in flight
+    /// at the switch-off may still report.
+    pub fn is_switch_off(self) -> bool {
+        matches!(self, Self::EndpointDisabled | Self::EndpointDeleted)
+    }
+}
 
 pub fn is_success(http_status: Option<u32>) -> bool {
     matches!(http_status, Some(200..=299))

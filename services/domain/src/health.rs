@@ -36,8 +36,105 @@
 
 use std::time::Duration;
 
-use crate::db::models::Timestamp;
-pub use crate::db::models::{Circuit, DisabledReason, EndpointHealth, FailureWindow};
+use crate::Timestamp;
+
+/// Why an endpoint is disabled (`webhook_endpoints.disabled_reason`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::Type), sqlx(type_name = "text", rename_all = "lowercase"))]
+pub enum DisabledReason {
+    /// The tenant disabled it: its pending deliveries became dead letters
+    /// and new events are not delivered to it.
+    Manual,
+    /// The receiver answered 410 Gone: matching deliveries are held, and no
+    /// probe is sent; enabling it releases them.
+    Gone,
+    /// Every attempt failed for the environment's window: matching
+    /// deliveries are held and probed; the first success re-enables it.
+    Failing,
+}
+
+impl DisabledReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Manual => "manual",
+            Self::Gone => "gone",
+            Self::Failing => "failing",
+        }
+    }
+
+    /// Disabled by Relay, not the tenant: matching deliveries are held.
+    pub fn holds(self) -> bool {
+        matches!(self, Self::Gone | Self::Failing)
+    }
+}
+
+/// An endpoint's circuit (`endpoint_health.circuit`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::Type), sqlx(type_name = "text", rename_all = "snake_case"))]
+pub enum Circuit {
+    /// Attempts flow, up to the endpoint's in-flight cap.
+    Closed,
+    /// Failing: deliveries are held; one is sent as a probe at `next_probe_at`.
+    Open,
+    /// A probe is on its way; its success starts the recovery, its failure
+    /// re-opens the circuit.
+    HalfOpen,
+    /// A probe succeeded: new deliveries flow, and the held ones go back as
+    /// the receiver's answers come in (two more for each success); closed
+    /// once nothing is held.
+    Recovering,
+}
+
+impl Circuit {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Closed => "closed",
+            Self::Open => "open",
+            Self::HalfOpen => "half_open",
+            Self::Recovering => "recovering",
+        }
+    }
+
+    /// Whether deliveries of the endpoint are held (written held by an
+    /// expansion, held again after a failed attempt).
+    pub fn holds(self) -> bool {
+        matches!(self, Self::Open | Self::HalfOpen)
+    }
+}
+
+/// An endpoint's recent attempts as the circuit counts them: two aligned
+/// buckets of the window's length (`length_ms`, kept with the counts so a
+/// read needs no settings), the current one numbered `bucket` (epoch ms /
+/// length). Counted from the first failure on: while no failure is inside
+/// the window, successes are not counted (the rules in `app::health`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FailureWindow {
+    pub length_ms: i64,
+    pub bucket: i64,
+    pub attempts: i32,
+    pub failures: i32,
+    pub previous_attempts: i32,
+    pub previous_failures: i32,
+}
+
+/// An endpoint's health: its circuit and the run of results behind it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EndpointHealth {
+    pub circuit: Circuit,
+    pub consecutive_failures: i32,
+    pub failing_since: Option<Timestamp>,
+    pub last_success_at: Option<Timestamp>,
+    pub last_failure_at: Option<Timestamp>,
+    pub next_probe_at: Option<Timestamp>,
+    pub probe_interval_ms: i64,
+    pub window: FailureWindow,
+    /// Failed attempts after a delivery's first, in the current run of
+    /// failures: evidence that retrying does not help either.
+    pub failed_retries: i32,
+    /// Handed one attempt at a time instead of its in-flight cap: failing
+    /// costs its lane (see `app::health`).
+    pub one_at_a_time: bool,
+}
 
 /// The platform's circuit settings.
 #[derive(Debug, Clone, Copy)]
@@ -136,7 +233,7 @@ pub enum Seen {
 impl Seen {
     pub fn of(http_status: Option<u32>, retry_after: Option<Duration>, attempt: u32) -> Self {
         match http_status {
-            _ if super::state::is_success(http_status) => Self::Success,
+            _ if crate::delivery::is_success(http_status) => Self::Success,
             Some(410) => Self::Gone,
             Some(429) => Self::Throttled,
             Some(503) if retry_after.is_some() => Self::Throttled,
