@@ -1,0 +1,196 @@
+//! An event's expansion into one delivery per subscriber, and giving back
+//! first attempts a dispatcher took in hand but could not send.
+
+use sqlx::{PgConnection, PgPool};
+use uuid::Uuid;
+
+use crate::{db::models::Timestamp, error::AppResult};
+
+/// Events to expand, column by column, in the order they were asked.
+pub struct ToExpand {
+    pub environment_id: Vec<Uuid>,
+    pub event_id: Vec<Uuid>,
+    pub event_type: Vec<String>,
+    pub trace_context: Vec<Option<String>>,
+    /// An operational event's one recipient (`None`: its subscribers).
+    pub target: Vec<Option<Uuid>>,
+    /// How long the first attempts of each event written already leased are
+    /// leased for, in ms.
+    pub lease_ms: Vec<i64>,
+    /// Who takes each event's leased first attempts in hand (`None`: the broker).
+    pub claimant: Vec<Option<Uuid>>,
+}
+
+/// One row of an expansion's answer: an item as asked (by position, from 1)
+/// and what became of it (its first row, with no delivery), then one row for
+/// each delivery it created.
+pub struct ExpandedRow {
+    pub ord: i64,
+    /// The event's stored type; `None` when no such event exists.
+    pub stored_type: Option<String>,
+    /// This item claimed the event: it was the first mention of the event,
+    /// with its type, and the event had not been expanded before.
+    pub fresh: bool,
+    pub id: Option<Uuid>,
+    pub endpoint_id: Option<Uuid>,
+    pub trace_context: Option<String>,
+    /// Written already leased: this api hands it out itself…
+    pub leased: bool,
+    /// …into the asking dispatcher's hands, claimed for it (else to the broker).
+    pub in_hand: bool,
+    /// Written held: its endpoint is down.
+    pub held: bool,
+    /// For an attempt in hand, what sending it needs from its endpoint…
+    pub url: Option<String>,
+    pub signature_scheme: Option<String>,
+    pub secret_key_id: Option<String>,
+    pub secret_ciphertext: Option<Vec<u8>>,
+    pub previous_secret_key_id: Option<String>,
+    pub previous_secret_ciphertext: Option<Vec<u8>>,
+    pub secret_rotated_at: Option<Timestamp>,
+    /// …and its body, on the first such row of each event.
+    pub envelope: Option<Vec<u8>>,
+}
+
+/// Expands events in one statement, so that it commits by itself: checks
+/// them, claims each in the `consumed_events` ledger once (its first mention
+/// with its stored type, in key order, so two expansions that share events
+/// cannot deadlock; an event claimed before is not expanded again), writes
+/// one delivery per subscribed, active endpoint of each claimed event
+/// (first attempt due now), and claims the attempts handed back.
+///
+/// Rows within their endpoint's in-flight `cap` (one for an endpoint handed
+/// one attempt at a time, see `app::health`) are written already leased for their event's
+/// `lease_ms`; those of an event with a claimant are also claimed for it, in
+/// the order asked, as far as `payload_budget` bytes of envelopes go, and
+/// come back with their material. The rest wait, due, for the relay.
+pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payload_budget: i64) -> AppResult<Vec<ExpandedRow>> {
+    Ok(sqlx::query_as!(
+        ExpandedRow,
+        r#"WITH asked AS (
+                   SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::text[], $5::uuid[], $6::bigint[], $7::uuid[])
+                     WITH ORDINALITY AS a(environment_id, event_id, event_type, trace_context, target, lease_ms, claimant, ord)),
+                 -- Each item whose event exists, with the event's stored type
+                 -- and the size of its body.
+                 found AS (
+                   SELECT a.*, v.event_type AS stored_type, octet_length(v.envelope) AS size FROM asked a
+                   JOIN events v ON v.environment_id = a.environment_id AND v.id = a.event_id
+                   -- The keys as an index condition too (INDEXED_LOOKUPS).
+                   WHERE v.environment_id = ANY ($1::uuid[]) AND v.id = ANY ($2::uuid[])),
+                 -- Each event's first mention that names its stored type.
+                 first AS (
+                   SELECT DISTINCT ON (environment_id, event_id) * FROM found WHERE stored_type = event_type
+                   ORDER BY environment_id, event_id, ord),
+                 consumed AS (
+                   INSERT INTO consumed_events (consumer, environment_id, event_id)
+                   SELECT 'expand', environment_id, event_id FROM first ORDER BY environment_id, event_id
+                   ON CONFLICT DO NOTHING RETURNING environment_id, event_id),
+                 fresh AS (
+                   SELECT f.* FROM first f JOIN consumed c ON c.environment_id = f.environment_id AND c.event_id = f.event_id),
+                 -- The subscribers, share-locked: a disable or delete of one
+                 -- of them waits for this expansion to commit (and then ends
+                 -- the rows it wrote), or this expansion waits for it and
+                 -- re-reads the endpoint as disabled. Either way no pending
+                 -- delivery of an inactive endpoint is ever committed.
+                 live AS (
+                   SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
+                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
+                          h.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding,
+                          CASE WHEN h.one_at_a_time THEN 1 ELSE $8::bigint END AS cap
+                   FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
+                   WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($5::uuid[]))
+                     AND e.deleted_at IS NULL
+                     AND (e.enabled OR e.disabled_reason IN ('gone', 'failing'))
+                   -- KEY SHARE on the health row: a change of circuit (FOR
+                   -- UPDATE) waits for this expansion, or this expansion for
+                   -- it, so a row is never written pending behind an open
+                   -- circuit or held behind a closed one unseen.
+                   ORDER BY e.id FOR SHARE OF e FOR KEY SHARE OF h),
+                 -- Attempts each sending subscriber has handed out, counted
+                 -- only up to its cap (all the answer needs): the cost is its
+                 -- own few index entries, not every lease of every endpoint.
+                 counted AS MATERIALIZED (
+                   SELECT l.*, CASE WHEN l.holding THEN 0 ELSE
+                            (SELECT count(*) FROM (SELECT 1 FROM webhook_deliveries d
+                                                   WHERE d.state = 'pending' AND d.dispatched_at IS NOT NULL AND d.endpoint_id = l.id
+                                                   LIMIT l.cap) AS s) END AS n
+                   FROM live l),
+                 -- One delivery per fresh event and subscriber, its id minted
+                 -- here so that nothing after the insert has to find the rows
+                 -- again (JOINS_BY_ESTIMATE); those within their endpoint's
+                 -- cap are written leased. An operational event goes to its
+                 -- target alone, a tenant's event to its subscribers.
+                 marked AS MATERIALIZED (
+                   SELECT relay_uuid_v7() AS id, c.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, c.lease_ms,
+                          c.claimant, c.ord, c.size, e.holding, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
+                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
+                          NOT e.holding AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
+                   FROM fresh c
+                   JOIN counted e ON e.environment_id = c.environment_id
+                     AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END),
+                 -- An endpoint that is down gets its deliveries held: no
+                 -- relay pass looks at them until it recovers. No conflict
+                 -- is expected: the ledger claim makes this the event's only
+                 -- expansion, so a row already there would be a broken
+                 -- invariant, and it fails the statement rather than be
+                 -- answered for as written.
+                 created AS (
+                   INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at,
+                                                   held_since)
+                   SELECT id, environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
+                          CASE WHEN leased THEN now() END,
+                          CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END,
+                          CASE WHEN holding THEN now() END
+                   FROM marked),
+                 -- The leased first attempts of a claimant's events go into
+                 -- its hands in the order asked, as far as the bodies fit.
+                 handed AS (
+                   SELECT m.*, m.leased AND m.claimant IS NOT NULL
+                            AND sum(m.size) FILTER (WHERE m.leased AND m.claimant IS NOT NULL) OVER (ORDER BY m.ord, m.endpoint_id) <= $9
+                            AS in_hand
+                   FROM marked m),
+                 claimed AS (
+                   INSERT INTO attempt_claims (delivery_id, attempt, generation, claimant, until)
+                   SELECT id, 1, 0, claimant, now() + lease_ms * interval '1 millisecond' FROM handed WHERE in_hand)
+          -- A row for each item as asked, then one for each delivery it created.
+          SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?",
+                 NULL::uuid AS "endpoint_id?", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
+                 NULL::text AS "url?", NULL::text AS "signature_scheme?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
+                 NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
+                 NULL::timestamptz AS "secret_rotated_at?", NULL::bytea AS "envelope?"
+          FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
+          UNION ALL
+          SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding,
+                 CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.signature_scheme END, CASE WHEN h.in_hand THEN h.secret_key_id END,
+                 CASE WHEN h.in_hand THEN h.secret_ciphertext END, CASE WHEN h.in_hand THEN h.previous_secret_key_id END,
+                 CASE WHEN h.in_hand THEN h.previous_secret_ciphertext END, CASE WHEN h.in_hand THEN h.secret_rotated_at END,
+                 -- The body once per event, on its first row in hand.
+                 CASE WHEN h.in_hand AND h.nth = 1 THEN
+                   (SELECT v.envelope FROM events v WHERE v.environment_id = h.environment_id AND v.id = h.event_id) END
+          FROM (SELECT *, row_number() OVER (PARTITION BY ord, in_hand ORDER BY id) AS nth FROM handed) h
+          ORDER BY 1, 4 NULLS FIRST"#,
+        &events.environment_id,
+        &events.event_id,
+        &events.event_type,
+        &events.trace_context as &[Option<String>],
+        &events.target as &[Option<Uuid>],
+        &events.lease_ms,
+        &events.claimant as &[Option<Uuid>],
+        cap,
+        payload_budget,
+    )
+    .fetch_all(&mut *conn)
+    .await?)
+}
+
+/// First attempts the broker did not take: due now, unleased, for the relay.
+pub async fn release_unsent_first_attempts(db: &PgPool, ids: &[Uuid]) -> AppResult<u64> {
+    Ok(sqlx::query!(
+        "UPDATE webhook_deliveries SET dispatched_at = NULL, next_attempt_at = now()
+         WHERE id = ANY ($1) AND state = 'pending' AND generation = 0 AND attempt = 1 AND dispatched_at IS NOT NULL",
+        ids,
+    )
+    .execute(db)
+    .await?
+    .rows_affected())
+}
