@@ -16,6 +16,7 @@ mod outcomes;
 pub mod portal;
 pub mod recover;
 mod recovery;
+mod refill;
 
 use std::sync::Arc;
 

@@ -14,11 +14,7 @@ use relay_domain::{
     health::Seen,
 };
 
-use super::{
-    App, Timestamp,
-    deliveries::*,
-    material::{SecretsByEndpoint, StoredSecrets},
-};
+use super::{App, Timestamp, deliveries::*};
 use crate::{
     db,
     error::{AppError, AppResult},
@@ -89,92 +85,6 @@ impl App {
             self.deliveries_wake.wake();
         }
         Ok(recorded)
-    }
-
-    /// The slots this batch's outcomes freed, filled again for the
-    /// dispatchers that reported them: each endpoint's due deliveries that
-    /// wait for a slot go straight back to the lane that just sent its last
-    /// attempt, instead of waiting for a relay pass and the broker. Only
-    /// while rows may wait for slots (an expansion wrote some behind a cap,
-    /// or the relay's last look found some due that it could not take); the
-    /// relay's next look past the backlog ends the refills.
-    async fn refill_freed_slots(
-        &self,
-        conn: &mut PgConnection,
-        asks: &[OutcomeAsk],
-        endpoints: &[Option<Uuid>],
-        recorded: &mut [AppResult<Recorded>],
-    ) -> AppResult<()> {
-        if !self.slots_awaited.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(());
-        }
-        let Some(cap) = self.direct.as_ref().map(|d| d.endpoint_cap) else { return Ok(()) };
-        // By claimant: each endpoint freed, and the last report of it that
-        // recorded (where its next attempts ride back).
-        let mut freed: HashMap<Uuid, HashMap<Uuid, usize>> = HashMap::new();
-        let mut holds: HashMap<Uuid, std::time::Duration> = HashMap::new();
-        for (i, (ask, endpoint)) in asks.iter().zip(endpoints).enumerate() {
-            if let (Some(claim), Some(endpoint)) = (ask.claim, endpoint) {
-                freed.entry(claim.claimant).or_default().insert(*endpoint, i);
-                holds.insert(claim.claimant, claim.hold);
-            }
-        }
-        if freed.is_empty() {
-            self.deliveries_wake.wake();
-            return Ok(());
-        }
-        let now = self.clock.now();
-        let mut secrets_of = SecretsByEndpoint::new();
-        let mut found = 0;
-        for (claimant, endpoints) in freed {
-            let ids: Vec<Uuid> = endpoints.keys().copied().collect();
-            let rows = {
-                let _leasing = self.lease_guard.lock().await;
-                db::deliveries::refill(
-                    &mut *conn,
-                    &ids,
-                    cap,
-                    claimant,
-                    holds[&claimant],
-                    relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64,
-                )
-                .await?
-            };
-            found += rows.len();
-            for row in rows {
-                let material = self.refilled(row, now, &mut secrets_of)?;
-                if let Some(Ok(r)) = endpoints.get(&material.endpoint_id).and_then(|&i| recorded.get_mut(i)) {
-                    r.next.push(material);
-                }
-            }
-        }
-        tracing::trace!(found, "refilled freed slots");
-        Ok(())
-    }
-
-    fn refilled(&self, row: db::deliveries::RefillRow, now: Timestamp, secrets_of: &mut SecretsByEndpoint) -> AppResult<Material> {
-        let stored = StoredSecrets::new(
-            &row.signature_scheme,
-            &row.secret_key_id,
-            &row.secret_ciphertext,
-            &row.previous_secret_key_id,
-            &row.previous_secret_ciphertext,
-            row.secret_rotated_at,
-        );
-        let (scheme, secrets) = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
-        Ok(Material {
-            delivery_id: row.id,
-            endpoint_id: row.endpoint_id,
-            environment_id: row.environment_id,
-            event_id: row.event_id,
-            url: row.url,
-            attempt: row.attempt as u32,
-            generation: row.generation as u32,
-            scheme,
-            secrets,
-            payload: row.envelope,
-            traceparent: row.trace_context,
-        })
     }
 
     /// Records the reports of one batch (see `record_outcome_batch`): each
