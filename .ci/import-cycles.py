@@ -1,10 +1,19 @@
 #!/usr/bin/env python3
-"""Fails when the Rust files of a crate import each other in a circle.
+"""Fails when the Rust files of a crate import each other in a circle, or
+when a file of the api imports a layer above its own.
 
 Each crate under services/ is read as files: every `use` tree and every
 inline `crate::…` / `super::…` / `self::…` path is resolved to the deepest
 module file it names, giving file -> file edges; a strongly connected
 component of more than one file is a circle. Test modules count too.
+
+The api's layers, lowest first: storage (`db`), use-cases (`app`), and the
+transports, loops and start-up (`grpc`, `rest`, `portal`, `relay`, `detach`,
+`auth`, `openapi`, `config`, `lib`, `main`). A layer may import its own and those below, and
+the crate's leaf modules (errors, bodies, secrets, the broker, metrics…),
+which may import none of the layers; the domain itself is a crate of its
+own (`services/domain`), below them all, with no I/O. A wrong-way import
+(`db` using `app`, `app` using a transport) fails.
 Usage: .ci/import-cycles.py [services-dir]
 """
 import os
@@ -157,6 +166,30 @@ def circles(edges):
     return out
 
 
+# The api's layers by top-level module; any other module is a leaf (0).
+API_LAYERS = {"db": 1, "app": 2}
+API_TRANSPORTS = ["grpc", "rest", "portal", "relay", "detach", "auth", "openapi", "config"]
+
+
+def layer_of(mod):
+    if not mod:
+        return 3  # lib.rs
+    if mod[0] in API_LAYERS:
+        return API_LAYERS[mod[0]]
+    if mod[0] in API_TRANSPORTS or mod[0] == "main":
+        return 3
+    return 0
+
+
+def wrong_way(files, edges):
+    out = []
+    for src, targets in edges.items():
+        for dst in targets:
+            if layer_of(dst) > layer_of(src):
+                out.append((files[src], files[dst]))
+    return sorted(out)
+
+
 found = 0
 crates = 0
 for crate in sorted(os.listdir(ROOT)):
@@ -168,6 +201,10 @@ for crate in sorted(os.listdir(ROOT)):
     for comp in circles(edges):
         found += 1
         print(f"import circle in {crate}: " + " -> ".join(sorted(files[m] for m in comp)))
+    if crate == "api":
+        for a, b in wrong_way(files, edges):
+            found += 1
+            print(f"wrong-way import in {crate}: {a} uses {b}, a layer above it")
 if found:
     sys.exit(1)
-print(f"no import circles in {crates} crates")
+print(f"no import circles in {crates} crates; the api's layers import downwards only")

@@ -87,8 +87,6 @@ pub fn metrics_addr_from_env() -> Result<Option<SocketAddr>> {
     Env.addr_or_off("RELAY_METRICS_ADDR")
 }
 
-pub const DEFAULT_ENDPOINT_QUOTA: i32 = 5;
-
 impl ApiConfig {
     pub fn from_env() -> Result<Self> {
         let env = Env;

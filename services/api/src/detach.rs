@@ -60,14 +60,7 @@ where
     }
 }
 
-/// How long a tenant's call may take before its caller is answered
-/// UNAVAILABLE, while the work itself (detached, see above) goes on. What
-/// this bounds is a wait nobody can shorten: a commit that waits for a
-/// synchronous standby that is gone waits until one returns, and cancelling
-/// it would leave the write committed locally, unreplicated, yet reported
-/// as done. So the caller is told only that nothing can be assumed, and
-/// retries; a publish retried with the same event id is idempotent.
-pub const TENANT_WORK_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
+pub use crate::app::TENANT_WORK_DEADLINE;
 
 /// What a caller past the deadline is told.
 pub fn past_deadline(after: std::time::Duration) -> crate::error::AppError {

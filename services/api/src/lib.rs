@@ -410,15 +410,16 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
     if let Some(listener) = listeners.metrics {
         let (app, js) = (app.clone(), js.clone());
-        let router = axum::Router::new().route(
-            "/metrics",
-            axum::routing::get(move || {
-                let (app, js) = (app.clone(), js.clone());
-                async move {
-                    ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.metrics.render(&app.db, broker::connected(&js)).await)
-                }
-            }),
-        );
+        let router =
+            axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let (app, js) = (app.clone(), js.clone());
+                    async move {
+                        ([(http::header::CONTENT_TYPE, "text/plain; version=0.0.4")], app.render_metrics(broker::connected(&js)).await)
+                    }
+                }),
+            );
         let stop = stopped(stop_rx.clone());
         tasks.spawn(async move { axum::serve(listener, router).with_graceful_shutdown(stop).await.context("metrics server") });
     }

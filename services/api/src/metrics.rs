@@ -3,8 +3,6 @@
 
 use prometheus::{Encoder, Gauge, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
-use crate::db::depths;
-
 #[derive(Clone)]
 pub struct Metrics {
     registry: Registry,
@@ -12,15 +10,15 @@ pub struct Metrics {
     pub attempts: IntCounterVec,
     /// Attempt latency as the dispatcher measured it, by decision.
     pub attempt_latency: HistogramVec,
-    depths: IntGaugeVec,
+    pub(crate) depths: IntGaugeVec,
     /// Attempts handed to the broker and not yet reported, per endpoint.
-    endpoint_in_flight: IntGaugeVec,
-    /// Endpoints by circuit state (open, half_open).
-    circuits: IntGaugeVec,
+    pub(crate) endpoint_in_flight: IntGaugeVec,
+    /// Endpoints by circuit state (open, half_open, recovering).
+    pub(crate) circuits: IntGaugeVec,
     /// Age of the oldest event not yet published to the broker.
-    oldest_unpublished: Gauge,
+    pub(crate) oldest_unpublished: Gauge,
     /// 1 while this api reaches the dependency (postgres, nats), else 0.
-    dependency_up: IntGaugeVec,
+    pub(crate) dependency_up: IntGaugeVec,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -74,45 +72,8 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// The text exposition, with the queue depths read now; `nats_up`: this
-    /// api's broker connection is up.
-    pub async fn render(&self, db: &sqlx::PgPool, nats_up: bool) -> String {
-        self.dependency_up.with_label_values(&["nats"]).set(i64::from(nats_up));
-        self.dependency_up.with_label_values(&["postgres"]).set(i64::from(crate::db::answers(db).await));
-        match depths::operational_gauges(db).await {
-            Ok(g) => {
-                self.depths.with_label_values(&["deliveries_held"]).set(g.deliveries_held);
-                self.oldest_unpublished.set(g.oldest_unpublished_secs);
-                self.circuits.with_label_values(&["open"]).set(g.circuits_open);
-                self.circuits.with_label_values(&["half_open"]).set(g.circuits_half_open);
-                self.circuits.with_label_values(&["recovering"]).set(g.circuits_recovering);
-            }
-            Err(e) => tracing::warn!(error = ?e, "reading operational gauges for metrics"),
-        }
-        match depths::queue_depths(db).await {
-            Ok(d) => {
-                for (queue, n) in [
-                    ("outbox_unpublished", d.outbox_unpublished),
-                    ("deliveries_pending", d.deliveries_pending),
-                    ("deliveries_due", d.deliveries_due),
-                    ("deliveries_in_flight", d.deliveries_in_flight),
-                    ("dead_letters", d.dead_letters),
-                ] {
-                    self.depths.with_label_values(&[queue]).set(n);
-                }
-            }
-            Err(e) => tracing::warn!(error = ?e, "reading queue depths for metrics"),
-        }
-        match depths::in_flight_by_endpoint(db).await {
-            Ok(rows) => {
-                // Endpoints that drained since the last scrape disappear.
-                self.endpoint_in_flight.reset();
-                for (endpoint, n) in rows {
-                    self.endpoint_in_flight.with_label_values(&[&endpoint.to_string()]).set(n);
-                }
-            }
-            Err(e) => tracing::warn!(error = ?e, "reading in-flight attempts for metrics"),
-        }
+    /// The text exposition of what was set.
+    pub fn text(&self) -> String {
         let mut out = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         String::from_utf8(out).unwrap_or_default()

@@ -10,6 +10,7 @@
 pub mod delivery;
 pub mod health;
 pub mod ids;
+pub mod models;
 pub mod schedule;
 pub mod signing;
 

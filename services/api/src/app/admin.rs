@@ -7,7 +7,6 @@ use super::App;
 pub use crate::db::models::{ApiKey, Environment, QueueDepths};
 use crate::{
     apikeys::{self, ApiKeySecret},
-    config::DEFAULT_ENDPOINT_QUOTA,
     db,
     error::{AppError, AppResult},
 };
@@ -42,6 +41,9 @@ fn check_quota(quota: u32) -> AppResult<i32> {
     }
     Ok(quota as i32)
 }
+
+/// Endpoints an environment may register unless an operator says otherwise.
+pub const DEFAULT_ENDPOINT_QUOTA: i32 = 5;
 
 const MAX_DISABLE_WINDOW_SECS: u32 = 30 * 24 * 3600;
 /// How long a delivery may be held by default: the dead-letter window (7 days).

@@ -152,7 +152,7 @@ impl App {
         let from = bucket_of(now - WINDOW) + BUCKET;
         let count = (WINDOW.num_seconds() / BUCKET.num_seconds()) as usize;
         let mut buckets = vec![BucketSums::default(); count];
-        for stored in db::attempt_stats::of_endpoint(&self.db, endpoint_id, from).await? {
+        for stored in db::attempt_stats::of_endpoint(&self.db, endpoint_id.uuid(), from).await? {
             let i = ((stored.bucket_start - from).num_seconds() / BUCKET.num_seconds()) as usize;
             let mut latency_counts = stored.latency_counts;
             latency_counts.resize(LATENCY_BUCKETS, 0);

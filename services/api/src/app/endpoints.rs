@@ -394,7 +394,7 @@ impl App {
 /// The longest a disable or delete waits for dispatchers (see
 /// [`App::await_switch_off`]): inside the tenant's call deadline, with room
 /// for the transaction before it.
-const SWITCH_OFF_WAIT: Duration = crate::detach::TENANT_WORK_DEADLINE.saturating_sub(Duration::from_secs(5));
+const SWITCH_OFF_WAIT: Duration = super::TENANT_WORK_DEADLINE.saturating_sub(Duration::from_secs(5));
 
 /// Runs a transaction again, up to three times in all, while it loses a
 /// conflict (a deadlock Postgres broke by ending it); a last loss is

@@ -246,7 +246,7 @@ impl App {
             return Err(AppError::not_found("event"));
         }
         let mut deliveries = db::events::deliveries_of(&mut tx, tenant.environment_id, event_id).await?;
-        let ids: Vec<Uuid> = deliveries.iter().map(|d| d.id).collect();
+        let ids: Vec<Uuid> = deliveries.iter().map(|d| d.id.uuid()).collect();
         let attempts = db::attempts::of_deliveries(&mut tx, tenant.environment_id, &ids).await?;
         for a in attempts {
             if let Some(d) = deliveries.iter_mut().find(|d| d.id == a.delivery_id) {
@@ -263,7 +263,11 @@ pub const EVENT_PAGE: i64 = 50;
 
 impl App {
     /// A page of the tenant's events, newest first.
-    pub async fn list_events(&self, tenant: Tenant, filter: &db::events::EventFilter) -> AppResult<Vec<db::events::LoggedEvent>> {
+    pub async fn list_events(
+        &self,
+        tenant: Tenant,
+        filter: &relay_domain::models::EventFilter,
+    ) -> AppResult<Vec<relay_domain::models::LoggedEvent>> {
         // Checked before Postgres sees it: text cannot hold a NUL, and a
         // time out of its range fails the statement (a 500, not the
         // caller's mistake named). No event has a type the rule refuses.

@@ -10,6 +10,7 @@ pub mod deliveries;
 pub mod endpoints;
 pub mod events;
 pub mod expansion;
+mod gauges;
 pub(crate) mod material;
 pub mod operational;
 mod outcomes;
@@ -149,6 +150,15 @@ impl App {
         self.lanes.get().expect("the lanes start before the api serves")
     }
 }
+
+/// How long a tenant's call may take before its caller is answered
+/// UNAVAILABLE, while the work itself (detached, see above) goes on. What
+/// this bounds is a wait nobody can shorten: a commit that waits for a
+/// synchronous standby that is gone waits until one returns, and cancelling
+/// it would leave the write committed locally, unreplicated, yet reported
+/// as done. So the caller is told only that nothing can be assumed, and
+/// retries; a publish retried with the same event id is idempotent.
+pub const TENANT_WORK_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The platform's endpoint-health settings.
 #[derive(Debug, Clone, Copy)]

@@ -7,9 +7,11 @@
 use anyhow::Context;
 use uuid::Uuid;
 
+use relay_domain::models::Operation;
+
 use super::{App, Tenant, Timestamp};
 use crate::{
-    db::{self, operations::Operation},
+    db,
     error::{AppError, AppResult},
 };
 
@@ -68,15 +70,15 @@ impl App {
         let ops = db::operations::lock_running(&mut tx).await?;
         let mut sent = 0;
         for op in ops {
-            let endpoint = db::endpoints::get(&mut tx, op.environment_id, op.endpoint_id, self.clock.now()).await?;
+            let endpoint = db::endpoints::get(&mut tx, op.environment_id.uuid(), op.endpoint_id.uuid(), self.clock.now()).await?;
             if !endpoint.is_some_and(|e| e.enabled) {
-                db::operations::fail(&mut tx, op.id, "the endpoint was disabled or deleted before the recovery finished").await?;
+                db::operations::fail(&mut tx, op.id.uuid(), "the endpoint was disabled or deleted before the recovery finished").await?;
                 continue;
             }
             let taken = db::operations::recover_next(&mut tx, &op, per_pass).await?;
             let cursor = taken.iter().max_by_key(|r| (r.created_at, r.id)).map(|r| (r.created_at, r.id));
             let finished = (taken.len() as i64) < per_pass;
-            db::operations::advance(&mut tx, op.id, taken.len() as i32, cursor, finished).await?;
+            db::operations::advance(&mut tx, op.id.uuid(), taken.len() as i32, cursor, finished).await?;
             sent += taken.len();
         }
         if sent > 0 {

@@ -251,7 +251,7 @@ impl App {
         endpoint_id: Uuid,
         after: Option<(Timestamp, Uuid)>,
         limit: i64,
-    ) -> AppResult<Vec<db::health::HeldRow>> {
+    ) -> AppResult<Vec<relay_domain::models::HeldDelivery>> {
         // The endpoint must be the tenant's (another's answers 404).
         self.get_endpoint(tenant, endpoint_id).await?;
         if !(1..=1000).contains(&limit) {

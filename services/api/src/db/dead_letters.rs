@@ -6,6 +6,8 @@ use std::{collections::HashSet, time::Duration};
 use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
 use uuid::Uuid;
 
+use relay_domain::delivery::DeadLetterReason;
+
 pub use super::models::DeadLetter;
 use crate::error::AppResult;
 
@@ -160,7 +162,7 @@ pub async fn prune(db: &PgPool, retention: Duration) -> AppResult<u64> {
 pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<DeadLetter>> {
     Ok(sqlx::query_as!(
         DeadLetter,
-        r#"SELECT l.id, l.delivery_id, l.endpoint_id, l.event_id, l.attempts, l.last_status, l.last_error, l.reason, l.dead_lettered_at,
+        r#"SELECT l.id, l.delivery_id, l.endpoint_id, l.event_id, l.attempts, l.last_status, l.last_error, l.reason AS "reason: DeadLetterReason", l.dead_lettered_at,
                   (d.state IS DISTINCT FROM 'dead'
                    OR EXISTS (SELECT 1 FROM webhook_dead_letters n WHERE n.delivery_id = l.delivery_id AND n.dead_lettered_at > l.dead_lettered_at))
                     AS "replayed!"

@@ -66,7 +66,7 @@ impl EndpointRow {
         let signature_scheme = super::models::stored_scheme(r.id, &r.signature_scheme)?;
         let previous_public_key = r.previous_public_key.filter(|_| relay_domain::signing::previous_still_signs(r.secret_rotated_at, now));
         Ok(Endpoint {
-            id: r.id,
+            id: r.id.into(),
             url: r.url,
             event_types: r.event_types,
             enabled: r.enabled,

@@ -7,7 +7,7 @@ use std::time::Duration;
 use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
 use uuid::Uuid;
 
-use super::models::{Delivery, DeliveryState, Timestamp};
+use super::models::{Delivery, DeliveryState, EventFilter, LoggedEvent, Timestamp};
 use crate::error::AppResult;
 
 /// An unpublished event as the outbox relay publishes it.
@@ -149,9 +149,9 @@ pub async fn deliveries_of(tx: &mut PgConnection, environment_id: Uuid, event_id
     .await?
     .into_iter()
     .map(|r| Delivery {
-        id: r.id,
-        event_id: r.event_id,
-        endpoint_id: r.endpoint_id,
+        id: r.id.into(),
+        event_id: r.event_id.into(),
+        endpoint_id: r.endpoint_id.into(),
         state: r.state,
         attempt: r.attempt,
         next_attempt_at: r.next_attempt_at,
@@ -241,28 +241,6 @@ pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: PgInterval,
     )
     .fetch_all(&mut *tx)
     .await?)
-}
-
-/// Which of an environment's events a page of the event log shows.
-#[derive(Debug, Default, Clone)]
-pub struct EventFilter {
-    pub event_type: Option<String>,
-    pub since: Option<Timestamp>,
-    pub until: Option<Timestamp>,
-    /// Older than this (created_at, seq): the next page.
-    pub before: Option<(Timestamp, i64)>,
-}
-
-/// An event as the log lists it, with its deliveries counted by state.
-pub struct LoggedEvent {
-    pub id: Uuid,
-    pub event_type: String,
-    pub created_at: Timestamp,
-    pub seq: i64,
-    pub deliveries: i64,
-    pub delivered: i64,
-    pub failing: i64,
-    pub dead: i64,
 }
 
 /// Newest first, `limit` at most, through `events_environment_recent_idx`.

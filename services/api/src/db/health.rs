@@ -11,7 +11,7 @@
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use super::models::{Circuit, DisabledReason, EndpointHealth, FailureWindow, Timestamp};
+use super::models::{Circuit, DisabledReason, EndpointHealth, FailureWindow, HeldDelivery, Timestamp};
 use crate::error::AppResult;
 
 /// An endpoint's health with what the rules need beside it.
@@ -393,24 +393,12 @@ pub async fn expire_held(db: &sqlx::PgPool, limit: i64) -> AppResult<u64> {
     .rows_affected())
 }
 
-/// A held delivery as the tenant lists it.
-pub struct HeldRow {
-    pub id: Uuid,
-    pub event_id: Uuid,
-    /// The attempt it will make next.
-    pub attempt: i32,
-    pub next_attempt_at: Timestamp,
-    pub created_at: Timestamp,
-    pub last_status: Option<i32>,
-    pub last_error: Option<String>,
-}
-
 /// Held deliveries of one endpoint in the order they fall due, a page after
 /// the `(next_attempt_at, id)` of the last one shown.
-pub async fn list_held(db: &sqlx::PgPool, endpoint_id: Uuid, after: Option<(Timestamp, Uuid)>, limit: i64) -> AppResult<Vec<HeldRow>> {
+pub async fn list_held(db: &sqlx::PgPool, endpoint_id: Uuid, after: Option<(Timestamp, Uuid)>, limit: i64) -> AppResult<Vec<HeldDelivery>> {
     let (after_at, after_id) = after.unzip();
     Ok(sqlx::query_as!(
-        HeldRow,
+        HeldDelivery,
         "SELECT id, event_id, attempt, next_attempt_at, created_at, last_status, last_error FROM webhook_deliveries
          WHERE endpoint_id = $1 AND state = 'held' AND ($2::timestamptz IS NULL OR (next_attempt_at, id) > ($2, $3))
          ORDER BY next_attempt_at, id LIMIT $4",

@@ -3,24 +3,10 @@
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
-use super::models::Timestamp;
-use crate::error::AppResult;
+use relay_domain::DeliveryId;
 
-/// A recovery as stored.
-#[derive(Debug, Clone)]
-pub struct Operation {
-    pub id: Uuid,
-    pub environment_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub since: Timestamp,
-    pub until: Timestamp,
-    pub state: String,
-    pub total: i32,
-    pub completed: i32,
-    pub cursor_at: Option<Timestamp>,
-    pub cursor_id: Option<Uuid>,
-    pub error: Option<String>,
-}
+use super::models::{Operation, Timestamp};
+use crate::error::AppResult;
 
 /// Dead deliveries (still with their dead letter) and held ones of an
 /// endpoint created in `[since, until)`: what a recovery would send again.
@@ -48,7 +34,7 @@ pub async fn insert(
     Ok(sqlx::query_as!(
         Operation,
         "INSERT INTO recover_operations (id, environment_id, endpoint_id, since, until, total) VALUES ($1, $2, $3, $4, $5, $6)
-         RETURNING id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id, error",
+         RETURNING id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id AS \"cursor_id: DeliveryId\", error",
         Uuid::now_v7(),
         environment_id,
         endpoint_id,
@@ -64,7 +50,7 @@ pub async fn insert(
 pub async fn get(db: &PgPool, id: Uuid, environment_id: Option<Uuid>) -> AppResult<Option<Operation>> {
     Ok(sqlx::query_as!(
         Operation,
-        "SELECT id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id, error
+        "SELECT id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id AS \"cursor_id: DeliveryId\", error
          FROM recover_operations WHERE id = $1 AND ($2::uuid IS NULL OR environment_id = $2)",
         id,
         environment_id,
@@ -79,7 +65,7 @@ pub async fn get(db: &PgPool, id: Uuid, environment_id: Option<Uuid>) -> AppResu
 pub async fn lock_running(tx: &mut PgConnection) -> AppResult<Vec<Operation>> {
     Ok(sqlx::query_as!(
         Operation,
-        "SELECT id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id, error
+        "SELECT id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id AS \"cursor_id: DeliveryId\", error
          FROM recover_operations
          WHERE id IN (SELECT DISTINCT ON (endpoint_id) id FROM recover_operations WHERE state = 'running' ORDER BY endpoint_id, created_at)
          ORDER BY created_at LIMIT 100 FOR UPDATE SKIP LOCKED",
@@ -112,11 +98,11 @@ pub async fn recover_next(tx: &mut PgConnection, op: &Operation, limit: i64) -> 
                generation = CASE WHEN next.state = 'dead' THEN d.generation + 1 ELSE d.generation END
            FROM next WHERE d.id = next.id
            RETURNING d.id, d.created_at"#,
-        op.endpoint_id,
+        op.endpoint_id.uuid(),
         op.since,
         op.until,
         op.cursor_at,
-        op.cursor_id,
+        op.cursor_id.map(DeliveryId::uuid),
         limit,
     )
     .fetch_all(&mut *tx)

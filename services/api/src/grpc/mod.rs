@@ -91,7 +91,7 @@ pub(crate) async fn recover(
     }
 }
 
-pub(crate) fn operation(op: crate::db::operations::Operation) -> relay_contracts::relay::tenant::v1::Operation {
+pub(crate) fn operation(op: relay_domain::models::Operation) -> relay_contracts::relay::tenant::v1::Operation {
     relay_contracts::relay::tenant::v1::Operation {
         id: op.id.to_string(),
         state: op.state,

@@ -8,7 +8,7 @@ use relay_contracts::relay::tenant::v1::{
 use tonic::{Request, Response, Status};
 use tracing::{Instrument as _, field::Empty};
 
-use relay_domain::delivery::DeliveryState;
+use relay_domain::{delivery::DeliveryState, models::HeldDelivery};
 
 use super::{id, status, ts};
 use crate::{
@@ -19,7 +19,6 @@ use crate::{
         events::{Attempt, Delivery},
     },
     auth,
-    db::health::HeldRow,
     error::AppError,
 };
 
@@ -61,7 +60,7 @@ fn shown(secret: Option<relay_signing::SigningSecret>) -> String {
     secret.map(|s| s.expose().to_owned()).unwrap_or_default()
 }
 
-fn held_delivery(endpoint_id: uuid::Uuid, h: HeldRow) -> pb::Delivery {
+fn held_delivery(endpoint_id: uuid::Uuid, h: HeldDelivery) -> pb::Delivery {
     pb::Delivery {
         id: h.id.to_string(),
         event_id: h.event_id.to_string(),
@@ -78,7 +77,7 @@ fn held_delivery(endpoint_id: uuid::Uuid, h: HeldRow) -> pb::Delivery {
 }
 
 /// A page cursor for held deliveries: the last one's due time (µs) and id.
-fn held_cursor(h: &HeldRow) -> String {
+fn held_cursor(h: &HeldDelivery) -> String {
     format!("{}_{}", h.next_attempt_at.timestamp_micros(), h.id)
 }
 
@@ -89,7 +88,7 @@ fn parse_held_cursor(cursor: &str) -> Result<Option<(crate::app::Timestamp, uuid
     let parsed = cursor
         .split_once('_')
         .and_then(|(micros, id)| Some((chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?, uuid::Uuid::parse_str(id).ok()?)))
-        .filter(|(at, _)| crate::db::storable(*at));
+        .filter(|(at, _)| crate::app::check_time("cursor", *at).is_ok());
     match parsed {
         Some(c) => Ok(Some(c)),
         None => Err(status(AppError::invalid("invalid_cursor", "cursor must be the next_cursor of a previous page"))),
@@ -141,7 +140,7 @@ pub(crate) fn dead_letter(d: DeadLetter) -> pb::DeadLetter {
         attempts: d.attempts as u32,
         last_status: d.last_status.map(|s| s as u32),
         last_error: d.last_error.unwrap_or_default(),
-        reason: d.reason,
+        reason: d.reason.as_str().to_owned(),
         dead_lettered_at: Some(ts(d.dead_lettered_at)),
     }
 }

@@ -9,6 +9,7 @@ use axum::{
     http::{HeaderMap, StatusCode},
     response::Response,
 };
+use relay_domain::EndpointId;
 use uuid::Uuid;
 
 use super::{Frame, Posted, Section, failed, html, not_found, outcome_text, path_id, redirect, session, when};
@@ -48,7 +49,7 @@ pub async fn list(State(app): State<App>, headers: HeaderMap) -> Response {
         Ok(both) => both,
         Err(e) => return failed(e),
     };
-    let live: HashMap<Uuid, (String, bool)> = endpoints.into_iter().map(|e| (e.id, (e.url, e.enabled))).collect();
+    let live: HashMap<EndpointId, (String, bool)> = endpoints.into_iter().map(|e| (e.id, (e.url, e.enabled))).collect();
     let total = letters.len();
     let dead_letters = letters
         .into_iter()
@@ -62,7 +63,7 @@ pub async fn list(State(app): State<App>, headers: HeaderMap) -> Response {
                 endpoint_url: url,
                 attempts: d.attempts,
                 last: outcome_text(d.last_status, d.last_error.as_deref()),
-                reason: d.reason.replace('_', " "),
+                reason: d.reason.as_str().replace('_', " "),
                 at: when(d.dead_lettered_at),
                 replayable: enabled && !d.replayed,
                 replayed: d.replayed,

@@ -14,16 +14,16 @@ use uuid::Uuid;
 use super::{
     Frame, Posted, Section, callers_mistake, chart, failed, html, not_found, outcome_text, path_id, query_param, redirect, session, when,
 };
-use relay_domain::health::{Circuit, DisabledReason};
+use relay_domain::{
+    health::{Circuit, DisabledReason},
+    models::HeldDelivery,
+};
 
-use crate::{
-    app::{
-        App,
-        endpoints::{Endpoint, EndpointChange},
-        portal::PortalSession,
-        recover::Recovery,
-    },
-    db::health::HeldRow,
+use crate::app::{
+    App,
+    endpoints::{Endpoint, EndpointChange},
+    portal::PortalSession,
+    recover::Recovery,
 };
 
 /// An endpoint as the pages show it.
@@ -205,8 +205,8 @@ struct HeldView {
     last: String,
 }
 
-impl From<HeldRow> for HeldView {
-    fn from(h: HeldRow) -> Self {
+impl From<HeldDelivery> for HeldView {
+    fn from(h: HeldDelivery) -> Self {
         Self {
             event_id: h.event_id.to_string(),
             attempt: h.attempt,

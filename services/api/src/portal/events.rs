@@ -10,16 +10,15 @@ use axum::{
     response::Response,
 };
 use chrono::{NaiveDateTime, TimeZone, Utc};
+use relay_domain::{
+    EndpointId,
+    delivery::DeliveryState,
+    models::{Attempt, Delivery, EventFilter},
+};
 use uuid::Uuid;
 
 use super::{Frame, Section, failed, html, message, not_found, outcome_text, path_id, redirect, session, when};
-use crate::{
-    app::{App, Timestamp, events::EVENT_PAGE},
-    db::{
-        events::EventFilter,
-        models::{Attempt, Delivery, DeliveryState},
-    },
-};
+use crate::app::{App, Timestamp, events::EVENT_PAGE};
 
 /// What a page shows of a response body or a payload.
 const SNIPPET: usize = 2048;
@@ -77,7 +76,7 @@ fn parse_before(raw: &str) -> Result<Option<(Timestamp, i64)>, String> {
     Ok(Some((at, seq)))
 }
 
-fn summary(e: &crate::db::events::LoggedEvent) -> (String, &'static str) {
+fn summary(e: &relay_domain::models::LoggedEvent) -> (String, &'static str) {
     if e.deliveries == 0 {
         return ("no endpoint subscribed".into(), "muted");
     }
@@ -236,7 +235,7 @@ fn attempt_view(a: &Attempt) -> AttemptView {
     }
 }
 
-fn delivery_view(d: &Delivery, urls: &HashMap<Uuid, String>) -> DeliveryView {
+fn delivery_view(d: &Delivery, urls: &HashMap<EndpointId, String>) -> DeliveryView {
     let (state, state_class) = match d.state {
         DeliveryState::Delivered => ("delivered", "ok"),
         DeliveryState::Dead => ("failed: dead letter", "bad"),
@@ -284,7 +283,7 @@ pub async fn show(State(app): State<App>, headers: HeaderMap, Path(id): Path<Str
         Ok(both) => both,
         Err(e) => return failed(e),
     };
-    let urls: HashMap<Uuid, String> = endpoints.into_iter().map(|e| (e.id, e.url)).collect();
+    let urls: HashMap<EndpointId, String> = endpoints.into_iter().map(|e| (e.id, e.url)).collect();
     html(
         StatusCode::OK,
         Show {
