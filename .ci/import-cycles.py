@@ -9,7 +9,7 @@ component of more than one file is a circle. Test modules count too.
 
 The api's layers, lowest first: storage (`db`), use-cases (`app`), and the
 transports, loops and start-up (`grpc`, `rest`, `portal`, `relay`, `detach`,
-`auth`, `openapi`, `config`, `lib`, `main`). A layer may import its own and those below, and
+`auth`, `openapi`, `config`, `serve`, `lib`, `main`). A layer may import its own and those below, and
 the crate's leaf modules (errors, bodies, secrets, the broker, metrics…),
 which may import none of the layers; the domain itself is a crate of its
 own (`services/domain`), below them all, with no I/O. A wrong-way import
@@ -168,7 +168,7 @@ def circles(edges):
 
 # The api's layers by top-level module; any other module is a leaf (0).
 API_LAYERS = {"db": 1, "app": 2}
-API_TRANSPORTS = ["grpc", "rest", "portal", "relay", "detach", "auth", "openapi", "config"]
+API_TRANSPORTS = ["grpc", "rest", "portal", "relay", "detach", "auth", "openapi", "config", "serve"]
 
 
 def layer_of(mod):

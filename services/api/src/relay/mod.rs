@@ -1,5 +1,7 @@
-//! The relays: Postgres → NATS for work the platform owes itself, and the
-//! prober, which puts held deliveries of open circuits back in their way.
+//! The relays: Postgres → NATS for work the platform owes itself; the
+//! prober, which puts held deliveries of open circuits back in their way;
+//! and the upkeep passes (announcements, retention, chart sums), all on one
+//! pass loop ([`drive`]).
 //!
 //! Cheap commits: writes whose loss in a Postgres crash costs nothing but a
 //! repeat the system already absorbs (a relay's claim or lease, a
@@ -19,6 +21,7 @@ pub mod deliveries;
 pub mod outbox;
 pub mod prober;
 pub mod recover;
+pub mod upkeep;
 
 use std::time::Duration;
 
