@@ -118,7 +118,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
-    app.start_lanes(cfg.db_acquire_timeout, stop_rx.clone());
+    app.start_batchers(cfg.db_acquire_timeout, stop_rx.clone());
     if let Some(follower) = primary_follower {
         tasks.spawn(follower.run(stop_rx.clone()));
     }
@@ -174,7 +174,7 @@ fn build_app(cfg: &ApiConfig, db: sqlx::PgPool, js: &async_nats::jetstream::Cont
         }),
         clock: std::sync::Arc::new(app::SystemClock),
         health: cfg.health,
-        lanes: Default::default(),
+        batchers: Default::default(),
         portal: app::portal::PortalSettings { public_url: cfg.public_url.clone(), secure_cookie: cfg.public_url.starts_with("https://") },
         attempt_stats: Default::default(),
         switch_offs: std::sync::Arc::new(switch_offs::NatsSwitchOffs { client: js.client(), names: names.clone() }),
@@ -201,13 +201,13 @@ async fn relays(app: App, js: async_nats::jetstream::Context, names: StreamNames
         backlog_bound: std::sync::atomic::AtomicU64::new(u64::MAX),
         // Whatever waits from before this process started is found by a look first.
         backlogged: std::sync::atomic::AtomicBool::new(true),
-        conn: tokio::sync::Mutex::new(db::lane::Held::new(&app.db)),
+        conn: tokio::sync::Mutex::new(db::batcher::KeptConnection::new(&app.db)),
         unmarked: Default::default(),
     };
     app.outbox_offers.open();
     let listen = DeliveryRelay::listen(app.clone(), rx.clone());
     let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(5) };
-    let recoverer = relay::recover::Recoverer {
+    let recoverer = relay::bulk_recovery::Recoverer {
         app: app.clone(),
         per_pass: i64::from(app.health.recover_per_second),
         every: std::time::Duration::from_secs(1),
@@ -215,7 +215,7 @@ async fn relays(app: App, js: async_nats::jetstream::Context, names: StreamNames
         busy: Default::default(),
         last: Default::default(),
     };
-    let conn = tokio::sync::Mutex::new(db::lane::Held::new(&app.db));
+    let conn = tokio::sync::Mutex::new(db::batcher::KeptConnection::new(&app.db));
     let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap, conn };
     tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen, prober.run(rx.clone()), recoverer.run(rx));
     Ok(())

@@ -193,7 +193,7 @@ pub fn decide(
 
 /// A delivery as the careful outcome path reads it, locked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Standing {
+pub struct DeliveryStanding {
     pub state: DeliveryState,
     pub generation: u32,
     pub attempt: u32,
@@ -225,7 +225,7 @@ pub enum Step {
     Answer(Decision),
 }
 
-impl Standing {
+impl DeliveryStanding {
     fn is_current(&self, r: &Reported) -> bool {
         self.attempt == r.attempt && self.generation == r.generation
     }
@@ -255,10 +255,10 @@ impl Standing {
     }
 
     /// Where the delivery stands after a step.
-    pub fn after(&self, step: Step) -> Standing {
+    pub fn after(&self, step: Step) -> DeliveryStanding {
         match step {
             Step::Answer(_) => *self,
-            Step::Advance(d) | Step::Settle(d) => Standing {
+            Step::Advance(d) | Step::Settle(d) => DeliveryStanding {
                 state: d.state(),
                 attempt: d.next_attempt(self.attempt),
                 next_attempt_at: d.next_attempt_at().unwrap_or(self.next_attempt_at),
@@ -279,8 +279,8 @@ mod tests {
         Utc.timestamp_opt(1_800_000_000 + secs, 0).unwrap()
     }
 
-    fn pending(generation: u32, attempt: u32) -> Standing {
-        Standing { state: DeliveryState::Pending, generation, attempt, next_attempt_at: at(0), switched_off_in_flight: false }
+    fn pending(generation: u32, attempt: u32) -> DeliveryStanding {
+        DeliveryStanding { state: DeliveryState::Pending, generation, attempt, next_attempt_at: at(0), switched_off_in_flight: false }
     }
 
     fn report(generation: u32, attempt: u32, http_status: Option<u32>) -> Reported {
@@ -324,7 +324,7 @@ mod tests {
     #[test]
     fn every_state_and_report_kind_has_one_step() {
         let redeliver = || Decision::Rescheduled { next_attempt_at: at(5) };
-        let cases: Vec<(&str, Standing, Reported, Option<Decision>, Step)> = vec![
+        let cases: Vec<(&str, DeliveryStanding, Reported, Option<Decision>, Step)> = vec![
             ("current attempt fails", pending(0, 2), report(0, 2, Some(500)), None, Step::Advance(redeliver())),
             (
                 "repeat of a recorded attempt",
@@ -349,35 +349,35 @@ mod tests {
             ),
             (
                 "report after delivery",
-                Standing { state: DeliveryState::Delivered, ..pending(0, 1) },
+                DeliveryStanding { state: DeliveryState::Delivered, ..pending(0, 1) },
                 report(0, 1, Some(500)),
                 None,
                 Step::Answer(Decision::Delivered),
             ),
             (
                 "report on a dead delivery",
-                Standing { state: DeliveryState::Dead, ..pending(0, 7) },
+                DeliveryStanding { state: DeliveryState::Dead, ..pending(0, 7) },
                 report(0, 7, Some(200)),
                 None,
                 Step::Answer(Decision::DeadLettered),
             ),
             (
                 "in flight at switch-off, answered 2xx",
-                Standing { state: DeliveryState::Dead, switched_off_in_flight: true, ..pending(0, 2) },
+                DeliveryStanding { state: DeliveryState::Dead, switched_off_in_flight: true, ..pending(0, 2) },
                 report(0, 2, Some(200)),
                 None,
                 Step::Settle(Decision::Delivered),
             ),
             (
                 "in flight at switch-off, failed",
-                Standing { state: DeliveryState::Dead, switched_off_in_flight: true, ..pending(0, 2) },
+                DeliveryStanding { state: DeliveryState::Dead, switched_off_in_flight: true, ..pending(0, 2) },
                 report(0, 2, None),
                 None,
                 Step::Settle(Decision::DeadLettered),
             ),
             (
                 "switched off, but the report is for another attempt",
-                Standing { state: DeliveryState::Dead, switched_off_in_flight: true, ..pending(0, 2) },
+                DeliveryStanding { state: DeliveryState::Dead, switched_off_in_flight: true, ..pending(0, 2) },
                 report(0, 1, Some(200)),
                 None,
                 Step::Answer(Decision::DeadLettered),
@@ -398,7 +398,7 @@ mod tests {
         assert_eq!((later.state, later.attempt, later.next_attempt_at), (DeliveryState::Pending, 4, at(30)));
         let dead = s.after(Step::Advance(Decision::DeadLettered));
         assert_eq!((dead.state, dead.attempt), (DeliveryState::Dead, 3));
-        let off = Standing { state: DeliveryState::Dead, switched_off_in_flight: true, ..s };
+        let off = DeliveryStanding { state: DeliveryState::Dead, switched_off_in_flight: true, ..s };
         assert_eq!(off.after(Step::Settle(Decision::Delivered)).state, DeliveryState::Delivered);
         assert!(!off.after(Step::Settle(Decision::DeadLettered)).switched_off_in_flight);
     }

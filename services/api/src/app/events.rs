@@ -149,7 +149,7 @@ impl OutboxOffers {
     }
 }
 
-/// An event to write, as the publish lane takes it.
+/// An event to write, as the publish batcher takes it.
 #[derive(Debug)]
 pub struct NewEvent {
     pub id: Uuid,
@@ -183,7 +183,7 @@ impl App {
         }
 
         // The event row is the outbox row: one insert, through the publish
-        // lane (concurrent publishes share its statements and commits). Ids
+        // batcher (concurrent publishes share its statements and commits). Ids
         // are unique per environment, so a conflict is this tenant's own
         // earlier publish of the same id. The relays continue this trace
         // from the row.
@@ -196,7 +196,7 @@ impl App {
             occurred_at,
             trace_context: trace_context.clone(),
         };
-        let seq = self.lanes().publishes.call(new).await?;
+        let seq = self.batchers().publishes.call(new).await?;
         if let Some(seq) = seq {
             // Straight to this process's outbox relay, which publishes it
             // without looking for it, unless it is catching up on a backlog.
@@ -213,7 +213,7 @@ impl App {
         Ok(Published { event_id, duplicate: seq.is_none() })
     }
 
-    /// One batch of the publish lane: every event in one insert. Each
+    /// One batch of the publish batcher: every event in one insert. Each
     /// answers with its outbox sequence number if this publish wrote it,
     /// `None` if the environment already had an event with its id.
     pub(crate) async fn insert_events_on(

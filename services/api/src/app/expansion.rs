@@ -37,13 +37,13 @@ pub struct ExpandAsk {
 
 impl App {
     /// One delivery per matching endpoint, exactly once per event, through
-    /// the expansion lane (items of concurrent calls share its batches).
+    /// the expansion batcher (items of concurrent calls share its batches).
     /// Each item answers as `expand` would, in order.
     pub async fn expand_batch(&self, asks: Vec<ExpandAsk>) -> AppResult<Vec<AppResult<Expanded>>> {
-        Ok(self.lanes().expansions.call_all(asks).await)
+        Ok(self.batchers().expansions.call_all(asks).await)
     }
 
-    /// One batch of the expansion lane, in one statement that commits by
+    /// One batch of the expansion batcher, in one statement that commits by
     /// itself (`db::deliveries::expand`): the events are checked, claimed in
     /// the ledger (so a redelivered event is a no-op) and their deliveries
     /// written. First attempts within their endpoint's in-flight cap are

@@ -6,6 +6,8 @@
 
 pub mod admin;
 pub mod attempt_stats;
+pub mod bulk_recovery;
+mod circuit;
 pub mod deliveries;
 pub mod endpoints;
 pub mod events;
@@ -15,8 +17,6 @@ pub(crate) mod material;
 pub mod operational;
 mod outcomes;
 pub mod portal;
-pub mod recover;
-mod recovery;
 mod refill;
 
 use std::sync::Arc;
@@ -30,7 +30,7 @@ use uuid::Uuid;
 use crate::{
     db::{
         self,
-        lane::{Lane, Shape},
+        batcher::{Batcher, Shape},
     },
     error::{AppError, AppResult},
     secrets::Keyring,
@@ -88,9 +88,9 @@ pub struct App {
     pub lease_guard: Arc<tokio::sync::Mutex<()>>,
     pub clock: Arc<dyn Clock>,
     pub health: HealthSettings,
-    /// The hot paths' own connections (see `db::lane`); started by
-    /// [`App::start_lanes`] before the api serves.
-    pub lanes: Arc<std::sync::OnceLock<Lanes>>,
+    /// The hot paths' own connections (see `db::batcher`); started by
+    /// [`App::start_batchers`] before the api serves.
+    pub batchers: Arc<std::sync::OnceLock<Batchers>>,
     pub portal: portal::PortalSettings,
     /// Attempts recorded by this process, added up for the portal's charts.
     pub attempt_stats: Arc<attempt_stats::AttemptStats>,
@@ -101,53 +101,54 @@ pub struct App {
 
 /// The use-cases that run on connections of their own, in batches.
 #[derive(Debug)]
-pub struct Lanes {
-    pub outcomes: Lane<deliveries::OutcomeAsk, deliveries::Recorded>,
-    pub expansions: Lane<expansion::ExpandAsk, deliveries::Expanded>,
-    pub publishes: Lane<events::NewEvent, Option<i64>>,
+pub struct Batchers {
+    pub outcomes: Batcher<deliveries::OutcomeAsk, deliveries::Recorded>,
+    pub expansions: Batcher<expansion::ExpandAsk, deliveries::Expanded>,
+    pub publishes: Batcher<events::NewEvent, Option<i64>>,
 }
 
-/// The outcome lane: two connections, one commits while the other gathers.
+/// The outcome batcher: two connections, one commits while the other gathers.
 const OUTCOMES: Shape = Shape { connections: 2, max_batch: 512, plan_once: true };
-/// The expansion lane: one connection (expansions take turns with the
+/// The expansion batcher: one connection (expansions take turns with the
 /// relay's leasing anyway, `lease_guard`, and a batch gathers what waits
 /// meanwhile), at most 32 events a batch: an expansion holds its
 /// subscribers' health rows share-locked until it commits, so a batch of
 /// hundreds (a burst) made every outcome that changes a circuit wait for it,
 /// and handed out no first attempt before the last event was written.
 const EXPANSIONS: Shape = Shape { connections: 1, max_batch: 32, plan_once: true };
-/// The publish lane: two connections, so one gathers the next batch while
+/// The publish batcher: two connections, so one gathers the next batch while
 /// the other waits for its commit.
 const PUBLISHES: Shape = Shape { connections: 2, max_batch: 256, plan_once: false };
 
 impl App {
-    /// Starts the lanes; each stops, between batches, once `stop` turns true.
-    pub fn start_lanes(&self, queue_timeout: std::time::Duration, stop: tokio::sync::watch::Receiver<bool>) {
+    /// Starts the batchers; each stops, between batches, once `stop` turns true.
+    pub fn start_batchers(&self, queue_timeout: std::time::Duration, stop: tokio::sync::watch::Receiver<bool>) {
         let outcomes = self
-            .lane(OUTCOMES, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.record_outcome_batch(conn, asks).await }));
+            .batcher(OUTCOMES, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.record_outcome_batch(conn, asks).await }));
         let expansions =
-            self.lane(EXPANSIONS, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.expand_on(conn, asks).await }));
-        let publishes = self
-            .lane(PUBLISHES, queue_timeout, &stop, |app, conn, events| Box::pin(async move { app.insert_events_on(conn, events).await }));
-        if self.lanes.set(Lanes { outcomes, expansions, publishes }).is_err() {
-            tracing::warn!("the lanes were started twice; the second start is ignored");
+            self.batcher(EXPANSIONS, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.expand_on(conn, asks).await }));
+        let publishes = self.batcher(PUBLISHES, queue_timeout, &stop, |app, conn, events| {
+            Box::pin(async move { app.insert_events_on(conn, events).await })
+        });
+        if self.batchers.set(Batchers { outcomes, expansions, publishes }).is_err() {
+            tracing::warn!("the batchers were started twice; the second start is ignored");
         }
     }
 
-    /// A lane whose batches run `run` on this app.
-    fn lane<Req: Send + Sync + 'static, Resp: Send + 'static>(
+    /// A batcher whose batches run `run` on this app.
+    fn batcher<Req: Send + Sync + 'static, Resp: Send + 'static>(
         &self,
         shape: Shape,
         queue_timeout: std::time::Duration,
         stop: &tokio::sync::watch::Receiver<bool>,
-        run: impl for<'c> Fn(App, &'c mut sqlx::PgConnection, &'c [Req]) -> crate::db::lane::BatchFuture<'c, Resp> + Send + Sync + 'static,
-    ) -> Lane<Req, Resp> {
+        run: impl for<'c> Fn(App, &'c mut sqlx::PgConnection, &'c [Req]) -> crate::db::batcher::BatchFuture<'c, Resp> + Send + Sync + 'static,
+    ) -> Batcher<Req, Resp> {
         let app = self.clone();
-        Lane::spawn(&self.db, shape, queue_timeout, stop.clone(), Arc::new(move |conn, items| run(app.clone(), conn, items)))
+        Batcher::spawn(&self.db, shape, queue_timeout, stop.clone(), Arc::new(move |conn, items| run(app.clone(), conn, items)))
     }
 
-    fn lanes(&self) -> &Lanes {
-        self.lanes.get().expect("the lanes start before the api serves")
+    fn batchers(&self) -> &Batchers {
+        self.batchers.get().expect("the batchers start before the api serves")
     }
 }
 

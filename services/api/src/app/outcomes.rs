@@ -1,5 +1,5 @@
 //! Outcomes: an attempt's result recorded once, and the delivery moved on
-//! as `state` decides, in one transaction per batch.
+//! as `relay_domain::delivery` decides, in one transaction per batch.
 
 use std::collections::{HashMap, HashSet};
 
@@ -10,7 +10,7 @@ use uuid::Uuid;
 use sqlx::{Connection, PgConnection};
 
 use relay_domain::{
-    delivery::{self as state, Reported, Standing, Step},
+    delivery::{self as state, DeliveryStanding, Reported, Step},
     health::Seen,
 };
 
@@ -52,16 +52,16 @@ impl App {
         Ok(self.record_outcomes(vec![asked]).await?.pop().expect("one answer per report")?.decision)
     }
 
-    /// Records many attempts, through the outcome lane (a connection of its
+    /// Records many attempts, through the outcome batcher (a connection of its
     /// own: reports from concurrent calls share its batches). Each report
     /// answers on its own, with the idempotency of `record_outcome`; a
     /// report that names its sender (`claim`) may come back with the next
     /// attempts of its endpoint, to take the slot it freed.
     pub async fn record_outcomes(&self, asks: Vec<OutcomeAsk>) -> AppResult<Vec<AppResult<Recorded>>> {
-        Ok(self.lanes().outcomes.call_all(asks).await)
+        Ok(self.batchers().outcomes.call_all(asks).await)
     }
 
-    /// One batch of the outcome lane. The common case is one statement:
+    /// One batch of the outcome batcher. The common case is one statement:
     /// each delivery's first report in the batch is taken to be for its
     /// current attempt, decided from the report alone, applied only where
     /// that holds, logged, and its dead letter written (RETURNING says which
@@ -407,7 +407,7 @@ fn seen_in(r: &AttemptReport) -> Seen {
 fn stale_success_stamps(applied: &[db::deliveries::AppliedOutcome], now: Timestamp) -> Vec<Uuid> {
     let mut stamp: Vec<Uuid> = applied
         .iter()
-        .filter(|a| a.last_success_at.is_none_or(|at| at + super::recovery::SUCCESS_STAMP_EVERY <= now))
+        .filter(|a| a.last_success_at.is_none_or(|at| at + super::circuit::SUCCESS_STAMP_EVERY <= now))
         .map(|a| a.endpoint_id)
         .collect();
     stamp.sort();
@@ -416,8 +416,8 @@ fn stale_success_stamps(applied: &[db::deliveries::AppliedOutcome], now: Timesta
 }
 
 /// A locked delivery as the state machine reads it.
-fn standing(row: &db::deliveries::OutcomeRow, switched_off_in_flight: bool) -> Standing {
-    Standing {
+fn standing(row: &db::deliveries::OutcomeRow, switched_off_in_flight: bool) -> DeliveryStanding {
+    DeliveryStanding {
         state: row.state,
         generation: row.generation as u32,
         attempt: row.attempt as u32,

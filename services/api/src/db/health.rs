@@ -1,5 +1,5 @@
 //! `endpoint_health`, and the statements that hold and release an endpoint's
-//! deliveries. What the health becomes comes from `app::health`.
+//! deliveries. What the health becomes comes from `relay_domain::health`.
 //!
 //! Lock order: an outcome batch locks its deliveries, then the health rows
 //! of their endpoints (FOR UPDATE, in endpoint order); holding, releasing and
@@ -189,7 +189,7 @@ pub async fn insert(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<()> {
 
 /// A clean slate (a tenant enabled or disabled the endpoint): no run of
 /// failures, nothing in the window; `recovering` while it holds deliveries
-/// (they go back as its answers come in, see `app::health`), else closed.
+/// (they go back as its answers come in, see `relay_domain::health`), else closed.
 pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid, recovering: bool) -> AppResult<()> {
     let circuit = if recovering { Circuit::Recovering } else { Circuit::Closed };
     sqlx::query!(
@@ -326,7 +326,7 @@ pub async fn probe_candidates(tx: &mut PgConnection, endpoint_ids: &[Uuid], max_
 
 /// Each endpoint's earliest held retry (an attempt after the first) that
 /// falls due after `after`: the next probe comes no later (see
-/// `app::health::Standing::probe_by_held_retry`).
+/// `relay_domain::health::EndpointStanding::probe_by_held_retry`).
 pub async fn next_held_retry_due(tx: &mut PgConnection, endpoint_ids: &[Uuid], after: Timestamp) -> AppResult<Vec<(Uuid, Timestamp)>> {
     Ok(sqlx::query!(
         r#"SELECT u.endpoint_id AS "endpoint_id!", r.due AS "due!"

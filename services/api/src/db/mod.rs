@@ -91,6 +91,7 @@ pub async fn connect(url: &str, max_connections: u32, acquire_timeout: Duration)
 
 pub mod attempt_stats;
 pub mod attempts;
+pub mod batcher;
 pub mod dead_letters;
 pub mod deliveries;
 pub mod depths;
@@ -99,7 +100,6 @@ pub mod environments;
 pub mod events;
 pub mod health;
 pub mod keys;
-pub mod lane;
 pub mod models;
 pub mod operations;
 pub mod portal;

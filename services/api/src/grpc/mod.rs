@@ -78,7 +78,7 @@ pub(crate) async fn recover(
     until: Option<&prost_types::Timestamp>,
     dry_run: bool,
 ) -> Result<(Option<u32>, Option<String>, tonic::metadata::MetadataMap), Status> {
-    use crate::app::recover::Recovery;
+    use crate::app::bulk_recovery::Recovery;
     let endpoint_id = id("id", endpoint_id)?;
     let (since, until) = (time("since", since)?, time("until", until)?);
     let mut meta = tonic::metadata::MetadataMap::new();

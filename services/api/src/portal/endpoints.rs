@@ -21,9 +21,9 @@ use relay_domain::{
 
 use crate::app::{
     App,
+    bulk_recovery::Recovery,
     endpoints::{Endpoint, EndpointChange},
     portal::PortalSession,
-    recover::Recovery,
 };
 
 /// An endpoint as the pages show it.

@@ -16,7 +16,7 @@ use tokio::sync::watch;
 
 use crate::{
     app::{App, Timestamp},
-    db::{self, deliveries::Claimed, lane::Held},
+    db::{self, batcher::KeptConnection, deliveries::Claimed},
     queue::{Job, job_message},
 };
 
@@ -34,8 +34,8 @@ pub struct DeliveryRelay {
     /// slots, however large its backlog; its other due rows wait in Postgres
     /// and the scan passes over them to other endpoints' work.
     pub endpoint_cap: i64,
-    /// The relay's own connection (see `db::lane`).
-    pub conn: tokio::sync::Mutex<Held>,
+    /// The relay's own connection (see `db::batcher`).
+    pub conn: tokio::sync::Mutex<KeptConnection>,
 }
 
 /// The shortest pause between relay passes started by wake-ups (a pass that
@@ -132,7 +132,7 @@ impl super::Pass for DeliveryRelay {
 }
 
 impl DeliveryRelay {
-    async fn pass(&self, held: &mut Held) -> Result<usize> {
+    async fn pass(&self, held: &mut KeptConnection) -> Result<usize> {
         let conn = held.get().await?;
         let _leasing = self.app.lease_guard.lock().await;
         // Choose without locking (the claim below re-checks): each

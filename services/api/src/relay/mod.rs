@@ -17,10 +17,10 @@
 //! processes can run them side by side, and a broker outage leaves the rows
 //! where they are until it returns.
 
+pub mod bulk_recovery;
 pub mod deliveries;
 pub mod outbox;
 pub mod prober;
-pub mod recover;
 pub mod upkeep;
 
 use std::time::Duration;
@@ -28,7 +28,7 @@ use std::time::Duration;
 use anyhow::Result;
 use tokio::sync::watch;
 
-use crate::{app::Wake, db::lane::Held};
+use crate::{app::Wake, db::batcher::KeptConnection};
 
 /// What a relay does in one pass, and how it waits between passes; the
 /// loop around it ([`drive`]) is the same for both relays.
@@ -87,9 +87,12 @@ pub(crate) async fn idle(wake: &Wake, max: Duration, shutdown: &mut watch::Recei
     }
 }
 
-/// Runs `pass` on a relay's own connection (see `db::lane`); a pass that
+/// Runs `pass` on a relay's own connection (see `db::batcher`); a pass that
 /// fails lets the connection go, as the failure may have broken it.
-pub(crate) async fn on_held<T>(conn: &tokio::sync::Mutex<Held>, pass: impl AsyncFnOnce(&mut Held) -> Result<T>) -> Result<T> {
+pub(crate) async fn on_held<T>(
+    conn: &tokio::sync::Mutex<KeptConnection>,
+    pass: impl AsyncFnOnce(&mut KeptConnection) -> Result<T>,
+) -> Result<T> {
     let mut held = conn.lock().await;
     let result = pass(&mut held).await;
     if result.is_err() {

@@ -16,7 +16,7 @@ use uuid::Uuid;
 
 use crate::{
     app::App,
-    db::{self, lane::Held},
+    db::{self, batcher::KeptConnection},
 };
 
 /// What an EVENTS message carries: the event's identity, never its payload.
@@ -52,8 +52,8 @@ pub struct OutboxRelay {
     pub backlog_bound: std::sync::atomic::AtomicU64,
     /// The outbox may hold more than this process has offered (see `pass`).
     pub backlogged: std::sync::atomic::AtomicBool,
-    /// The relay's own connection (see `db::lane`).
-    pub conn: tokio::sync::Mutex<Held>,
+    /// The relay's own connection (see `db::batcher`).
+    pub conn: tokio::sync::Mutex<KeptConnection>,
     /// Published events whose mark is not written yet (see `MARK_DELAY`).
     pub unmarked: std::sync::Mutex<Unmarked>,
 }
@@ -123,7 +123,7 @@ impl OutboxRelay {
     }
 
     /// Writes the marks that are due (all of them with `all`), or none.
-    async fn write_marks(&self, held: &mut Held, all: bool) -> Result<()> {
+    async fn write_marks(&self, held: &mut KeptConnection, all: bool) -> Result<()> {
         let due = {
             let mut u = self.unmarked.lock().expect("not poisoned");
             let due = all || u.seqs.len() >= MARK_BATCH || u.since.is_some_and(|t| t.elapsed() >= MARK_DELAY);
@@ -184,7 +184,7 @@ impl OutboxRelay {
     /// offer was refused, or a publish failed): then offers are set aside
     /// and the outbox is read in turns across environments, which is what
     /// keeps one environment's burst from going ahead of the others'.
-    async fn pass(&self, held: &mut Held) -> Result<usize> {
+    async fn pass(&self, held: &mut KeptConnection) -> Result<usize> {
         let (offered, overflowed) = self.app.outbox_offers.take();
         let woke_for_marks = std::mem::take(&mut self.unmarked.lock().expect("not poisoned").woke_for_marks);
         if offered.is_empty() && woke_for_marks && !overflowed && !self.backlogged.load(Ordering::Relaxed) {

@@ -106,7 +106,7 @@ impl Circuit {
 /// buckets of the window's length (`length_ms`, kept with the counts so a
 /// read needs no settings), the current one numbered `bucket` (epoch ms /
 /// length). Counted from the first failure on: while no failure is inside
-/// the window, successes are not counted (the rules in `app::health`).
+/// the window, successes are not counted (the rules in `relay_domain::health`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FailureWindow {
     pub length_ms: i64,
@@ -132,7 +132,7 @@ pub struct EndpointHealth {
     /// failures: evidence that retrying does not help either.
     pub failed_retries: i32,
     /// Handed one attempt at a time instead of its in-flight cap: failing
-    /// costs its lane (see `app::health`).
+    /// costs its lane (see `relay_domain::health`).
     pub one_at_a_time: bool,
 }
 
@@ -249,7 +249,7 @@ impl Seen {
 
 /// An endpoint as the health rules read it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Standing {
+pub struct EndpointStanding {
     pub health: EndpointHealth,
     pub disabled: Option<DisabledReason>,
 }

@@ -1,14 +1,14 @@
 //! The circuit's rules: what each result does to an endpoint's standing
-//! (`Standing::observe`) and what the prober does when a look is due
-//! (`Standing::probe`).
+//! (`EndpointStanding::observe`) and what the prober does when a look is due
+//! (`EndpointStanding::probe`).
 
 use super::{
-    Circuit, CircuitPolicy, DisablePolicy, DisabledReason, Effects, RELEASED_PER_SUCCESS, RELEASED_PER_TICK, Seen, Standing, after_ms,
-    millis,
+    Circuit, CircuitPolicy, DisablePolicy, DisabledReason, Effects, EndpointStanding, RELEASED_PER_SUCCESS, RELEASED_PER_TICK, Seen,
+    after_ms, millis,
 };
 use crate::Timestamp;
 
-impl Standing {
+impl EndpointStanding {
     /// Whether the endpoint looks down at `at`, by the policy's evidence.
     fn looks_down(&self, at: Timestamp, policy: &CircuitPolicy) -> bool {
         let h = &self.health;

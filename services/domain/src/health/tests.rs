@@ -24,8 +24,8 @@ const POLICY: CircuitPolicy = CircuitPolicy::production(Duration::from_secs(60))
 
 const NEVER_DISABLE: DisablePolicy = DisablePolicy { after: Duration::MAX, min_failures: u32::MAX };
 
-fn healthy() -> Standing {
-    Standing { health: EndpointHealth::new(), disabled: None }
+fn healthy() -> EndpointStanding {
+    EndpointStanding { health: EndpointHealth::new(), disabled: None }
 }
 
 /// Production's tiers, in ms: the delay before attempt n at index n - 1.
@@ -65,7 +65,7 @@ fn retry_of(attempt: u32) -> bool {
 
 /// Feeds results one at a time, as outcome batches of one would; returns
 /// where the circuit ended and whether it ever opened.
-fn run(results: &[(Seen, Timestamp)]) -> (Standing, bool) {
+fn run(results: &[(Seen, Timestamp)]) -> (EndpointStanding, bool) {
     let mut s = healthy();
     let mut opened = false;
     for &r in results {
@@ -241,7 +241,7 @@ fn the_window_forgets_what_is_older_than_itself() {
     assert_eq!((w.length_ms, w.estimate(at(240))), (60_000, (1.0, 1.0)));
 }
 
-fn opened_by_failures() -> Standing {
+fn opened_by_failures() -> EndpointStanding {
     let seen: Vec<(Seen, Timestamp)> = (0..40).map(|i| (Seen::Failure { retry: i > 0 }, at(i))).collect();
     let (s, opened) = run(&seen);
     assert!(opened && s.health.circuit == Circuit::Open);
@@ -382,7 +382,7 @@ fn a_410_disables_at_once_and_is_never_probed() {
 
 #[test]
 fn a_tenants_disable_is_not_overridden() {
-    let manual = Standing { health: EndpointHealth::new(), disabled: Some(DisabledReason::Manual) };
+    let manual = EndpointStanding { health: EndpointHealth::new(), disabled: Some(DisabledReason::Manual) };
     let (s, e) = manual.observe(&[(Seen::Gone, at(0)), (Seen::Success, at(1))], &POLICY, &DisablePolicy::default());
     assert_eq!(s.disabled, Some(DisabledReason::Manual));
     assert!(!e.enable && e.release == 0 && e.disable.is_none());
@@ -408,7 +408,7 @@ fn statuses_map_to_what_they_say_about_the_endpoint() {
 
 #[test]
 fn an_endpoint_is_handed_one_attempt_at_a_time_only_while_failing_costs_its_lane() {
-    let step = |s: Standing, seen: Seen| s.observe(&[(seen, at(0))], &POLICY, &NEVER_DISABLE).0;
+    let step = |s: EndpointStanding, seen: Seen| s.observe(&[(seen, at(0))], &POLICY, &NEVER_DISABLE).0;
     // Fast 5xx to first attempts (a receiver that accepts retries): its cap stays.
     let mut s = healthy();
     for _ in 0..100 {

@@ -54,7 +54,7 @@ pub struct Claimed {
 /// not a read of its whole parked backlog; a pass costs O(endpoints with
 /// waiting rows). Rows whose lease ran out come from their own index. An
 /// endpoint handed one attempt at a time (its last failure went unanswered,
-/// or its retries fail too; see `app::health`) gets one slot, not `cap`: no
+/// or its retries fail too; see `relay_domain::health`) gets one slot, not `cap`: no
 /// use handing a receiver that is timing out more work to time out on.
 /// Returns the rows' ids: each endpoint's rows are already within its free
 /// slots, so every one may be claimed.

@@ -60,7 +60,7 @@ pub struct ExpandedRow {
 /// (first attempt due now), and claims the attempts handed back.
 ///
 /// Rows within their endpoint's in-flight `cap` (one for an endpoint handed
-/// one attempt at a time, see `app::health`) are written already leased for their event's
+/// one attempt at a time, see `relay_domain::health`) are written already leased for their event's
 /// `lease_ms`; those of an event with a claimant are also claimed for it, in
 /// the order asked, as far as `payload_budget` bytes of envelopes go, and
 /// come back with their material. The rest wait, due, for the relay.

@@ -1,7 +1,7 @@
 //! Endpoint health applied: what a batch of outcomes does to its endpoints
 //! (in the batch's transaction), the prober that sends one held delivery of
 //! an open circuit when its probe is due, and the tenant's view of what an
-//! endpoint holds. The rules are `health`'s.
+//! endpoint holds. The rules are `relay_domain::health`'s.
 
 use std::collections::{BTreeMap, HashMap};
 
@@ -9,7 +9,7 @@ use anyhow::Context;
 use sqlx::PgConnection;
 use uuid::Uuid;
 
-use relay_domain::health::{Circuit, DisablePolicy, DisabledReason, Effects, ProbeStep, Seen, Standing};
+use relay_domain::health::{Circuit, DisablePolicy, DisabledReason, Effects, EndpointStanding, ProbeStep, Seen};
 
 use super::{App, Tenant, Timestamp, operational::Happened};
 use crate::{
@@ -25,8 +25,8 @@ pub(super) const SUCCESS_STAMP_EVERY: chrono::Duration = chrono::Duration::secon
 /// Endpoints whose probe the prober takes in one pass.
 const PROBES_PER_PASS: i64 = 200;
 
-fn standing(row: &HealthRow) -> Standing {
-    Standing { health: row.health(), disabled: row.disabled_reason }
+fn standing(row: &HealthRow) -> EndpointStanding {
+    EndpointStanding { health: row.health(), disabled: row.disabled_reason }
 }
 
 /// What the rules decided for a batch's endpoints, gathered for one write
@@ -43,7 +43,7 @@ struct HealthChanges {
 }
 
 impl HealthChanges {
-    fn add(&mut self, row: &HealthRow, before: Standing, after: Standing, effects: Effects) {
+    fn add(&mut self, row: &HealthRow, before: EndpointStanding, after: EndpointStanding, effects: Effects) {
         let id = row.endpoint_id;
         if after.health.circuit != before.health.circuit {
             tracing::info!(endpoint_id = %id, from = before.health.circuit.as_str(), to = after.health.circuit.as_str(),
@@ -137,7 +137,7 @@ impl App {
             let due: HashMap<Uuid, Timestamp> = db::health::next_held_retry_due(&mut *tx, &reopened, now).await?.into_iter().collect();
             for (id, health) in &mut changes.stored {
                 if let Some(&due) = due.get(id) {
-                    let s = Standing { health: *health, disabled: None }.probe_by_held_retry(now, Some(due), policy);
+                    let s = EndpointStanding { health: *health, disabled: None }.probe_by_held_retry(now, Some(due), policy);
                     *health = s.health;
                 }
             }
@@ -210,7 +210,7 @@ impl App {
             } else {
                 // Never probed (a tenant's or receiver's disable): off the
                 // prober's list until something opens it again.
-                Standing { health: relay_domain::health::EndpointHealth { next_probe_at: None, ..before.health }, ..before }
+                EndpointStanding { health: relay_domain::health::EndpointHealth { next_probe_at: None, ..before.health }, ..before }
             };
             stored.push((row.endpoint_id, after.health));
         }

@@ -5,15 +5,15 @@
 //! module above) and sqlx's ping when the connection is given back. At
 //! moderate load, where a batch holds a few items, those round trips — each
 //! a wake-up of Postgres and of the caller — were most of the database's
-//! CPU per delivery. A [`Lane`] holds its connections for good: work is
+//! CPU per delivery. A [`Batcher`] holds its connections for good: work is
 //! queued to it, and each connection in turn takes everything that waits (up
 //! to a bound) and runs it as one batch, so batches grow with load with no
 //! timer, like the dispatcher's seam batcher.
 //!
 //! Cancellation: the caller awaits an answer, not the work. A caller that
 //! goes away drops its receiver; the batch it was part of runs to its end on
-//! the lane's own task, so no statement or transaction is ever cut off at an
-//! await point. A lane stops between batches, at shutdown.
+//! the batcher's own task, so no statement or transaction is ever cut off at an
+//! await point. A batcher stops between batches, at shutdown.
 
 use std::{
     future::Future,
@@ -51,24 +51,24 @@ pub type BatchFuture<'c, Resp> = Pin<Box<dyn Future<Output = BatchResult<Resp>> 
 /// A batch's answers, one per item in order, or the batch's failure.
 pub type BatchResult<Resp> = AppResult<Vec<AppResult<Resp>>>;
 
-pub struct Lane<Req, Resp> {
+pub struct Batcher<Req, Resp> {
     tx: mpsc::UnboundedSender<Queued<Req, Resp>>,
     queue_timeout: Duration,
 }
 
-impl<Req, Resp> Clone for Lane<Req, Resp> {
+impl<Req, Resp> Clone for Batcher<Req, Resp> {
     fn clone(&self) -> Self {
         Self { tx: self.tx.clone(), queue_timeout: self.queue_timeout }
     }
 }
 
-impl<Req, Resp> std::fmt::Debug for Lane<Req, Resp> {
+impl<Req, Resp> std::fmt::Debug for Batcher<Req, Resp> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Lane").finish_non_exhaustive()
+        f.debug_struct("Batcher").finish_non_exhaustive()
     }
 }
 
-/// How a lane runs.
+/// How a batcher runs.
 #[derive(Debug, Clone, Copy)]
 pub struct Shape {
     /// Connections it holds, each taking its own batches.
@@ -96,13 +96,13 @@ pub struct Shape {
 /// opened when first needed, dropped after an error that may have broken
 /// it (the next use opens another), to wherever the pool connects by then
 /// (after a failover, the new primary: see [`super::primary`]).
-pub struct Held {
+pub struct KeptConnection {
     pool: PgPool,
     conn: Option<PgConnection>,
     plan_once: bool,
 }
 
-impl Held {
+impl KeptConnection {
     pub fn new(pool: &PgPool) -> Self {
         Self { pool: pool.clone(), conn: None, plan_once: false }
     }
@@ -145,7 +145,7 @@ impl Held {
     }
 }
 
-impl<Req: Send + Sync + 'static, Resp: Send + 'static> Lane<Req, Resp> {
+impl<Req: Send + Sync + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// `connections` tasks, each holding a connection to `pool`'s database
     /// (not one of the pool's own), take up to `max_batch` waiting items at a
     /// time until `stop`. A caller whose item is not taken within
@@ -157,7 +157,7 @@ impl<Req: Send + Sync + 'static, Resp: Send + 'static> Lane<Req, Resp> {
         let (tx, rx) = mpsc::unbounded_channel::<Queued<Req, Resp>>();
         let rx = Arc::new(Mutex::new(rx));
         for _ in 0..connections.max(1) {
-            let held = if plan_once { Held::planning_once(pool) } else { Held::new(pool) };
+            let held = if plan_once { KeptConnection::planning_once(pool) } else { KeptConnection::new(pool) };
             let (rx, handler, mut stop, mut held) = (rx.clone(), handler.clone(), stop.clone(), held);
             tokio::spawn(async move {
                 loop {
@@ -244,13 +244,13 @@ fn stopped() -> AppError {
     AppError::unavailable(anyhow::anyhow!("the api is shutting down"))
 }
 
-/// How long a lane waits before taking a new connection after one failed.
+/// How long a batcher waits before taking a new connection after one failed.
 const RECONNECT_PAUSE: Duration = Duration::from_millis(100);
 
 /// One batch: its answers sent item by item. A batch that fails as a whole
 /// for a reason that may be one item's (not the database being away, not a
 /// lost conflict) is run again item by item, so one bad item fails alone.
-async fn run<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, batch: Vec<(Req, Reply<Resp>)>) {
+async fn run<Req, Resp>(held: &mut KeptConnection, handler: &Handler<Req, Resp>, batch: Vec<(Req, Reply<Resp>)>) {
     let (reqs, replies): (Vec<Req>, Vec<Reply<Resp>>) = batch.into_iter().unzip();
     match run_once(held, handler, &reqs).await {
         Err(e) if reqs.len() > 1 && e.code != ErrorCode::Unavailable => {
@@ -278,7 +278,7 @@ async fn run<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, batch: Ve
 
 /// The batch on the held connection: exactly one answer per item, or the
 /// batch's failure.
-async fn run_once<Req, Resp>(held: &mut Held, handler: &Handler<Req, Resp>, reqs: &[Req]) -> BatchResult<Resp> {
+async fn run_once<Req, Resp>(held: &mut KeptConnection, handler: &Handler<Req, Resp>, reqs: &[Req]) -> BatchResult<Resp> {
     let n = reqs.len();
     let conn = match held.get().await {
         Ok(c) => c,
