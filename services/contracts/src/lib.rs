@@ -56,6 +56,10 @@ pub mod reasons {
 /// answers a material batch only up to [`SEAM_MATERIAL_REPLY_BUDGET_BYTES`]
 /// of payload and defers the rest to the next call.
 pub const SEAM_MESSAGE_LIMIT_BYTES: usize = 16 * 1024 * 1024;
+
+/// How much of a receiver's response body an attempt keeps: the dispatcher
+/// reads no more, the attempt log stores no more.
+pub const RESPONSE_BODY_KEPT_BYTES: usize = 4096;
 /// Payload bytes one material batch reply carries at most (the first item
 /// always fits: an event is at most 256 KiB).
 pub const SEAM_MATERIAL_REPLY_BUDGET_BYTES: usize = 4 * 1024 * 1024;

@@ -12,7 +12,7 @@ use url::Host;
 use crate::http_client::Sender;
 
 /// How much of a response body the attempt log keeps.
-const KEEP_BODY: usize = 4096;
+const KEEP_BODY: usize = relay_contracts::RESPONSE_BODY_KEPT_BYTES;
 
 /// Sends one attempt and returns the outcome to report. Never fails: every
 /// way a customer's side can go wrong is an outcome, not an error.

@@ -76,6 +76,8 @@ pub struct Endpoint {
     pub previous_public_key: Option<String>,
     pub signature_scheme_changed_at: Option<Timestamp>,
     pub health: EndpointHealth,
+    /// Attempts and failures over the circuit's window, as read.
+    pub recent: (u32, u32),
     /// Deliveries held for this endpoint's recovery.
     pub held: i64,
 }

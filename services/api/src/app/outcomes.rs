@@ -21,7 +21,7 @@ use crate::{
 };
 
 /// The attempt log keeps this much of a response body.
-pub const MAX_RESPONSE_BODY: usize = 4096;
+pub const MAX_RESPONSE_BODY: usize = relay_contracts::RESPONSE_BODY_KEPT_BYTES;
 const MAX_ERROR_LEN: usize = 2000;
 
 /// A report's error text as the attempt log keeps it: bounded, and `None`

@@ -65,6 +65,14 @@ impl EndpointRow {
         let r = self;
         let signature_scheme = super::models::stored_scheme(r.id, &r.signature_scheme)?;
         let previous_public_key = r.previous_public_key.filter(|_| relay_domain::signing::previous_still_signs(r.secret_rotated_at, now));
+        let window = FailureWindow {
+            length_ms: r.window_ms,
+            bucket: r.window_bucket,
+            attempts: r.window_attempts,
+            failures: r.window_failures,
+            previous_attempts: r.previous_attempts,
+            previous_failures: r.previous_failures,
+        };
         Ok(Endpoint {
             id: r.id.into(),
             url: r.url,
@@ -85,17 +93,11 @@ impl EndpointRow {
                 last_failure_at: r.last_failure_at,
                 next_probe_at: r.next_probe_at,
                 probe_interval_ms: r.probe_interval_ms,
-                window: FailureWindow {
-                    length_ms: r.window_ms,
-                    bucket: r.window_bucket,
-                    attempts: r.window_attempts,
-                    failures: r.window_failures,
-                    previous_attempts: r.previous_attempts,
-                    previous_failures: r.previous_failures,
-                },
+                window,
                 failed_retries: r.failed_retries,
                 one_at_a_time: r.one_at_a_time,
             },
+            recent: window.recent(now),
             held: r.held,
         })
     }

@@ -28,7 +28,6 @@ pub struct TenantApi {
 }
 
 pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
-    let recent = e.health.window.recent(chrono::Utc::now());
     pb::WebhookEndpoint {
         id: e.id.to_string(),
         url: e.url,
@@ -43,8 +42,8 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
             last_success_at: e.health.last_success_at.map(ts),
             last_failure_at: e.health.last_failure_at.map(ts),
             next_probe_at: e.health.next_probe_at.map(ts),
-            recent_attempts: recent.0,
-            recent_failures: recent.1,
+            recent_attempts: e.recent.0,
+            recent_failures: e.recent.1,
         }),
         held_deliveries: e.held.max(0) as u64,
         signature_scheme: e.signature_scheme.as_str().to_owned(),

@@ -62,7 +62,7 @@ impl From<Endpoint> for EndpointView {
             (true, Circuit::Recovering) => ("recovering: held deliveries going out", "warn"),
             (true, Circuit::Open | Circuit::HalfOpen) => ("down: deliveries held", "bad"),
         };
-        let (recent_attempts, recent_failures) = e.health.window.recent(chrono::Utc::now());
+        let (recent_attempts, recent_failures) = e.recent;
         Self {
             id: e.id.to_string(),
             url: e.url,
@@ -335,7 +335,7 @@ pub async fn delete(State(app): State<App>, Path(id): Path<String>, Posted { ses
 /// (a recovery operation, throttled).
 pub async fn recover(State(app): State<App>, Path(id): Path<String>, Posted { session: s, .. }: Posted) -> Response {
     let Some(id) = path_id(&id) else { return not_found() };
-    let until = chrono::Utc::now();
+    let until = app.clock.now();
     match app.recover_endpoint(Some(s.tenant), id, until - chrono::TimeDelta::days(7), until, false).await {
         Ok(Recovery::Started(_) | Recovery::WouldRecover(_)) => redirect(&endpoint_url(id, "recovering")),
         Err(e) => failed(e),

@@ -105,7 +105,7 @@ impl super::Pass for DeliveryRelay {
     /// is at its cap, or another relay holds them): the relay says so, and an
     /// outcome freeing a slot wakes it, so it waits for that.
     async fn idle_for(&self) -> Duration {
-        let now = chrono::Utc::now();
+        let now = self.app.clock.now();
         let next = self.next_due().await;
         let awaited = matches!(next, Ok(Some(at)) if at <= now);
         self.app.slots_awaited.store(awaited, std::sync::atomic::Ordering::Relaxed);

@@ -33,7 +33,7 @@ impl super::Pass for Prober {
     }
 
     async fn idle_for(&self) -> Duration {
-        let now = chrono::Utc::now();
+        let now = self.app.clock.now();
         match self.app.next_probe_at().await {
             Ok(Some(at)) if at > now => (at - now).to_std().unwrap_or(Duration::ZERO).min(self.idle),
             // Past due but not taken: another prober holds it, or the pass
