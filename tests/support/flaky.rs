@@ -36,6 +36,9 @@ pub enum Behaviour {
     TimeOut { percent: u32, hold: Duration },
     /// This status to every request.
     AlwaysFail(u16),
+    /// 200 to every request, after holding it this long (within the
+    /// attempt timeout): a receiver that works, slowly.
+    Slow(Duration),
 }
 
 /// What a flaky receiver answers one request.
@@ -142,6 +145,7 @@ impl Flaky {
                 }
             }
             Behaviour::AlwaysFail(status) => Answer::status(status),
+            Behaviour::Slow(hold) => Answer { status: 200, retry_after: None, after: hold },
         }
     }
 }

@@ -434,6 +434,7 @@ impl Stack {
             url_policy: self.opts.url_policy(),
             resolver: self.opts.dispatcher_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
             egress_proxy: self.opts.egress_proxy.clone(),
+            source_address: None,
         }
     }
 
@@ -663,6 +664,8 @@ pub struct Received {
     pub headers: HeaderMap,
     pub body: Bytes,
     pub at: Instant,
+    /// The sender's address: the torture tells its dispatchers apart by it.
+    pub peer: SocketAddr,
 }
 
 impl Received {
@@ -734,37 +737,47 @@ impl Receiver {
         let got: Arc<Mutex<Vec<Received>>> = Default::default();
         let replies: Arc<Mutex<std::collections::HashMap<String, Reply>>> = Default::default();
         let (sink, table) = (got.clone(), replies.clone());
-        let app = Router::new().fallback(move |uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
-            let (sink, table) = (sink.clone(), table.clone());
-            async move {
-                let path = uri.path().to_owned();
-                let (headers_seen, body_seen) = (headers.clone(), body.clone());
-                sink.lock().expect("not poisoned").push(Received { path: path.clone(), headers, body, at: Instant::now() });
-                let reply = table.lock().expect("not poisoned").get(&path).cloned().unwrap_or(Reply::Status(200));
-                use axum::response::IntoResponse;
-                match reply {
-                    Reply::Status(code) => (axum::http::StatusCode::from_u16(code).expect("valid status"), "answer").into_response(),
-                    Reply::StatusWith(code, name, value) => {
-                        (axum::http::StatusCode::from_u16(code).expect("valid status"), [(name, value)], "answer").into_response()
-                    }
-                    Reply::Redirect(to) => (axum::http::StatusCode::FOUND, [(axum::http::header::LOCATION, to)], "moved").into_response(),
-                    Reply::Hang(d) => {
-                        tokio::time::sleep(d).await;
-                        (axum::http::StatusCode::OK, "late").into_response()
-                    }
-                    Reply::Flaky(f) => {
-                        let answer = f.answer(&headers_seen, &body_seen, Instant::now());
-                        tokio::time::sleep(answer.after).await;
-                        let status = axum::http::StatusCode::from_u16(answer.status).expect("valid status");
-                        match answer.retry_after {
-                            Some(after) => (status, [("retry-after", after)], "answer").into_response(),
-                            None => (status, "answer").into_response(),
+        let app = Router::new().fallback(
+            move |peer: axum::extract::ConnectInfo<SocketAddr>, uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
+                let (sink, table) = (sink.clone(), table.clone());
+                async move {
+                    let path = uri.path().to_owned();
+                    let (headers_seen, body_seen) = (headers.clone(), body.clone());
+                    sink.lock().expect("not poisoned").push(Received {
+                        path: path.clone(),
+                        headers,
+                        body,
+                        at: Instant::now(),
+                        peer: peer.0,
+                    });
+                    let reply = table.lock().expect("not poisoned").get(&path).cloned().unwrap_or(Reply::Status(200));
+                    use axum::response::IntoResponse;
+                    match reply {
+                        Reply::Status(code) => (axum::http::StatusCode::from_u16(code).expect("valid status"), "answer").into_response(),
+                        Reply::StatusWith(code, name, value) => {
+                            (axum::http::StatusCode::from_u16(code).expect("valid status"), [(name, value)], "answer").into_response()
+                        }
+                        Reply::Redirect(to) => {
+                            (axum::http::StatusCode::FOUND, [(axum::http::header::LOCATION, to)], "moved").into_response()
+                        }
+                        Reply::Hang(d) => {
+                            tokio::time::sleep(d).await;
+                            (axum::http::StatusCode::OK, "late").into_response()
+                        }
+                        Reply::Flaky(f) => {
+                            let answer = f.answer(&headers_seen, &body_seen, Instant::now());
+                            tokio::time::sleep(answer.after).await;
+                            let status = axum::http::StatusCode::from_u16(answer.status).expect("valid status");
+                            match answer.retry_after {
+                                Some(after) => (status, [("retry-after", after)], "answer").into_response(),
+                                None => (status, "answer").into_response(),
+                            }
                         }
                     }
                 }
-            }
-        });
-        tokio::spawn(async move { axum::serve(listener, app).await });
+            },
+        );
+        tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
         Ok(Self { addr, got, replies })
     }
 

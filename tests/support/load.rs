@@ -1,10 +1,20 @@
 //! Load under faults, shared by the crash torture and the cluster proof:
 //! publishers that retry each event id until it is answered 202, what they
-//! saw, and the settling checks afterwards (every owed event at every
-//! endpoint, nothing left pending, each schedule advanced once).
+//! saw, and the checks afterwards: every owed event at every endpoint,
+//! nothing left pending, each delivery's attempt log whole (attempts 1..=n,
+//! once each), and every request a receiver saw either an attempt the log
+//! recorded or a repeat a fault explains.
+//!
+//! Retries are not duplicates: a receiver that fails sometimes is sent the
+//! same webhook again by design, once per recorded attempt. A duplicate is a
+//! request beyond the recorded attempts; it is explained only by a fault that
+//! lost that request's outcome (the process that sent it killed, or the api
+//! it reports to away, around when it arrived), never by "some fault
+//! happened lately".
 
 use std::{
-    collections::{HashMap, HashSet},
+    collections::{BTreeMap, HashMap, HashSet},
+    net::SocketAddr,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, Ordering},
@@ -147,12 +157,23 @@ pub struct Settled {
     pub quiet: bool,
     /// How long after settling began the database was quiet.
     pub quiet_after: Duration,
-    /// Deliveries not delivered, events not published, and deliveries whose
-    /// schedule advanced more than once (every receiver answers 200 here).
+    /// Deliveries neither delivered nor dead-lettered by their schedule
+    /// (every attempt failed), and events not published.
     pub pending: i64,
     pub outbox: i64,
-    pub advanced_twice: i64,
+    /// Deliveries dead-lettered because every attempt failed (a receiver
+    /// that fails at random can fail them all; never a healthy one).
+    pub dead_lettered: i64,
+    /// Deliveries whose attempt log is not attempts 1..=n once each with n
+    /// the delivery's attempt: a schedule advanced twice or skipped.
+    pub schedule_broken: i64,
 }
+
+/// Deliveries that still need something (neither delivered nor dead after
+/// their last attempt failed), and events not yet published.
+const LEFT: &str = "SELECT (SELECT count(*) FROM webhook_deliveries d WHERE NOT (d.state = 'delivered' OR (d.state = 'dead' AND EXISTS \
+                    (SELECT 1 FROM delivery_attempts a WHERE a.delivery_id = d.id AND a.attempt = d.attempt AND a.decision = 'dead_lettered')))), \
+                    (SELECT count(*) FROM events WHERE published_at IS NULL)";
 
 /// Waits (bounded) for every owed event at every path and for the database
 /// to be quiet, then reads what is left.
@@ -177,21 +198,18 @@ pub async fn settle(pg: &sqlx::PgPool, ledger: &Ledger, receiver: &Receiver, pat
     .is_some();
     let arrived_after = started.elapsed();
     let quiet = eventually(Duration::from_secs(90), || async {
-        let (left, outbox): (i64, i64) = sqlx::query_as(
-            "SELECT (SELECT count(*) FROM webhook_deliveries WHERE state <> 'delivered'), (SELECT count(*) FROM events WHERE published_at IS NULL)",
-        )
-        .fetch_one(pg)
-        .await
-        .ok()?;
+        let (left, outbox): (i64, i64) = sqlx::query_as(LEFT).fetch_one(pg).await.ok()?;
         (left == 0 && outbox == 0).then_some(())
     })
     .await
     .is_some();
     let quiet_after = started.elapsed();
-    let pending: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE state <> 'delivered'").fetch_one(pg).await?;
-    let outbox: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE published_at IS NULL").fetch_one(pg).await?;
-    let advanced_twice: i64 = sqlx::query_scalar(
-        "SELECT count(*) FROM webhook_deliveries d WHERE d.attempt <> 1 OR (SELECT count(*) FROM delivery_attempts a WHERE a.delivery_id = d.id) <> 1",
+    let (pending, outbox): (i64, i64) = sqlx::query_as(LEFT).fetch_one(pg).await?;
+    let dead_lettered: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE state = 'dead'").fetch_one(pg).await?;
+    let schedule_broken: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM webhook_deliveries d
+         WHERE (SELECT count(*) FROM delivery_attempts a WHERE a.delivery_id = d.id) <> d.attempt
+            OR (SELECT max(a.attempt) FROM delivery_attempts a WHERE a.delivery_id = d.id) IS DISTINCT FROM d.attempt",
     )
     .fetch_one(pg)
     .await?;
@@ -204,48 +222,152 @@ pub async fn settle(pg: &sqlx::PgPool, ledger: &Ledger, receiver: &Receiver, pat
         quiet_after,
         pending,
         outbox,
-        advanced_twice,
+        dead_lettered,
+        schedule_broken,
     })
 }
 
-/// What arrived, against what was owed.
+/// One request as a receiver saw it: when it arrived and where from.
+#[derive(Debug, Clone, Copy)]
+pub struct Arrival {
+    pub at: Instant,
+    pub peer: SocketAddr,
+}
+
+/// Each event id that arrived at `path`, each request in arrival order.
+pub fn requests(receiver: &Receiver, path: &str) -> HashMap<String, Vec<Arrival>> {
+    let mut m: HashMap<String, Vec<Arrival>> = HashMap::new();
+    for r in receiver.at(path) {
+        m.entry(r.header("relay-webhook-id")).or_default().push(Arrival { at: r.at, peer: r.peer });
+    }
+    m
+}
+
+/// The attempts the attempt log recorded, per (event id, path).
+pub async fn recorded_attempts(pg: &sqlx::PgPool, receiver: &Receiver, paths: &[&str]) -> Result<HashMap<(String, String), usize>> {
+    let rows: Vec<(String, String, i64)> = sqlx::query_as(
+        "SELECT d.event_id::text, e.url, count(a.attempt) FROM webhook_deliveries d
+         JOIN webhook_endpoints e ON e.id = d.endpoint_id
+         LEFT JOIN delivery_attempts a ON a.delivery_id = d.id
+         GROUP BY d.event_id, e.url",
+    )
+    .fetch_all(pg)
+    .await?;
+    let path_of: HashMap<String, &str> = paths.iter().map(|p| (receiver.url(p), *p)).collect();
+    Ok(rows.into_iter().filter_map(|(id, url, n)| Some(((id, path_of.get(&url)?.to_string()), n as usize))).collect())
+}
+
+/// One webhook's requests at one endpoint (in arrival order) against the
+/// attempts the log recorded for it: the repeats beyond those attempts,
+/// each given to the fault `explain` finds for an earlier request (a request
+/// and the one after it) — a request whose outcome a fault lost is sent
+/// again, so the last request is never the lost one — and how many repeats
+/// no fault explains. Each request explains at most one repeat.
+pub fn repeats<K>(requests: &[Arrival], recorded: usize, explain: impl Fn(&Arrival, &Arrival) -> Option<K>) -> (Vec<K>, usize) {
+    let surplus = requests.len().saturating_sub(recorded);
+    if surplus == 0 {
+        return (Vec::new(), 0);
+    }
+    let explained: Vec<K> = requests.windows(2).filter_map(|w| explain(&w[0], &w[1])).take(surplus).collect();
+    let unexplained = surplus - explained.len();
+    (explained, unexplained)
+}
+
+/// What arrived, against what was owed and what the attempt log recorded.
 pub struct Accounting<K> {
     /// Distinct (event, path) pairs that arrived.
     pub delivered: usize,
     /// Owed (event, path) pairs that never arrived.
     pub missing: usize,
-    /// Repeated arrivals, by the fault that explains them.
+    /// Requests that were recorded attempts after the first: retries.
+    pub retries: usize,
+    /// Per path, how many (event, path) pairs took how many recorded attempts.
+    pub attempts: BTreeMap<String, BTreeMap<usize, usize>>,
+    /// Repeated requests (beyond the recorded attempts), by the fault that
+    /// explains them.
     pub duplicates: HashMap<K, usize>,
-    /// Repeated arrivals no fault explains.
+    /// Repeated requests no fault explains.
     pub unexplained: Vec<String>,
+    /// (event, path) pairs with more recorded attempts than requests seen:
+    /// an outcome recorded for a request that never arrived.
+    pub unseen: Vec<String>,
 }
 
-/// Counts missing pairs and gives each repeated arrival to the latest fault
-/// between its first arrival (less 3 s, an attempt's span) and its second;
-/// errs on an arrival nobody published.
-pub fn account<K: Clone + Eq + std::hash::Hash>(
+/// Counts missing pairs, retries and repeats; errs on an arrival nobody
+/// published.
+pub async fn account<K: Clone + Eq + std::hash::Hash>(
+    pg: &sqlx::PgPool,
     receiver: &Receiver,
     paths: &[&str],
     owed: &HashSet<String>,
-    faults: &[(K, Instant)],
+    explain: impl Fn(&Arrival, &Arrival) -> Option<K>,
 ) -> Result<Accounting<K>> {
-    let mut a = Accounting { delivered: 0, missing: 0, duplicates: HashMap::new(), unexplained: Vec::new() };
+    let recorded = recorded_attempts(pg, receiver, paths).await?;
+    let mut a = Accounting {
+        delivered: 0,
+        missing: 0,
+        retries: 0,
+        attempts: BTreeMap::new(),
+        duplicates: HashMap::new(),
+        unexplained: Vec::new(),
+        unseen: Vec::new(),
+    };
     for p in paths {
-        let got = arrivals(receiver, p);
+        let got = requests(receiver, p);
         a.missing += owed.iter().filter(|id| !got.contains_key(*id)).count();
-        for (id, times) in &got {
+        for (id, seen) in &got {
             anyhow::ensure!(owed.contains(id), "{p}: {id} arrived but was never published");
             a.delivered += 1;
-            for w in times.windows(2) {
-                // A crash between a POST and its recorded outcome (or a broker
-                // losing track of an ack) re-sends: some fault must fall
-                // between the first arrival (less an attempt) and the second.
-                match faults.iter().rev().find(|(_, at)| *at + Duration::from_secs(3) >= w[0] && *at <= w[1]) {
-                    Some((k, _)) => *a.duplicates.entry(k.clone()).or_default() += 1,
-                    None => a.unexplained.push(format!("{p} {id} ({:?} apart)", w[1] - w[0])),
-                }
+            let attempts = recorded.get(&(id.clone(), p.to_string())).copied().unwrap_or(0);
+            *a.attempts.entry(p.to_string()).or_default().entry(attempts).or_default() += 1;
+            a.retries += attempts.saturating_sub(1);
+            if attempts > seen.len() {
+                a.unseen.push(format!("{p} {id}: {attempts} attempts recorded, {} requests seen", seen.len()));
+            }
+            let (explained, unexplained) = repeats(seen, attempts, &explain);
+            for k in explained {
+                *a.duplicates.entry(k).or_default() += 1;
+            }
+            if unexplained > 0 {
+                let offsets: Vec<String> =
+                    seen.iter().map(|r| format!("{:?} from {}", r.at.saturating_duration_since(seen[0].at), r.peer)).collect();
+                a.unexplained.push(format!(
+                    "{p} {id}: {} requests, {attempts} attempts recorded, {unexplained} unexplained ({offsets:?})",
+                    seen.len()
+                ));
             }
         }
     }
     Ok(a)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at(base: Instant, ms: u64, port: u16) -> Arrival {
+        Arrival { at: base + Duration::from_millis(ms), peer: SocketAddr::from(([127, 0, 0, 2], port)) }
+    }
+
+    #[test]
+    fn retries_the_log_recorded_are_not_repeats() {
+        let t = Instant::now();
+        let seen = [at(t, 0, 1), at(t, 1000, 1), at(t, 6000, 1)];
+        let (explained, unexplained) = repeats(&seen, 3, |_, _| Some("kill"));
+        assert!(explained.is_empty() && unexplained == 0);
+    }
+
+    #[test]
+    fn a_repeat_needs_a_fault_that_lost_an_earlier_request() {
+        let t = Instant::now();
+        let seen = [at(t, 0, 1), at(t, 3000, 2)];
+        // No fault near the first request: a repeat the checker must report.
+        assert_eq!(repeats(&seen, 1, |_, _| None::<&str>), (vec![], 1));
+        // A fault that lost the first request explains it, once.
+        let near_first = |r: &Arrival, _: &Arrival| (r.at == t).then_some("sender killed");
+        assert_eq!(repeats(&seen, 1, near_first), (vec!["sender killed"], 0));
+        // Three copies of one attempt with one lost request: one repeat is unexplained.
+        let seen = [at(t, 0, 1), at(t, 3000, 2), at(t, 3100, 2)];
+        assert_eq!(repeats(&seen, 1, near_first), (vec!["sender killed"], 1));
+    }
 }

@@ -199,6 +199,12 @@ pub const KNOBS: &[Knob] = &[
         "worker threads of the dispatcher (1–256); one spends a quarter less CPU per delivery at moderate load than two (cross-thread wake-ups) and kept up at saturation on 2 cores; add dispatcher processes, or threads, past one core",
     ),
     knob("RELAY_EGRESS_PROXY", Dispatcher, "", "send webhooks through this HTTP proxy; the URL rules still apply"),
+    knob(
+        "RELAY_DEV_SOURCE_ADDRESS",
+        Dispatcher,
+        "",
+        "development allowance: the local address webhooks are sent from (the crash torture tells its dispatchers apart by it; never in production)",
+    ),
     knob("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", Both, "false", "development allowance: accept plain http endpoints (never in production)"),
     knob(
         "RELAY_DEV_ALLOWED_ENDPOINT_RANGES",

@@ -2,7 +2,7 @@
 
 use std::{path::PathBuf, time::Duration};
 
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use relay_config::{Deployment, Env, timing};
 use relay_netguard::Policy;
 
@@ -32,6 +32,10 @@ pub struct DispatcherConfig {
     /// An outbound HTTP proxy for webhooks (`RELAY_EGRESS_PROXY`). The URL
     /// rules still apply: the target is resolved and checked here first.
     pub egress_proxy: Option<String>,
+    /// Development only (`RELAY_DEV_SOURCE_ADDRESS`): the local address
+    /// webhooks leave from, so a test's receiver can tell which dispatcher
+    /// sent a request.
+    pub source_address: Option<std::net::IpAddr>,
 }
 
 impl DispatcherConfig {
@@ -58,6 +62,10 @@ impl DispatcherConfig {
             .map_err(anyhow::Error::msg)?,
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             egress_proxy: env.string("RELAY_EGRESS_PROXY"),
+            source_address: env
+                .string("RELAY_DEV_SOURCE_ADDRESS")
+                .map(|a| a.parse().with_context(|| format!("RELAY_DEV_SOURCE_ADDRESS is not an IP address: {a:?}")))
+                .transpose()?,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -75,6 +83,9 @@ impl DispatcherConfig {
         }
         if self.max_in_flight == 0 {
             bail!("RELAY_MAX_IN_FLIGHT must be at least 1");
+        }
+        if self.production && self.source_address.is_some() {
+            bail!("RELAY_DEV_SOURCE_ADDRESS is for telling test dispatchers apart; production sends from the host's own address");
         }
         if self.production && !self.url_policy.is_strict() {
             bail!(relay_netguard::DEV_ALLOWANCES_IN_PRODUCTION);
@@ -116,6 +127,7 @@ mod tests {
             url_policy: Policy::strict(),
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             egress_proxy: None,
+            source_address: None,
         }
     }
 
@@ -128,6 +140,16 @@ mod tests {
         }
         assert!(cfg(15_000, 50).validate().is_err(), "a seam timeout under 100 ms is refused");
         assert!(cfg(50, 1000).validate().is_err(), "an attempt timeout under 100 ms is refused");
+    }
+
+    #[test]
+    fn production_refuses_a_chosen_source_address() {
+        let mut c = cfg(1000, 1000);
+        c.production = true;
+        c.source_address = Some("127.0.0.2".parse().unwrap());
+        assert!(c.validate().unwrap_err().to_string().contains("RELAY_DEV_SOURCE_ADDRESS"));
+        c.production = false;
+        c.validate().unwrap();
     }
 
     #[test]

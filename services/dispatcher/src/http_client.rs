@@ -43,7 +43,13 @@ pub struct Sender {
 /// Idle connections kept per receiving host.
 const IDLE_CONNECTIONS_PER_HOST: usize = 256;
 
-pub fn build(policy: Arc<Policy>, resolver: Arc<dyn Resolve>, proxy: Option<&str>, timeout: Duration) -> Result<Sender> {
+pub fn build(
+    policy: Arc<Policy>,
+    resolver: Arc<dyn Resolve>,
+    proxy: Option<&str>,
+    source_address: Option<std::net::IpAddr>,
+    timeout: Duration,
+) -> Result<Sender> {
     let mut b = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .timeout(timeout)
@@ -57,6 +63,7 @@ pub fn build(policy: Arc<Policy>, resolver: Arc<dyn Resolve>, proxy: Option<&str
         // with 10 endpoints on one host). Each lane holds at most one.
         .pool_max_idle_per_host(IDLE_CONNECTIONS_PER_HOST)
         .user_agent(concat!("Relay-Webhooks/", env!("CARGO_PKG_VERSION")))
+        .local_address(source_address)
         .dns_resolver(Arc::new(GuardedResolver { policy: policy.clone(), resolver: resolver.clone() }));
     b = match proxy {
         Some(p) => b.proxy(reqwest::Proxy::all(p).context("RELAY_EGRESS_PROXY is not a proxy URL")?),

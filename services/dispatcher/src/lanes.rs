@@ -110,6 +110,7 @@ impl LaneSet {
             Arc::new(cfg.url_policy.clone()),
             cfg.resolver.clone(),
             cfg.egress_proxy.as_deref(),
+            cfg.source_address,
             cfg.attempt_timeout,
         )?;
         let shared = Arc::new(LaneShared {
