@@ -1,0 +1,136 @@
+//! HTTP receivers on loopback: every request recorded (with its sender's
+//! address), answered as told per path.
+
+use super::*;
+
+/// One request a receiver got.
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+    pub at: Instant,
+    /// The sender's address: the torture tells its dispatchers apart by it.
+    pub peer: SocketAddr,
+}
+
+impl Received {
+    pub fn header(&self, name: &str) -> String {
+        self.headers.get(name).and_then(|v| v.to_str().ok()).unwrap_or_default().to_owned()
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("a JSON body")
+    }
+}
+
+/// How a receiver answers requests to one path.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    Status(u16),
+    /// A status with one header (`Retry-After`, say).
+    StatusWith(u16, &'static str, String),
+    /// 302 with this `Location`.
+    Redirect(String),
+    /// Holds the request this long before answering 200 (past any attempt timeout).
+    Hang(Duration),
+    /// Fails sometimes, as `flaky` describes.
+    Flaky(Arc<flaky::Flaky>),
+}
+
+/// An HTTP server on loopback that records every request and answers as
+/// told per path (200 unless set otherwise).
+#[derive(Clone)]
+pub struct Receiver {
+    pub addr: SocketAddr,
+    pub got: Arc<Mutex<Vec<Received>>>,
+    replies: Arc<Mutex<std::collections::HashMap<String, Reply>>>,
+}
+
+impl Receiver {
+    pub async fn start() -> Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let got: Arc<Mutex<Vec<Received>>> = Default::default();
+        let replies: Arc<Mutex<std::collections::HashMap<String, Reply>>> = Default::default();
+        let (sink, table) = (got.clone(), replies.clone());
+        let app = Router::new().fallback(
+            move |peer: axum::extract::ConnectInfo<SocketAddr>, uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
+                let (sink, table) = (sink.clone(), table.clone());
+                async move {
+                    let path = uri.path().to_owned();
+                    let (headers_seen, body_seen) = (headers.clone(), body.clone());
+                    sink.lock().expect("not poisoned").push(Received {
+                        path: path.clone(),
+                        headers,
+                        body,
+                        at: Instant::now(),
+                        peer: peer.0,
+                    });
+                    let reply = table.lock().expect("not poisoned").get(&path).cloned().unwrap_or(Reply::Status(200));
+                    use axum::response::IntoResponse;
+                    match reply {
+                        Reply::Status(code) => (axum::http::StatusCode::from_u16(code).expect("valid status"), "answer").into_response(),
+                        Reply::StatusWith(code, name, value) => {
+                            (axum::http::StatusCode::from_u16(code).expect("valid status"), [(name, value)], "answer").into_response()
+                        }
+                        Reply::Redirect(to) => {
+                            (axum::http::StatusCode::FOUND, [(axum::http::header::LOCATION, to)], "moved").into_response()
+                        }
+                        Reply::Hang(d) => {
+                            tokio::time::sleep(d).await;
+                            (axum::http::StatusCode::OK, "late").into_response()
+                        }
+                        Reply::Flaky(f) => {
+                            let answer = f.answer(&headers_seen, &body_seen, Instant::now());
+                            tokio::time::sleep(answer.after).await;
+                            let status = axum::http::StatusCode::from_u16(answer.status).expect("valid status");
+                            match answer.retry_after {
+                                Some(after) => (status, [("retry-after", after)], "answer").into_response(),
+                                None => (status, "answer").into_response(),
+                            }
+                        }
+                    }
+                }
+            },
+        );
+        tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
+        Ok(Self { addr, got, replies })
+    }
+
+    /// Sets how requests to `path` are answered from now on.
+    pub fn reply(&self, path: &str, reply: Reply) {
+        self.replies.lock().expect("not poisoned").insert(path.to_owned(), reply);
+    }
+
+    /// The requests that arrived at `path`.
+    pub fn at(&self, path: &str) -> Vec<Received> {
+        self.received().into_iter().filter(|r| r.path == path).collect()
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    pub fn received(&self) -> Vec<Received> {
+        self.got.lock().expect("not poisoned").clone()
+    }
+
+    /// Waits (bounded) until at least `n` requests arrived; returns them all.
+    pub async fn wait_for(&self, n: usize, within: Duration) -> Vec<Received> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline && self.received().len() < n {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        self.received()
+    }
+
+    /// Waits (bounded) until at least `n` requests arrived at `path`.
+    pub async fn wait_at(&self, path: &str, n: usize, within: Duration) -> Vec<Received> {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline && self.at(path).len() < n {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        self.at(path)
+    }
+}
