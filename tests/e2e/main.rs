@@ -2,17 +2,23 @@
 //! delivery relay → NATS DELIVERIES → dispatcher → Material → signed POST →
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
+mod claims;
 mod delivery;
 mod deploy;
 mod edges;
+mod failover;
 mod faults;
 mod health;
+mod operations;
+mod pipeline_edges;
 mod portal;
 mod portal_bounds;
+mod portal_browser;
 mod receiving;
 mod retention;
 mod schemes;
 mod security;
+mod sending;
 mod ssrf;
 mod switch_off;
 mod traces;

@@ -26,6 +26,7 @@ mod judge;
 mod mutations;
 mod mutations_raw;
 mod portal;
+mod portal_values;
 mod request;
 mod routes;
 
