@@ -77,7 +77,7 @@ static ONE_FUZZ_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_ne
 
 /// The stream of request `index`, whichever worker sends it.
 fn rng_for_request(seed: u64, index: usize) -> Rng {
-    let mut r = Rng(seed ^ (index as u64).wrapping_mul(0xd1b5_4a32_d192_ed03));
+    let mut r = Rng::seeded(seed ^ (index as u64).wrapping_mul(0xd1b5_4a32_d192_ed03));
     r.next_u64();
     r
 }

@@ -75,7 +75,7 @@ impl Publishers {
                     (ledger.clone(), stop.clone(), rest_urls.to_vec(), api_key.to_string(), event_type.to_string());
                 tokio::spawn(async move {
                     let http = reqwest::Client::builder().timeout(Duration::from_secs(5)).build()?;
-                    let mut rng = Rng(match pace {
+                    let mut rng = Rng::seeded(match pace {
                         Pace::Random { seed, .. } => seed ^ (p + 1).wrapping_mul(0x5851_f42d_4c95_7f2d),
                         Pace::Every(_) => p,
                     });

@@ -1,31 +1,34 @@
-//! The tests' random choices: seeded, so a printed seed replays a run.
+//! The tests' random choices: seeded, so a printed seed replays a run (with
+//! the same `Cargo.lock`; `rand` does not promise its generators' streams
+//! across versions).
 
-/// A small deterministic generator (splitmix64) for tests that choose at
-/// random: a printed seed replays a run.
+use rand::{Rng as _, RngCore, SeedableRng, rngs::StdRng};
+
+/// A seeded generator for tests that choose at random.
 #[derive(Debug, Clone)]
-pub struct Rng(pub u64);
+pub struct Rng(StdRng);
 
 impl Rng {
+    pub fn seeded(seed: u64) -> Self {
+        Self(StdRng::seed_from_u64(seed))
+    }
+
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
+        self.0.next_u64()
     }
 
     /// From 0 to `n` - 1 (0 when `n` is 0).
     pub fn below(&mut self, n: usize) -> usize {
-        if n == 0 { 0 } else { (self.next_u64() % n as u64) as usize }
+        if n == 0 { 0 } else { self.0.random_range(0..n) }
     }
 
     /// From `lo` to `hi`, both included.
     pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + self.below(hi - lo + 1)
+        self.0.random_range(lo..=hi)
     }
 
     pub fn chance(&mut self, percent: u64) -> bool {
-        self.next_u64() % 100 < percent
+        self.0.random_range(0..100) < percent
     }
 
     pub fn pick<'a, T>(&mut self, items: &'a [T]) -> &'a T {

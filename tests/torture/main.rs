@@ -120,7 +120,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
         .and_then(|v| v.parse().ok())
         .unwrap_or_else(|| std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(1));
     println!("torture: {seconds} s of kills, RELAY_TORTURE_SEED={seed}");
-    let mut rng = Rng(seed);
+    let mut rng = Rng::seeded(seed);
 
     let nats = PrivateNats::start().await?;
     let stack =
