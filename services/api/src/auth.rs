@@ -115,7 +115,8 @@ where
             };
             let Ok(Ok(_permit)) = tokio::time::timeout(ADMISSION_WAIT, admission.acquire_owned()).await else {
                 let mut st = Status::unavailable("the api is at capacity; retry after 1 s");
-                st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, "overloaded".parse().expect("ascii"));
+                st.metadata_mut()
+                    .insert(relay_contracts::ERROR_REASON_METADATA, relay_domain::Reason::Overloaded.as_str().parse().expect("ascii"));
                 st.metadata_mut().insert("retry-after", "1".parse().expect("ascii"));
                 return Ok(st.into_http());
             };
@@ -135,7 +136,8 @@ fn undecodable_as_invalid_argument(resp: http::Response<tonic::body::Body>) -> h
         return resp;
     }
     let mut st = Status::invalid_argument("the request is not a valid protobuf message of the method's request type");
-    st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, "undecodable_message".parse().expect("ascii"));
+    st.metadata_mut()
+        .insert(relay_contracts::ERROR_REASON_METADATA, relay_domain::Reason::UndecodableMessage.as_str().parse().expect("ascii"));
     st.into_http()
 }
 
@@ -164,7 +166,8 @@ pub fn refuse_platform_identity(req: Request<()>) -> Result<Request<()>, Status>
         "this is a tenant route: it takes an API key (`Authorization: Bearer <key>`) on the public port, not a platform identity{}",
         if ids.is_empty() { String::new() } else { format!(" ({})", ids.join(", ")) }
     ));
-    st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, "wrong_credential_type".parse().expect("ascii"));
+    st.metadata_mut()
+        .insert(relay_contracts::ERROR_REASON_METADATA, relay_domain::Reason::WrongCredentialType.as_str().parse().expect("ascii"));
     Err(st)
 }
 
@@ -195,7 +198,8 @@ impl Requires {
             } else {
                 Status::permission_denied(format!("this service requires the {self:?} platform identity"))
             };
-            st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, "wrong_credential_type".parse().expect("ascii"));
+            st.metadata_mut()
+                .insert(relay_contracts::ERROR_REASON_METADATA, relay_domain::Reason::WrongCredentialType.as_str().parse().expect("ascii"));
             Err(st)
         }
     }

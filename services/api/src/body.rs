@@ -40,12 +40,13 @@ impl BodyError {
     }
 
     /// The machine-readable reason, as the REST facade's error bodies name it.
-    pub fn reason(&self) -> &'static str {
+    pub fn reason(&self) -> relay_domain::Reason {
+        use relay_domain::Reason;
         match self {
-            Self::InvalidLength => "invalid_content_length",
-            Self::DeclaredTooLarge { .. } | Self::TooLarge { .. } => "body_too_large",
-            Self::Unreadable => "unreadable_body",
-            Self::TooSlow(_) => "body_timeout",
+            Self::InvalidLength => Reason::InvalidContentLength,
+            Self::DeclaredTooLarge { .. } | Self::TooLarge { .. } => Reason::BodyTooLarge,
+            Self::Unreadable => Reason::UnreadableBody,
+            Self::TooSlow(_) => Reason::BodyTimeout,
         }
     }
 }

@@ -7,6 +7,7 @@
 //! [`DetachLayer`]: each call runs in a task of its own, and a vanished
 //! client only means nobody reads the answer.
 
+use relay_domain::Reason;
 use std::{
     future::Future,
     pin::Pin,
@@ -66,7 +67,7 @@ pub use crate::app::TENANT_WORK_DEADLINE;
 pub fn past_deadline(after: std::time::Duration) -> crate::error::AppError {
     crate::error::AppError::new(
         crate::error::ErrorCode::Unavailable,
-        "not_confirmed",
+        Reason::NotConfirmed,
         format!(
             "the request did not finish within {} s (the database has not confirmed it); whether it took effect is unknown: \
              retry it (a publish with the same event id is idempotent)",

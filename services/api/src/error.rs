@@ -4,6 +4,8 @@
 
 use std::fmt;
 
+pub use relay_domain::Reason;
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorCode {
     InvalidArgument,
@@ -18,7 +20,7 @@ pub enum ErrorCode {
 #[error("{message}")]
 pub struct AppError {
     pub code: ErrorCode,
-    pub reason: &'static str,
+    pub reason: Reason,
     pub message: String,
     /// The cause, kept for the logs; never shown to a caller.
     #[source]
@@ -27,7 +29,7 @@ pub struct AppError {
 
 impl fmt::Debug for AppError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{:?}/{}: {}", self.code, self.reason, self.message)?;
+        write!(f, "{:?}/{}: {}", self.code, self.reason.as_str(), self.message)?;
         if let Some(src) = &self.source {
             write!(f, ": {src:#}")?;
         }
@@ -38,29 +40,34 @@ impl fmt::Debug for AppError {
 pub type AppResult<T> = Result<T, AppError>;
 
 impl AppError {
-    pub fn new(code: ErrorCode, reason: &'static str, message: impl Into<String>) -> Self {
+    pub fn new(code: ErrorCode, reason: Reason, message: impl Into<String>) -> Self {
         Self { code, reason, message: message.into(), source: None }
     }
 
-    pub fn invalid(reason: &'static str, message: impl Into<String>) -> Self {
+    pub fn invalid(reason: Reason, message: impl Into<String>) -> Self {
         Self::new(ErrorCode::InvalidArgument, reason, message)
     }
 
     /// The same answer for "never existed" and "belongs to another tenant".
     pub fn not_found(what: &str) -> Self {
-        Self::new(ErrorCode::NotFound, relay_contracts::reasons::NOT_FOUND, format!("no such {what}"))
+        Self::new(ErrorCode::NotFound, Reason::NotFound, format!("no such {what}"))
     }
 
-    pub fn precondition(reason: &'static str, message: impl Into<String>) -> Self {
+    pub fn precondition(reason: Reason, message: impl Into<String>) -> Self {
         Self::new(ErrorCode::FailedPrecondition, reason, message)
     }
 
     pub fn internal(source: anyhow::Error) -> Self {
-        Self { code: ErrorCode::Internal, reason: "internal", message: "internal error".into(), source: Some(source) }
+        Self { code: ErrorCode::Internal, reason: Reason::Internal, message: "internal error".into(), source: Some(source) }
     }
 
     pub fn unavailable(source: anyhow::Error) -> Self {
-        Self { code: ErrorCode::Unavailable, reason: "unavailable", message: "temporarily unavailable; retry".into(), source: Some(source) }
+        Self {
+            code: ErrorCode::Unavailable,
+            reason: Reason::Unavailable,
+            message: "temporarily unavailable; retry".into(),
+            source: Some(source),
+        }
     }
 }
 
@@ -136,7 +143,8 @@ pub fn quoted(raw: &str) -> String {
 
 /// Parses an id a caller supplied, with an error naming the field.
 pub fn parse_id(field: &'static str, raw: &str) -> AppResult<uuid::Uuid> {
-    uuid::Uuid::parse_str(raw.trim()).map_err(|_| AppError::invalid("invalid_id", format!("{field} must be a UUID, got {}", quoted(raw))))
+    uuid::Uuid::parse_str(raw.trim())
+        .map_err(|_| AppError::invalid(Reason::InvalidId, format!("{field} must be a UUID, got {}", quoted(raw))))
 }
 
 #[cfg(test)]

@@ -12,7 +12,7 @@ include!(concat!(env!("OUT_DIR"), "/relay.rs"));
 pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/relay_descriptor.bin"));
 
 /// The metadata key a failing RPC uses to name its reason in machine-readable
-/// form (`endpoint_quota_exceeded`, `wrong_credential_type`, ...). The REST
+/// form, one of `relay_domain::Reason` (`endpoint_quota_exceeded`, ...). The REST
 /// facade copies it into the JSON error body.
 pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
 
@@ -20,36 +20,6 @@ pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
 /// success status when that depends on the request (a dry run's 200 where
 /// the real call is 202); absent, the method's declared status holds.
 pub const HTTP_STATUS_METADATA: &str = "relay-http-status";
-
-pub mod reasons {
-    //! The reasons the api gives on the internal seam (in the
-    //! `relay-error-reason` metadata of a status, or an `ItemError`), one
-    //! catalogue for both ends: the api names its refusals with these, the
-    //! dispatcher decides what the broker is told from the code and these.
-
-    /// A batch item not served in this reply (its budget was spent on the
-    /// items before it); ask for it again. Not a failure of the item.
-    pub const DEFERRED: &str = "deferred";
-    /// Another dispatcher holds this attempt (it fetched the material and
-    /// has not yet reported): do not send, ask again later. If the holder
-    /// died, its claim runs out and the attempt is handed out again.
-    pub const IN_HAND_ELSEWHERE: &str = "in_hand_elsewhere";
-    /// The attempt is no longer the delivery's current one (reported, the
-    /// delivery finished, or a replay began a new generation): nothing to send.
-    pub const STALE_ATTEMPT: &str = "stale_attempt";
-    /// The endpoint was disabled or deleted; its pending deliveries end as
-    /// dead letters: nothing to send.
-    pub const ENDPOINT_INACTIVE: &str = "endpoint_inactive";
-    /// No such delivery, event or dead letter.
-    pub const NOT_FOUND: &str = "not_found";
-    /// An event whose environment or type is not what the api stored.
-    pub const EVENT_MISMATCH: &str = "event_mismatch";
-    /// A replay of a delivery that is no longer dead.
-    pub const ALREADY_REPLAYED: &str = "already_replayed";
-
-    /// Every reason above, for tests that walk the catalogue.
-    pub const ALL: &[&str] = &[DEFERRED, IN_HAND_ELSEWHERE, STALE_ATTEMPT, ENDPOINT_INACTIVE, NOT_FOUND, EVENT_MISMATCH, ALREADY_REPLAYED];
-}
 
 /// The largest message either end of the internal seam sends or accepts, set
 /// the same on both. Batches stay well below it by construction: the api

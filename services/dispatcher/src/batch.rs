@@ -32,7 +32,7 @@ type Call<Req, Resp> = dyn Fn(Vec<Req>) -> Pin<Box<dyn Future<Output = Result<Ve
 
 impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// `call` answers a batch item by item, in order, or fails as a whole.
-    /// An item answered `deferred` (see [`relay_contracts::reasons::DEFERRED`])
+    /// An item answered `deferred` (see [`relay_domain::Reason::Deferred`])
     /// goes back in the queue, behind whatever waits, for the next call; a
     /// batch that fails as a whole for what may be one item's sake is split
     /// until the failure is that item's alone.
@@ -116,7 +116,7 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
             Ok(answers) if answers.len() == n => {
                 for ((req, reply), answer) in items.into_iter().zip(answers) {
                     match answer {
-                        Err(st) if reason(&st) == Some(relay_contracts::reasons::DEFERRED) => match requeue.upgrade() {
+                        Err(st) if reason(&st) == Some(relay_domain::Reason::Deferred.as_str()) => match requeue.upgrade() {
                             Some(tx) => {
                                 if let Err(mpsc::error::SendError((_, reply))) = tx.send((req, reply)) {
                                     let _ = reply.send(Err(st));
@@ -242,7 +242,7 @@ mod tests {
 
     fn deferred() -> Status {
         let mut st = Status::unavailable("budget spent");
-        st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, relay_contracts::reasons::DEFERRED.parse().unwrap());
+        st.metadata_mut().insert(relay_contracts::ERROR_REASON_METADATA, relay_domain::Reason::Deferred.as_str().parse().unwrap());
         st
     }
 

@@ -1,6 +1,6 @@
 //! What the broker is told about each message, decided in this one place
 //! from the api's answer (its gRPC code and the reason from the contracts'
-//! catalogue, `relay_contracts::reasons`).
+//! catalogue, `relay_domain::Reason`).
 //!
 //! Each message ends in exactly one of: Ack (handled, including a customer's
 //! failure, which is an outcome), Nak with a delay (we could not process it:
@@ -8,6 +8,7 @@
 //! processed, e.g. undecodable bytes). The broker's redelivery budget is for
 //! our failures only; the customer's attempt budget lives in the api.
 
+use relay_domain::Reason;
 use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, message::Message};
@@ -35,27 +36,27 @@ pub(crate) enum Verdict {
 /// The verdict for an answer of the api that is not a success. `for_event`:
 /// an EVENTS message (expansion), else a DELIVERIES job (material).
 pub(crate) fn verdict(st: &tonic::Status, for_event: bool) -> Verdict {
-    let reason = st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).unwrap_or_default();
-    by_reason(reason, for_event).unwrap_or_else(|| by_code(st.code(), for_event))
+    let reason = st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).and_then(Reason::parse);
+    reason.and_then(|r| by_reason(r, for_event)).unwrap_or_else(|| by_code(st.code(), for_event))
 }
 
 /// The verdict for a reason in the contracts' catalogue, whatever the code.
-fn by_reason(reason: &str, for_event: bool) -> Option<Verdict> {
-    use relay_contracts::reasons::*;
+fn by_reason(reason: Reason, for_event: bool) -> Option<Verdict> {
+    use Reason::*;
     Some(match reason {
         // Another dispatcher is sending this attempt (if it reports, the
         // attempt is done; if it died, its claim runs out), or the reply had
         // no room for it: ask again later rather than send.
-        IN_HAND_ELSEWHERE | DEFERRED => Verdict::Retry,
+        InHandElsewhere | Deferred => Verdict::Retry,
         // The attempt is no longer current, or its endpoint was switched
         // off: nothing to send.
-        STALE_ATTEMPT | ENDPOINT_INACTIVE | ALREADY_REPLAYED => Verdict::Ack,
+        StaleAttempt | EndpointInactive | AlreadyReplayed => Verdict::Ack,
         // An event the api does not know can never be expanded; a delivery
         // that is gone has nothing to send.
-        NOT_FOUND if for_event => Verdict::Term,
-        NOT_FOUND => Verdict::Ack,
+        NotFound if for_event => Verdict::Term,
+        NotFound => Verdict::Ack,
         // An event that does not match the api's record never will.
-        EVENT_MISMATCH => Verdict::Term,
+        EventMismatch => Verdict::Term,
         _ => return None,
     })
 }
@@ -104,8 +105,8 @@ mod tests {
     fn the_apis_answers_map_to_one_broker_verdict_each() {
         use Verdict::*;
         for (code, reason, for_event, want) in [
-            (Code::Unavailable, relay_contracts::reasons::IN_HAND_ELSEWHERE, false, Retry),
-            (Code::Unavailable, relay_contracts::reasons::DEFERRED, false, Retry),
+            (Code::Unavailable, "in_hand_elsewhere", false, Retry),
+            (Code::Unavailable, "deferred", false, Retry),
             (Code::FailedPrecondition, "stale_attempt", false, Ack),
             (Code::FailedPrecondition, "endpoint_inactive", false, Ack),
             (Code::NotFound, "not_found", false, Ack),
@@ -123,13 +124,14 @@ mod tests {
 
     #[test]
     fn every_reason_in_the_catalogue_has_its_own_verdict() {
-        for reason in relay_contracts::reasons::ALL {
+        for reason in Reason::SEAM {
+            let (reason, text) = (*reason, reason.as_str());
             for for_event in [false, true] {
                 let v = by_reason(reason, for_event);
-                assert!(v.is_some(), "{reason} (event={for_event}) falls through to the code");
+                assert!(v.is_some(), "{text} (event={for_event}) falls through to the code");
                 // The reason decides, whatever code carries it.
                 for code in [Code::Unavailable, Code::FailedPrecondition, Code::NotFound, Code::Internal] {
-                    assert_eq!(Some(verdict(&status(code, reason), for_event)), v, "{reason} under {code:?}");
+                    assert_eq!(Some(verdict(&status(code, text), for_event)), v, "{text} under {code:?}");
                 }
             }
         }

@@ -11,6 +11,7 @@ pub mod delivery;
 pub mod health;
 pub mod ids;
 pub mod models;
+pub mod reason;
 pub mod schedule;
 pub mod signing;
 
@@ -18,3 +19,4 @@ pub mod signing;
 pub type Timestamp = chrono::DateTime<chrono::Utc>;
 
 pub use ids::{ApiKeyId, DeadLetterId, DeliveryId, EndpointId, EnvironmentId, EventId, OperationId};
+pub use reason::Reason;

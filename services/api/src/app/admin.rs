@@ -1,6 +1,7 @@
 //! Operator use-cases: environments, API keys, quotas, queue depths.
 
 use anyhow::Context;
+use relay_domain::Reason;
 use uuid::Uuid;
 
 use super::App;
@@ -21,23 +22,26 @@ fn check_name(field: &'static str, name: &str) -> AppResult<String> {
     let name = name.trim();
     let chars = name.chars().count();
     if chars == 0 {
-        return Err(AppError::invalid("missing_field", format!("{field} is required")));
+        return Err(AppError::invalid(Reason::MissingField, format!("{field} is required")));
     }
     if chars > MAX_NAME_CHARS {
         return Err(AppError::invalid(
-            "name_too_long",
+            Reason::NameTooLong,
             format!("{field} may be at most {MAX_NAME_CHARS} characters; this one has {chars}"),
         ));
     }
     if let Some(c) = name.chars().find(|c| c.is_control()) {
-        return Err(AppError::invalid("invalid_name", format!("{field} may not contain control characters (found U+{:04X})", c as u32)));
+        return Err(AppError::invalid(
+            Reason::InvalidName,
+            format!("{field} may not contain control characters (found U+{:04X})", c as u32),
+        ));
     }
     Ok(name.to_owned())
 }
 
 fn check_quota(quota: u32) -> AppResult<i32> {
     if quota > MAX_QUOTA {
-        return Err(AppError::invalid("quota_out_of_range", format!("endpoint_quota may be at most {MAX_QUOTA}, got {quota}")));
+        return Err(AppError::invalid(Reason::QuotaOutOfRange, format!("endpoint_quota may be at most {MAX_QUOTA}, got {quota}")));
     }
     Ok(quota as i32)
 }
@@ -79,20 +83,20 @@ impl App {
         let shortest = self.health.shortest_disable_window.as_secs().max(1) as u32;
         if !(shortest..=MAX_DISABLE_WINDOW_SECS).contains(&after_secs) {
             return Err(AppError::invalid(
-                "disable_window_out_of_range",
+                Reason::DisableWindowOutOfRange,
                 format!("disable_after_secs must be between {shortest} and {MAX_DISABLE_WINDOW_SECS}, got {after_secs}"),
             ));
         }
         if !(1..=MAX_DISABLE_MIN_FAILURES).contains(&min_failures) {
             return Err(AppError::invalid(
-                "disable_min_failures_out_of_range",
+                Reason::DisableMinFailuresOutOfRange,
                 format!("disable_min_failures must be between 1 and {MAX_DISABLE_MIN_FAILURES}, got {min_failures}"),
             ));
         }
         let max_held_secs = if max_held_secs == 0 { DEFAULT_MAX_HELD_SECS } else { max_held_secs };
         if !(shortest..=MAX_DISABLE_WINDOW_SECS).contains(&max_held_secs) {
             return Err(AppError::invalid(
-                "max_held_out_of_range",
+                Reason::MaxHeldOutOfRange,
                 format!("max_held_secs must be between {shortest} and {MAX_DISABLE_WINDOW_SECS}, got {max_held_secs}"),
             ));
         }

@@ -5,6 +5,7 @@
 //! makes it pending).
 
 use anyhow::Context;
+use relay_domain::Reason;
 use uuid::Uuid;
 
 use relay_domain::models::Operation;
@@ -36,7 +37,7 @@ impl App {
         dry_run: bool,
     ) -> AppResult<Recovery> {
         if since >= until {
-            return Err(AppError::invalid("invalid_range", format!("since ({since}) must be before until ({until})")));
+            return Err(AppError::invalid(Reason::InvalidRange, format!("since ({since}) must be before until ({until})")));
         }
         let environment_id = match tenant {
             Some(t) => t.environment_id,
@@ -50,7 +51,7 @@ impl App {
         }
         if !endpoint.enabled {
             return Err(AppError::precondition(
-                relay_contracts::reasons::ENDPOINT_INACTIVE,
+                Reason::EndpointInactive,
                 format!("endpoint {endpoint_id} is disabled; enable it before recovering its deliveries"),
             ));
         }

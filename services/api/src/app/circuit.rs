@@ -3,6 +3,7 @@
 //! an open circuit when its probe is due, and the tenant's view of what an
 //! endpoint holds. The rules are `relay_domain::health`'s.
 
+use relay_domain::Reason;
 use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Context;
@@ -255,7 +256,7 @@ impl App {
         // The endpoint must be the tenant's (another's answers 404).
         self.get_endpoint(tenant, endpoint_id).await?;
         if !(1..=1000).contains(&limit) {
-            return Err(AppError::invalid("invalid_limit", format!("limit must be between 1 and 1000, got {limit}")));
+            return Err(AppError::invalid(Reason::InvalidLimit, format!("limit must be between 1 and 1000, got {limit}")));
         }
         db::health::list_held(&self.db, endpoint_id, after, limit).await
     }

@@ -3,6 +3,7 @@
 //! beside this file — `expansion`, `material`, `outcomes` — the rules in
 //! `state`, the SQL in `crate::db`. Every transition is one transaction.
 
+use relay_domain::Reason;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -132,13 +133,13 @@ impl App {
                 .ok_or_else(|| AppError::not_found("dead letter"))?;
         if !active {
             return Err(AppError::precondition(
-                relay_contracts::reasons::ENDPOINT_INACTIVE,
+                Reason::EndpointInactive,
                 format!("endpoint {endpoint_id} is disabled or deleted; enable it before replaying its dead letters"),
             ));
         }
         if !db::deliveries::reset_for_replay(&mut tx, delivery_id).await? {
             return Err(AppError::precondition(
-                relay_contracts::reasons::ALREADY_REPLAYED,
+                Reason::AlreadyReplayed,
                 format!("delivery {delivery_id} is no longer dead: it was already replayed"),
             ));
         }

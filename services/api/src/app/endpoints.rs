@@ -2,6 +2,7 @@
 //! and switching one off (disable, delete) so that nothing starts after the
 //! tenant is answered.
 
+use relay_domain::Reason;
 use std::{
     collections::HashMap,
     net::IpAddr,
@@ -32,7 +33,7 @@ const MAX_EVENT_TYPE_LEN: usize = 128;
 const MAX_URL_LEN: usize = 2048;
 
 fn rejection(e: Rejection) -> AppError {
-    AppError::invalid("endpoint_url_rejected", e.to_string())
+    AppError::invalid(Reason::EndpointUrlRejected, e.to_string())
 }
 
 /// What an update asks for; empty or `None` fields stay as they are.
@@ -46,7 +47,7 @@ pub struct EndpointChange {
 fn parse_scheme(name: &str) -> AppResult<Scheme> {
     Scheme::parse(name).ok_or_else(|| {
         AppError::invalid(
-            "invalid_signature_scheme",
+            Reason::InvalidSignatureScheme,
             format!("signature_scheme must be one of {}; got {}", Scheme::ALL.map(Scheme::as_str).join(", "), crate::error::quoted(name)),
         )
     })
@@ -87,7 +88,7 @@ async fn lock_signing(tx: &mut sqlx::PgConnection, tenant: Tenant, id: Uuid) -> 
 pub(crate) fn check_event_type(t: &str) -> AppResult<()> {
     if t.is_empty() || t.len() > MAX_EVENT_TYPE_LEN || t.chars().any(|c| c.is_whitespace() || c.is_control()) {
         return Err(AppError::invalid(
-            "invalid_event_type",
+            Reason::InvalidEventType,
             format!(
                 "event type {} must be 1 to {MAX_EVENT_TYPE_LEN} characters with no spaces or control characters",
                 crate::error::quoted(t)
@@ -99,11 +100,11 @@ pub(crate) fn check_event_type(t: &str) -> AppResult<()> {
 
 fn normalise_event_types(types: &[String]) -> AppResult<Vec<String>> {
     if types.is_empty() {
-        return Err(AppError::invalid("missing_event_types", "event_types must list at least one event type"));
+        return Err(AppError::invalid(Reason::MissingEventTypes, "event_types must list at least one event type"));
     }
     if types.len() > MAX_EVENT_TYPES {
         return Err(AppError::invalid(
-            "too_many_event_types",
+            Reason::TooManyEventTypes,
             format!("event_types may list at most {MAX_EVENT_TYPES} types; this one lists {}", types.len()),
         ));
     }
@@ -123,7 +124,10 @@ impl App {
     /// The dispatcher checks again at send time, since DNS can change.
     async fn check_endpoint_url(&self, raw: &str) -> AppResult<String> {
         if raw.len() > MAX_URL_LEN {
-            return Err(AppError::invalid("endpoint_url_rejected", format!("url may be at most {MAX_URL_LEN} bytes, got {}", raw.len())));
+            return Err(AppError::invalid(
+                Reason::EndpointUrlRejected,
+                format!("url may be at most {MAX_URL_LEN} bytes, got {}", raw.len()),
+            ));
         }
         let url = self.url_policy.check_url(raw).map_err(rejection)?;
         if let Some(Host::Domain(name)) = url.host() {
@@ -154,7 +158,7 @@ impl App {
         let live = db::endpoints::count_live(&mut tx, tenant.environment_id).await?;
         if live >= i64::from(quota) {
             return Err(AppError::precondition(
-                "endpoint_quota_exceeded",
+                Reason::EndpointQuotaExceeded,
                 format!("an environment may have at most {quota} webhook endpoints; this one already has {live}"),
             ));
         }
@@ -203,7 +207,7 @@ impl App {
                     self.keyring.decrypt(&locked.secret_key_id, &locked.secret_ciphertext).context("decrypting a signing secret")?;
                 if let Err(e) = relay_signing::standard::symmetric_key(&secret) {
                     return Err(AppError::precondition(
-                        "secret_not_standard_webhooks",
+                        Reason::SecretNotStandardWebhooks,
                         format!(
                             "this endpoint's signing secret cannot key a Standard Webhooks signature ({e}): it was minted before \
                              Relay supported the scheme; rotate the secret (POST /v1/webhooks/{id}/rotate-secret), then switch"

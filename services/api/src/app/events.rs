@@ -1,5 +1,6 @@
 //! Publishing events into the outbox, and reading what became of them.
 
+use relay_domain::Reason;
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
@@ -70,18 +71,19 @@ pub fn checked_payload(text: &str) -> AppResult<&RawValue> {
     let text = if text.is_empty() { "null" } else { text };
     if text.len() > MAX_ENVELOPE_BYTES {
         return Err(AppError::invalid(
-            "payload_too_large",
+            Reason::PayloadTooLarge,
             format!("a payload may be at most {MAX_ENVELOPE_BYTES} bytes as delivered; this one is {}", text.len()),
         ));
     }
     let depth = json_depth(text.as_bytes());
     if depth > MAX_PAYLOAD_DEPTH {
         return Err(AppError::invalid(
-            "payload_too_deep",
+            Reason::PayloadTooDeep,
             format!("a payload may nest arrays and objects at most {MAX_PAYLOAD_DEPTH} deep; this one nests {depth}"),
         ));
     }
-    serde_json::from_str::<&RawValue>(text).map_err(|e| AppError::invalid("invalid_payload", format!("payload is not valid JSON: {e}")))
+    serde_json::from_str::<&RawValue>(text)
+        .map_err(|e| AppError::invalid(Reason::InvalidPayload, format!("payload is not valid JSON: {e}")))
 }
 
 /// The bytes every attempt of an event sends: its envelope around the
@@ -177,7 +179,7 @@ impl App {
         let envelope = envelope(event_id, event_type, tenant.environment_id, occurred_at, payload)?;
         if envelope.len() > MAX_ENVELOPE_BYTES {
             return Err(AppError::invalid(
-                "payload_too_large",
+                Reason::PayloadTooLarge,
                 format!("an event may be at most {MAX_ENVELOPE_BYTES} bytes as delivered; this one is {}", envelope.len()),
             ));
         }
@@ -350,9 +352,9 @@ mod tests {
             checked_payload(&text).unwrap_or_else(|e| panic!("depth {depth}: {e:?}"));
         }
         let deep = "[".repeat(MAX_PAYLOAD_DEPTH + 1) + &"]".repeat(MAX_PAYLOAD_DEPTH + 1);
-        assert_eq!(checked_payload(&deep).unwrap_err().reason, "payload_too_deep");
+        assert_eq!(checked_payload(&deep).unwrap_err().reason, Reason::PayloadTooDeep);
         let very_deep = "[".repeat(1_000_000);
-        assert_eq!(checked_payload(&very_deep).unwrap_err().reason, "payload_too_large");
+        assert_eq!(checked_payload(&very_deep).unwrap_err().reason, Reason::PayloadTooLarge);
     }
 
     #[test]
@@ -360,6 +362,6 @@ mod tests {
         let text = r#"{"id": 9007199254740993, "max": 18446744073709551615, "min": -9223372036854775808, "b": 1, "a": 2.50, "b": 1e400}"#;
         assert_eq!(checked_payload(text).unwrap().get(), text);
         assert_eq!(checked_payload("").unwrap().get(), "null");
-        assert_eq!(checked_payload("{\"a\": 1} {}").unwrap_err().reason, "invalid_payload");
+        assert_eq!(checked_payload("{\"a\": 1} {}").unwrap_err().reason, Reason::InvalidPayload);
     }
 }

@@ -2,6 +2,7 @@
 //! exactly once per event, and first attempts handed out at once — to the
 //! dispatcher that asked, with their material, or to the broker.
 
+use relay_domain::Reason;
 use std::{collections::HashMap, time::Duration};
 
 use anyhow::Context;
@@ -111,7 +112,7 @@ impl App {
             let answer = out[i].get_or_insert_with(|| match &row.stored_type {
                 None => Err(AppError::not_found("event")),
                 Some(t) if *t != ask.item.event_type => Err(AppError::invalid(
-                    relay_contracts::reasons::EVENT_MISMATCH,
+                    Reason::EventMismatch,
                     format!("event {} does not have that environment and type", ask.item.event_id),
                 )),
                 Some(_) if !row.fresh => Ok(Expanded::duplicate()),

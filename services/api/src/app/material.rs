@@ -1,6 +1,7 @@
 //! Material: what the dispatcher needs to sign and send an attempt that is
 //! still current, claimed for the one dispatcher that asked.
 
+use relay_domain::Reason;
 use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
@@ -58,7 +59,7 @@ impl App {
             if row.servable && row.envelope.is_none() {
                 out.push(Err(AppError::new(
                     ErrorCode::Unavailable,
-                    relay_contracts::reasons::DEFERRED,
+                    Reason::Deferred,
                     "this reply's payload budget is spent; ask for this attempt again",
                 )));
                 continue;
@@ -66,7 +67,7 @@ impl App {
             if row.servable && w.claim.is_some() && !claimed.contains(&row.id) {
                 out.push(Err(AppError::new(
                     ErrorCode::Unavailable,
-                    relay_contracts::reasons::IN_HAND_ELSEWHERE,
+                    Reason::InHandElsewhere,
                     format!("another dispatcher holds attempt {attempt} of delivery {}; ask again later", row.id, attempt = w.attempt),
                 )));
                 continue;
@@ -139,7 +140,7 @@ impl App {
         let AttemptRef { delivery_id, generation, attempt, .. } = *w;
         if row.state != DeliveryState::Pending || row.attempt as u32 != attempt || row.generation as u32 != generation {
             return Err(AppError::precondition(
-                relay_contracts::reasons::STALE_ATTEMPT,
+                Reason::StaleAttempt,
                 format!(
                     "delivery {delivery_id} is {} at attempt {} (generation {}); attempt {attempt} (generation {generation}) is not current",
                     row.state.as_str(),
@@ -149,10 +150,7 @@ impl App {
             ));
         }
         if !accepts_attempts(row) {
-            return Err(AppError::precondition(
-                relay_contracts::reasons::ENDPOINT_INACTIVE,
-                format!("endpoint {} is disabled or deleted", row.endpoint_id),
-            ));
+            return Err(AppError::precondition(Reason::EndpointInactive, format!("endpoint {} is disabled or deleted", row.endpoint_id)));
         }
         let stored = StoredSecrets::new(
             &row.signature_scheme,

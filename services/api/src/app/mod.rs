@@ -19,6 +19,7 @@ mod outcomes;
 pub mod portal;
 mod refill;
 
+use relay_domain::Reason;
 use std::sync::Arc;
 
 use relay_domain::{health, schedule::RetrySchedule};
@@ -215,7 +216,7 @@ pub use relay_domain::Timestamp;
 pub(crate) fn check_time(field: &str, t: Timestamp) -> AppResult<Timestamp> {
     if !db::storable(t) {
         return Err(AppError::invalid(
-            "invalid_timestamp",
+            Reason::InvalidTimestamp,
             format!("{field} is out of range: times from 4713 BC to 294276 AD are accepted, got {}", t.format("%Y-%m-%d %H:%M:%S UTC")),
         ));
     }
@@ -224,7 +225,7 @@ pub(crate) fn check_time(field: &str, t: Timestamp) -> AppResult<Timestamp> {
 
 pub(crate) fn require_nonempty(field: &'static str, value: &str) -> AppResult<()> {
     if value.trim().is_empty() {
-        return Err(AppError::invalid("missing_field", format!("{field} is required")));
+        return Err(AppError::invalid(Reason::MissingField, format!("{field} is required")));
     }
     Ok(())
 }

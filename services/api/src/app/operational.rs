@@ -117,10 +117,8 @@ impl App {
     /// One pass: dead letters counted since their endpoint's last
     /// announcement become one `delivery.dead_lettered` each.
     pub async fn announce_dead_letters(&self) -> AppResult<usize> {
-        let interval = |d: Duration| sqlx::postgres::types::PgInterval::try_from(d).map_err(|e| anyhow::anyhow!("{d:?}: {e}"));
         let mut tx = self.db.begin().await?;
-        let notices =
-            db::events::take_dead_letter_notices(&mut tx, interval(GATHER_DEAD_LETTERS)?, interval(ANNOUNCE_DEAD_LETTERS_EVERY)?).await?;
+        let notices = db::events::take_dead_letter_notices(&mut tx, GATHER_DEAD_LETTERS, ANNOUNCE_DEAD_LETTERS_EVERY).await?;
         if notices.is_empty() {
             return Ok(0);
         }

@@ -3,7 +3,7 @@
 
 use std::{collections::HashSet, time::Duration};
 
-use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use relay_domain::delivery::DeadLetterReason;
@@ -151,7 +151,7 @@ pub async fn find_for_replay(tx: &mut PgConnection, id: Uuid, environment: Optio
 
 /// Deletes dead letters older than `retention`.
 pub async fn prune(db: &PgPool, retention: Duration) -> AppResult<u64> {
-    let retention = PgInterval::try_from(retention).map_err(|e| anyhow::anyhow!("a retention of {retention:?} is not an interval: {e}"))?;
+    let retention = super::interval(retention)?;
     Ok(sqlx::query!("DELETE FROM webhook_dead_letters WHERE dead_lettered_at < now() - $1::interval", retention)
         .execute(db)
         .await?

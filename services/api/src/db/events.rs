@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use sqlx::{PgConnection, PgPool, postgres::types::PgInterval};
+use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use super::models::{Delivery, DeliveryState, EventFilter, LoggedEvent, Timestamp};
@@ -29,7 +29,7 @@ pub struct OutboxRow {
 /// every environment's second, ...), so a burst in one environment takes
 /// its turn beside the others instead of ahead of them.
 pub async fn claim_unpublished<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, claim: Duration) -> AppResult<Vec<OutboxRow>> {
-    let claim = PgInterval::try_from(claim).map_err(|e| anyhow::anyhow!("a claim of {claim:?} is not an interval: {e}"))?;
+    let claim = super::interval(claim)?;
     Ok(sqlx::query!(
         "WITH RECURSIVE environments(environment_id) AS (
            (SELECT environment_id FROM events WHERE published_at IS NULL ORDER BY environment_id LIMIT 1)
@@ -226,7 +226,8 @@ pub struct Notice {
     pub since: Timestamp,
 }
 
-pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: PgInterval, every: PgInterval) -> AppResult<Vec<Notice>> {
+pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: Duration, every: Duration) -> AppResult<Vec<Notice>> {
+    let (gather, every) = (super::interval(gather)?, super::interval(every)?);
     Ok(sqlx::query_as!(
         Notice,
         r#"UPDATE dead_letter_notices n SET pending = 0, first_at = NULL, last_sent_at = now()

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use sqlx::{PgPool, postgres::types::PgInterval};
+use sqlx::PgPool;
 
 use crate::error::AppResult;
 
@@ -35,7 +35,7 @@ pub struct Pruned {
 /// then its event stays too: an event goes only when every delivery it had
 /// went with it.
 pub async fn prune_events(db: &PgPool, retention: Duration, after_seq: i64, batch: i64) -> AppResult<Pruned> {
-    let retention = PgInterval::try_from(retention).map_err(|e| anyhow::anyhow!("a retention of {retention:?} is not an interval: {e}"))?;
+    let retention = super::interval(retention)?;
     let row = sqlx::query!(
         r#"WITH scanned AS (
              SELECT environment_id, id, seq, created_at < now() - $3::interval AND published_at IS NOT NULL AS old

@@ -16,6 +16,7 @@ use crate::{
     },
     error::AppError,
 };
+use relay_domain::Reason;
 
 /// The most items one batch call may carry.
 pub const MAX_BATCH: usize = 1000;
@@ -28,7 +29,7 @@ fn check_batch(len: usize) -> Result<(), Status> {
 }
 
 fn item_error(e: AppError) -> pb::ItemError {
-    let reason = e.reason.to_owned();
+    let reason = e.reason.as_str().to_owned();
     let st = status(e);
     pb::ItemError { code: st.code() as i32, reason, message: st.message().to_owned() }
 }
@@ -74,7 +75,7 @@ const MAX_LATENCY_MS: u64 = 24 * 3600 * 1000;
 /// The longest W3C traceparent accepted (they are 55 characters).
 const MAX_TRACEPARENT: usize = 256;
 
-fn invalid(reason: &'static str, message: String) -> AppError {
+fn invalid(reason: Reason, message: String) -> AppError {
     AppError::invalid(reason, message)
 }
 
@@ -82,10 +83,10 @@ fn invalid(reason: &'static str, message: String) -> AppError {
 /// schedule's own bound on attempts is the app's to check.
 fn attempt_and_generation(attempt: u32, generation: u32) -> Result<(u32, u32), AppError> {
     if attempt == 0 || attempt > MAX_ATTEMPT {
-        return Err(invalid("attempt_out_of_range", format!("attempt must be from 1 to {MAX_ATTEMPT}, got {attempt}")));
+        return Err(invalid(Reason::AttemptOutOfRange, format!("attempt must be from 1 to {MAX_ATTEMPT}, got {attempt}")));
     }
     if generation > i32::MAX as u32 {
-        return Err(invalid("generation_out_of_range", format!("generation may be at most {}, got {generation}", i32::MAX)));
+        return Err(invalid(Reason::GenerationOutOfRange, format!("generation may be at most {}, got {generation}", i32::MAX)));
     }
     Ok((attempt, generation))
 }
@@ -102,11 +103,11 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
     if let Some(s) = r.http_status
         && !(100..=599).contains(&s)
     {
-        return Err(invalid("http_status_out_of_range", format!("http_status must be from 100 to 599, got {s}")));
+        return Err(invalid(Reason::HttpStatusOutOfRange, format!("http_status must be from 100 to 599, got {s}")));
     }
     if r.error.len() > MAX_REPORT_TEXT || r.response_body.len() > MAX_REPORT_TEXT {
         return Err(invalid(
-            "report_too_large",
+            Reason::ReportTooLarge,
             format!(
                 "error and response_body may be at most {MAX_REPORT_TEXT} bytes each; got {} and {}",
                 r.error.len(),
@@ -115,7 +116,7 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
         ));
     }
     if r.latency_ms > MAX_LATENCY_MS {
-        return Err(invalid("latency_out_of_range", format!("latency_ms may be at most {MAX_LATENCY_MS}, got {}", r.latency_ms)));
+        return Err(invalid(Reason::LatencyOutOfRange, format!("latency_ms may be at most {MAX_LATENCY_MS}, got {}", r.latency_ms)));
     }
     Ok(AttemptReport {
         delivery_id,
@@ -132,7 +133,10 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
             Ok(pb::SignatureScheme::StandardWebhooks) => Some(relay_signing::Scheme::StandardWebhooks),
             Ok(pb::SignatureScheme::StandardWebhooksEd25519) => Some(relay_signing::Scheme::StandardWebhooksEd25519),
             Err(_) => {
-                return Err(invalid("unknown_signature_scheme", format!("signature_scheme {} is not a known scheme", r.signature_scheme)));
+                return Err(invalid(
+                    Reason::UnknownSignatureScheme,
+                    format!("signature_scheme {} is not a known scheme", r.signature_scheme),
+                ));
             }
         },
     })
@@ -154,7 +158,7 @@ fn in_hand_claim(claimant: &str, hold_ms: u32) -> Result<Option<Claim>, AppError
         && c.hold < relay_config::timing::MIN_IN_HAND_LEASE
     {
         return Err(invalid(
-            "hold_out_of_range",
+            Reason::HoldOutOfRange,
             format!(
                 "hold_ms must be at least {} for attempts taken in hand, got {hold_ms}",
                 relay_config::timing::MIN_IN_HAND_LEASE.as_millis()
@@ -172,7 +176,7 @@ fn claim(field: &'static str, claimant: &str, hold_ms: u32) -> Result<Option<Cla
     let hold = Duration::from_millis(u64::from(hold_ms));
     if hold.is_zero() || hold > MAX_CLAIM_HOLD {
         return Err(invalid(
-            "hold_out_of_range",
+            Reason::HoldOutOfRange,
             format!("hold_ms must be from 1 to {} with a claimant, got {hold_ms}", MAX_CLAIM_HOLD.as_millis()),
         ));
     }

@@ -6,6 +6,7 @@ pub mod dispatch;
 pub mod tenant;
 
 use relay_contracts::ERROR_REASON_METADATA;
+use relay_domain::Reason;
 use tonic::{Code, Status};
 use uuid::Uuid;
 
@@ -33,10 +34,10 @@ pub fn status(e: AppError) -> Status {
         ErrorCode::Internal => Code::Internal,
     };
     if let Some(src) = &e.source {
-        tracing::error!(reason = e.reason, error = format!("{src:#}"), "request failed");
+        tracing::error!(reason = e.reason.as_str(), error = format!("{src:#}"), "request failed");
     }
     let mut st = Status::new(code, crate::error::bounded(&e.message));
-    if let Ok(v) = e.reason.parse() {
+    if let Ok(v) = e.reason.as_str().parse() {
         st.metadata_mut().insert(ERROR_REASON_METADATA, v);
     }
     st
@@ -59,10 +60,10 @@ pub fn optional_id(field: &'static str, raw: &str) -> Result<Option<Uuid>, Statu
 /// A required timestamp field, as the use-cases take it.
 pub fn time(field: &'static str, raw: Option<&prost_types::Timestamp>) -> Result<Timestamp, Status> {
     let Some(t) = raw else {
-        return Err(status(crate::error::AppError::invalid("missing_field", format!("{field} is required"))));
+        return Err(status(crate::error::AppError::invalid(Reason::MissingField, format!("{field} is required"))));
     };
     let t = chrono::DateTime::from_timestamp(t.seconds, u32::try_from(t.nanos).unwrap_or(u32::MAX)).ok_or_else(|| {
-        status(crate::error::AppError::invalid("invalid_timestamp", format!("{field} is out of range: {}s {}ns", t.seconds, t.nanos)))
+        status(crate::error::AppError::invalid(Reason::InvalidTimestamp, format!("{field} is out of range: {}s {}ns", t.seconds, t.nanos)))
     })?;
     crate::app::check_time(field, t).map_err(status)
 }

@@ -5,6 +5,7 @@ use relay_contracts::relay::tenant::v1::{
     self as pb, dead_letter_service_server::DeadLetterService, event_service_server::EventService, portal_service_server::PortalService,
     webhook_endpoint_service_server::WebhookEndpointService,
 };
+use relay_domain::Reason;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument as _, field::Empty};
 
@@ -90,7 +91,7 @@ fn parse_held_cursor(cursor: &str) -> Result<Option<(crate::app::Timestamp, uuid
         .filter(|(at, _)| crate::app::check_time("cursor", *at).is_ok());
     match parsed {
         Some(c) => Ok(Some(c)),
-        None => Err(status(AppError::invalid("invalid_cursor", "cursor must be the next_cursor of a previous page"))),
+        None => Err(status(AppError::invalid(Reason::InvalidCursor, "cursor must be the next_cursor of a previous page"))),
     }
 }
 
@@ -293,7 +294,7 @@ impl EventService for TenantApi {
             let legacy = r.legacy_payload.is_some();
             if legacy {
                 return Err(status(AppError::invalid(
-                    "legacy_payload_refused",
+                    Reason::LegacyPayloadRefused,
                     "legacy_payload (field 3, a google.protobuf.Value) is refused: it cannot carry JSON without altering it \
                      (numbers become doubles, key order is lost); send the payload as JSON text in payload (field 4)",
                 )));

@@ -7,6 +7,7 @@ use axum::{
     response::{IntoResponse, Response},
 };
 use relay_contracts::ERROR_REASON_METADATA;
+use relay_domain::Reason;
 use tonic::{Code, Status};
 
 pub use crate::error::{MAX_MESSAGE_CHARS, bounded};
@@ -34,11 +35,11 @@ pub fn http_status(code: Code) -> StatusCode {
 
 /// The JSON body of an error, as bytes (also used below the router, where
 /// hyper's own answers are rewritten).
-pub fn error_json(code: Code, reason: &str, message: &str) -> String {
-    serde_json::json!({ "code": code as i32, "message": bounded(message), "reason": reason }).to_string()
+pub fn error_json(code: Code, reason: Reason, message: &str) -> String {
+    serde_json::json!({ "code": code as i32, "message": bounded(message), "reason": reason.as_str() }).to_string()
 }
 
-pub fn error_response(http: StatusCode, code: Code, reason: &str, message: &str) -> Response {
+pub fn error_response(http: StatusCode, code: Code, reason: Reason, message: &str) -> Response {
     let mut resp = (http, [(header::CONTENT_TYPE, "application/json")], error_json(code, reason, message)).into_response();
     // Overload and unavailability are worth retrying, and say when.
     if http == StatusCode::SERVICE_UNAVAILABLE || http == StatusCode::TOO_MANY_REQUESTS {
@@ -47,38 +48,40 @@ pub fn error_response(http: StatusCode, code: Code, reason: &str, message: &str)
     resp
 }
 
-pub fn invalid(reason: &str, message: impl AsRef<str>) -> Response {
+pub fn invalid(reason: Reason, message: impl AsRef<str>) -> Response {
     error_response(StatusCode::BAD_REQUEST, Code::InvalidArgument, reason, message.as_ref())
 }
 
 pub fn status_response(st: &Status) -> Response {
-    let reason = st.metadata().get(ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let reason = if reason.is_empty() { default_reason(st.code()) } else { reason };
+    // Every reason the api gives is in the catalogue; a status without one
+    // (tonic's own) gets its code's.
+    let reason = st.metadata().get(ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).and_then(Reason::parse);
+    let reason = reason.unwrap_or_else(|| default_reason(st.code()));
     error_response(http_status(st.code()), st.code(), reason, st.message())
 }
 
-fn default_reason(code: Code) -> &'static str {
+fn default_reason(code: Code) -> Reason {
     match code {
-        Code::Unauthenticated => "unauthenticated",
-        Code::NotFound => "not_found",
-        Code::InvalidArgument => "invalid_argument",
-        Code::PermissionDenied => "permission_denied",
-        Code::Unavailable => "unavailable",
-        Code::ResourceExhausted => "resource_exhausted",
-        _ => "error",
+        Code::Unauthenticated => Reason::Unauthenticated,
+        Code::NotFound => Reason::NotFound,
+        Code::InvalidArgument => Reason::InvalidArgument,
+        Code::PermissionDenied => Reason::PermissionDenied,
+        Code::Unavailable => Reason::Unavailable,
+        Code::ResourceExhausted => Reason::ResourceExhausted,
+        _ => Reason::Error,
     }
 }
 
 pub fn internal(e: anyhow::Error) -> Response {
     tracing::error!(error = format!("{e:#}"), "REST facade failure");
-    error_response(StatusCode::INTERNAL_SERVER_ERROR, Code::Internal, "internal", "internal error")
+    error_response(StatusCode::INTERNAL_SERVER_ERROR, Code::Internal, Reason::Internal, "internal error")
 }
 
 pub fn overloaded() -> Response {
     error_response(
         StatusCode::SERVICE_UNAVAILABLE,
         Code::Unavailable,
-        "overloaded",
+        Reason::Overloaded,
         &format!("the api is at capacity for request bodies; retry after {RETRY_AFTER_SECS} s"),
     )
 }

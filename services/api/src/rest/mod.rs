@@ -22,6 +22,7 @@ pub mod errors;
 mod rules;
 pub mod server;
 
+use relay_domain::Reason;
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use anyhow::Result;
@@ -127,13 +128,13 @@ pub fn router(app: App, grpc: Routes, deadline: Duration) -> Result<Router> {
                 error_response(
                     StatusCode::METHOD_NOT_ALLOWED,
                     Code::Unimplemented,
-                    "method_not_allowed",
+                    Reason::MethodNotAllowed,
                     "this route does not accept that method",
                 )
             }),
         );
     }
-    Ok(router.fallback(|| async { error_response(StatusCode::NOT_FOUND, Code::NotFound, "no_route", "no such route") }))
+    Ok(router.fallback(|| async { error_response(StatusCode::NOT_FOUND, Code::NotFound, Reason::NoRoute, "no such route") }))
 }
 
 async fn handle(
@@ -146,7 +147,7 @@ async fn handle(
 ) -> Result<Response, Response> {
     let params: Vec<(String, String)> = match params {
         Ok(p) => p.iter().map(|(k, v)| (k.to_owned(), v.to_owned())).collect(),
-        Err(_) => return Err(invalid("invalid_path", "a path segment is not valid UTF-8 once percent-decoded")),
+        Err(_) => return Err(invalid(Reason::InvalidPath, "a path segment is not valid UTF-8 once percent-decoded")),
     };
     // A credential in the URL ends up in logs and referrers: refuse it
     // outright, whatever the route, rather than ignoring or binding it.
@@ -155,7 +156,7 @@ async fn handle(
         return Err(error_response(
             StatusCode::UNAUTHORIZED,
             Code::Unauthenticated,
-            "credential_in_url",
+            Reason::CredentialInUrl,
             "API keys are accepted only in the Authorization header (`Authorization: Bearer <key>`), never in the URL",
         ));
     }
@@ -219,8 +220,8 @@ fn set_scalar(msg: &mut DynamicMessage, name: &str, raw: &str) -> Result<(), Res
     let field = msg
         .descriptor()
         .get_field_by_name(name)
-        .ok_or_else(|| invalid("unknown_parameter", format!("unknown parameter {}", crate::error::quoted(name))))?;
-    let value = scalar(&field, raw).map_err(|m| invalid("invalid_parameter", m))?;
+        .ok_or_else(|| invalid(Reason::UnknownParameter, format!("unknown parameter {}", crate::error::quoted(name))))?;
+    let value = scalar(&field, raw).map_err(|m| invalid(Reason::InvalidParameter, m))?;
     if field.is_list() {
         if let Value::List(list) = msg.get_field_mut(&field) {
             list.push(value);
@@ -261,7 +262,8 @@ fn bind_body(b: &Binding, body: &[u8]) -> Result<DynamicMessage, Response> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Ok(DynamicMessage::new(b.input.clone()));
     }
-    let not_valid = |e: &dyn std::fmt::Display| invalid("invalid_json", format!("the request body is not a valid {}: {e}", b.input.name()));
+    let not_valid =
+        |e: &dyn std::fmt::Display| invalid(Reason::InvalidJson, format!("the request body is not a valid {}: {e}", b.input.name()));
     let Members(members) = serde_json::from_slice(body).map_err(|e| not_valid(&e))?;
     let mut seen: Vec<String> = Vec::with_capacity(members.len());
     let mut rest = String::with_capacity(body.len());
@@ -270,7 +272,7 @@ fn bind_body(b: &Binding, body: &[u8]) -> Result<DynamicMessage, Response> {
         let field = b.input.get_field_by_name(key).or_else(|| b.input.get_field_by_json_name(key));
         let name = field.as_ref().map_or(key.as_str(), |f| f.name());
         if seen.iter().any(|s| s == name) {
-            return Err(invalid("duplicate_field", format!("the request body sets {} more than once", crate::error::quoted(name))));
+            return Err(invalid(Reason::DuplicateField, format!("the request body sets {} more than once", crate::error::quoted(name))));
         }
         seen.push(name.to_owned());
         match b.raw_json.iter().find(|f| Some(f.name()) == field.as_ref().map(|f| f.name())) {
@@ -345,7 +347,7 @@ async fn transcode(
             && msg.has_field(&field)
             && msg.get_field(&field).as_str() != Some(value.as_str())
         {
-            return Err(invalid("path_field_conflict", format!("{name} is bound by the path; the body may not give it another value")));
+            return Err(invalid(Reason::PathFieldConflict, format!("{name} is bound by the path; the body may not give it another value")));
         }
         set_scalar(&mut msg, name, value)?;
     }
@@ -353,7 +355,7 @@ async fn transcode(
         for (name, value) in &pairs {
             if b.path_fields.iter().any(|p| p == name) {
                 return Err(invalid(
-                    "path_field_in_query",
+                    Reason::PathFieldInQuery,
                     format!("{name} is bound by the path; it cannot be given as a query parameter"),
                 ));
             }

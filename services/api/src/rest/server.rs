@@ -19,6 +19,7 @@ use hyper_util::{
     server::{conn::auto, graceful::GracefulShutdown},
     service::TowerToHyperService,
 };
+use relay_domain::Reason;
 use tokio::{
     io::{AsyncRead, AsyncWrite, ReadBuf},
     net::{TcpListener, TcpStream},
@@ -90,7 +91,7 @@ pub async fn serve(listener: TcpListener, router: Router, shutdown: impl Future<
 /// The request head's limits, answered before routing: in JSON, or as the
 /// portal's page for a path of the portal's.
 async fn checked_head(router: Router, req: Request) -> Response {
-    let refuse = |status: StatusCode, reason: &str, message: &str| {
+    let refuse = |status: StatusCode, reason: Reason, message: &str| {
         if crate::portal::owns(req.uri().path()) {
             crate::portal::refusal(status, message)
         } else {
@@ -101,7 +102,7 @@ async fn checked_head(router: Router, req: Request) -> Response {
     if target > MAX_URI_BYTES {
         return refuse(
             StatusCode::URI_TOO_LONG,
-            "uri_too_long",
+            Reason::UriTooLong,
             &format!("the request target may be at most {MAX_URI_BYTES} bytes; this one is {target}"),
         );
     }
@@ -110,7 +111,7 @@ async fn checked_head(router: Router, req: Request) -> Response {
     if count > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
         return refuse(
             StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
-            "headers_too_large",
+            Reason::HeadersTooLarge,
             &format!(
                 "a request may carry at most {MAX_HEADERS} header fields and {MAX_HEADER_BYTES} bytes of them; this one has {count} fields, {bytes} bytes"
             ),
@@ -121,17 +122,17 @@ async fn checked_head(router: Router, req: Request) -> Response {
 
 /// The status line, reason and message for one of hyper's automatic
 /// answers, by its status code.
-fn automatic_answer(status: &[u8]) -> Option<(&'static str, &'static str, String)> {
+fn automatic_answer(status: &[u8]) -> Option<(&'static str, Reason, String)> {
     Some(match status {
-        b"400" => ("400 Bad Request", "malformed_request", "the request could not be parsed as HTTP/1.1".to_owned()),
+        b"400" => ("400 Bad Request", Reason::MalformedRequest, "the request could not be parsed as HTTP/1.1".to_owned()),
         b"414" => (
             "414 URI Too Long",
-            "uri_too_long",
+            Reason::UriTooLong,
             format!("the request target is longer than the server parses (at most {MAX_URI_BYTES} bytes are accepted)"),
         ),
         b"431" => (
             "431 Request Header Fields Too Large",
-            "headers_too_large",
+            Reason::HeadersTooLarge,
             format!(
                 "the request head is larger than the server parses (at most {MAX_HEADERS} header fields and {MAX_HEADER_BYTES} bytes of them are accepted)"
             ),

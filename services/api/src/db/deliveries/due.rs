@@ -4,7 +4,6 @@
 
 use std::time::Duration;
 
-use sqlx::postgres::types::PgInterval;
 use uuid::Uuid;
 
 use crate::{db::models::Timestamp, error::AppResult};
@@ -120,7 +119,7 @@ pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: 
 /// the broker is asked. Committed without waiting for the disk: a claim lost
 /// to a Postgres crash is a re-publish the broker drops.
 pub async fn claim_and_lease<'e>(db: impl sqlx::PgExecutor<'e>, chosen: &[Uuid], lease: Duration) -> AppResult<Vec<Claimed>> {
-    let lease = PgInterval::try_from(lease).map_err(|e| anyhow::anyhow!("a lease of {lease:?} is not an interval: {e}"))?;
+    let lease = crate::db::interval(lease)?;
     Ok(sqlx::query_as!(
         Claimed,
         r#"UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $2
