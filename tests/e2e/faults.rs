@@ -295,7 +295,7 @@ async fn deliveries_written_by_one_api_wake_the_relay_of_another() -> anyhow::Re
     // get the delivery sent promptly.
     let mut stack = Stack::start(Options { dispatcher: false, relay_idle: Duration::from_secs(60), ..Options::default() }).await?;
     let mut serving_only = stack.api_config();
-    serving_only.run_relays = false;
+    serving_only.delivery.run_relays = false;
     let (_, replica_internal) = stack.start_api_replica_with(serving_only).await?;
     let mut via_replica = stack.dispatcher_config();
     via_replica.api_url = replica_internal;

@@ -78,14 +78,24 @@ impl Stack {
         let addrs = api_addrs().await?;
         let api_cfg = ApiConfig {
             deployment: relay_api::config::Deployment::Development,
-            database_url: match opts.standby_pg_port {
-                Some(standby) => db.url.replace(&format!("127.0.0.1:{}/", db.port), &format!("127.0.0.1:{},127.0.0.1:{standby}/", db.port)),
-                None => db.url.clone(),
+            storage: relay_api::config::StorageSettings {
+                database_url: match opts.standby_pg_port {
+                    Some(standby) => {
+                        db.url.replace(&format!("127.0.0.1:{}/", db.port), &format!("127.0.0.1:{},127.0.0.1:{standby}/", db.port))
+                    }
+                    None => db.url.clone(),
+                },
+                pool_size: opts.db_pool_size,
+                acquire_timeout: opts.db_acquire_timeout,
+                run_migrations: true,
             },
-            nats_url: opts.nats_url.clone(),
-            stream_replicas: opts.stream_replicas,
-            allow_fewer_stream_replicas: false,
-            stream_prefix: prefix.clone(),
+            broker: relay_api::config::BrokerSettings {
+                nats_url: opts.nats_url.clone(),
+                stream_replicas: opts.stream_replicas,
+                allow_fewer_stream_replicas: false,
+                stream_prefix: prefix.clone(),
+                events_backlog: 256,
+            },
             internal_tls: relay_api::config::InternalTls {
                 client_ca: certs.join("ca.pem"),
                 cert: certs.join("api.pem"),
@@ -95,28 +105,28 @@ impl Stack {
                 Some(spec) => Keyring::parse(spec)?,
                 None => Keyring::development(),
             },
-            url_policy: opts.url_policy(),
-            resolver: opts.api_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
-            schedule: opts.retry_tiers.clone(),
-            delivery_lease: Duration::from_secs(60),
-            relay_idle: opts.relay_idle,
-            relay_batch: 200,
-            events_backlog: 256,
-            pool_size: opts.db_pool_size,
-            db_acquire_timeout: opts.db_acquire_timeout,
-            endpoint_in_flight_cap: opts.endpoint_cap,
-            run_migrations: true,
-            run_relays: true,
-            dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
-            dead_letter_prune_every: Duration::from_millis(200),
-            retention: Duration::from_secs(30 * 24 * 3600),
-            tenant_work_deadline: opts.tenant_work_deadline,
-            public_url: format!("http://{}", addrs.rest),
+            delivery: relay_api::config::DeliverySettings {
+                schedule: opts.retry_tiers.clone(),
+                lease: Duration::from_secs(60),
+                run_relays: true,
+                relay_idle: opts.relay_idle,
+                relay_batch: 200,
+                endpoint_in_flight_cap: opts.endpoint_cap,
+                url_policy: opts.url_policy(),
+                resolver: opts.api_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
+            },
             health: relay_api::app::HealthSettings {
                 circuit: CircuitPolicy { probe_guard: (opts.attempt_timeout + opts.seam_timeout) * 2, ..opts.circuit },
                 recover_per_second: opts.recover_per_second,
                 shortest_disable_window: Duration::from_secs(1),
             },
+            retention: relay_api::config::RetentionSettings {
+                dead_letters: Duration::from_secs(7 * 24 * 3600),
+                prune_every: Duration::from_millis(200),
+                events: Duration::from_secs(30 * 24 * 3600),
+            },
+            tenant_work_deadline: opts.tenant_work_deadline,
+            public_url: format!("http://{}", addrs.rest),
         };
         api_cfg.validate()?;
         let mut stack = Self {
@@ -263,13 +273,14 @@ impl Stack {
     /// The environment a `relay-api` process needs for this stack, on its ports.
     pub fn api_env(&self) -> Vec<(&'static str, String)> {
         let c = &self.api_cfg;
-        let tiers: Vec<String> =
-            (1..=c.schedule.max_attempts()).map(|a| c.schedule.delay_before(a).expect("in range").as_millis().to_string()).collect();
+        let tiers: Vec<String> = (1..=c.delivery.schedule.max_attempts())
+            .map(|a| c.delivery.schedule.delay_before(a).expect("in range").as_millis().to_string())
+            .collect();
         vec![
-            ("DATABASE_URL", c.database_url.clone()),
-            ("RELAY_NATS_URL", c.nats_url.clone()),
-            ("RELAY_STREAM_REPLICAS", c.stream_replicas.to_string()),
-            ("RELAY_STREAM_PREFIX", c.stream_prefix.clone()),
+            ("DATABASE_URL", c.storage.database_url.clone()),
+            ("RELAY_NATS_URL", c.broker.nats_url.clone()),
+            ("RELAY_STREAM_REPLICAS", c.broker.stream_replicas.to_string()),
+            ("RELAY_STREAM_PREFIX", c.broker.stream_prefix.clone()),
             ("RELAY_TLS_CLIENT_CA", c.internal_tls.client_ca.display().to_string()),
             ("RELAY_TLS_CERT", c.internal_tls.cert.display().to_string()),
             ("RELAY_TLS_KEY", c.internal_tls.key.display().to_string()),
@@ -278,7 +289,7 @@ impl Stack {
             ("RELAY_INTERNAL_ADDR", self.addrs.internal.to_string()),
             ("RELAY_METRICS_ADDR", "off".into()),
             ("RELAY_RETRY_TIERS", tiers.join(",")),
-            ("RELAY_ENDPOINT_IN_FLIGHT_CAP", c.endpoint_in_flight_cap.to_string()),
+            ("RELAY_ENDPOINT_IN_FLIGHT_CAP", c.delivery.endpoint_in_flight_cap.to_string()),
             ("RELAY_CIRCUIT_MIN_ATTEMPTS", c.health.circuit.min_attempts.to_string()),
             ("RELAY_CIRCUIT_FAILURE_PERCENT", (c.health.circuit.failure_permille / 10).to_string()),
             ("RELAY_CIRCUIT_WINDOW_MS", c.health.circuit.window.as_millis().to_string()),
@@ -287,7 +298,7 @@ impl Stack {
             ("RELAY_DEV_CIRCUIT_OFF", (!c.health.circuit.enabled).to_string()),
             ("RELAY_PROBE_BACKOFF_MS", format!("{},{}", c.health.circuit.first_probe.as_millis(), c.health.circuit.max_probe.as_millis())),
             ("RELAY_RECOVER_PER_SECOND", c.health.recover_per_second.to_string()),
-            ("RELAY_DELIVERY_LEASE_SECS", c.delivery_lease.as_secs().to_string()),
+            ("RELAY_DELIVERY_LEASE_SECS", c.delivery.lease.as_secs().to_string()),
             // The dispatcher's timeouts: the api checks its lease against them.
             ("RELAY_ATTEMPT_TIMEOUT_MS", self.opts.attempt_timeout.as_millis().to_string()),
             ("RELAY_SEAM_TIMEOUT_MS", self.opts.seam_timeout.as_millis().to_string()),

@@ -25,7 +25,36 @@ pub struct InternalTls {
 #[derive(Debug, Clone)]
 pub struct ApiConfig {
     pub deployment: Deployment,
+    pub storage: StorageSettings,
+    pub broker: BrokerSettings,
+    pub internal_tls: InternalTls,
+    pub keyring: Keyring,
+    pub delivery: DeliverySettings,
+    pub health: HealthSettings,
+    pub retention: RetentionSettings,
+    /// The REST port as customers reach it: portal links are built on it
+    /// (`RELAY_PUBLIC_URL`; https in production).
+    pub public_url: String,
+    /// How long a tenant's call may take before it is answered 503 /
+    /// UNAVAILABLE (see `detach::TENANT_WORK_DEADLINE`).
+    pub tenant_work_deadline: Duration,
+}
+
+/// Postgres: where, how many connections, and whether this api migrates.
+#[derive(Debug, Clone)]
+pub struct StorageSettings {
     pub database_url: String,
+    /// Postgres connections this api may hold (`RELAY_DB_POOL_SIZE`).
+    pub pool_size: u32,
+    /// How long a call waits for a free connection before it is answered
+    /// UNAVAILABLE (503 with `Retry-After`).
+    pub acquire_timeout: Duration,
+    pub run_migrations: bool,
+}
+
+/// NATS JetStream: where, how many copies of each stream, the names' prefix.
+#[derive(Debug, Clone)]
+pub struct BrokerSettings {
     pub nats_url: String,
     /// Copies of each stream on the NATS cluster (`RELAY_STREAM_REPLICAS`).
     pub stream_replicas: usize,
@@ -34,44 +63,40 @@ pub struct ApiConfig {
     /// Prepended to stream, subject and durable names, so tests and stacks that
     /// share one NATS never see each other's messages. Empty in production.
     pub stream_prefix: String,
-    pub internal_tls: InternalTls,
-    pub keyring: Keyring,
-    pub url_policy: Policy,
-    /// How endpoint host names are resolved for the URL rules.
-    pub resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
+    /// Events in the EVENTS stream not yet taken for expansion, at most.
+    pub events_backlog: u64,
+}
+
+/// How deliveries are scheduled and handed out, and which endpoint URLs
+/// are accepted.
+#[derive(Debug, Clone)]
+pub struct DeliverySettings {
     pub schedule: RetrySchedule,
     /// How long an attempt handed to the broker is leased before the relay may
     /// hand it out again. Must exceed the dispatcher's whole redelivery window.
-    pub delivery_lease: Duration,
-    /// How long a relay sleeps when nothing wakes it.
-    pub relay_idle: Duration,
-    pub relay_batch: i64,
-    /// Events in the EVENTS stream not yet taken for expansion, at most.
-    pub events_backlog: u64,
-    /// Postgres connections this api may hold (`RELAY_DB_POOL_SIZE`).
-    pub pool_size: u32,
-    /// How long a call waits for a free connection before it is answered
-    /// UNAVAILABLE (503 with `Retry-After`).
-    pub db_acquire_timeout: Duration,
-    /// Attempts one endpoint may have handed out and unreported at once.
-    pub endpoint_in_flight_cap: i64,
-    pub run_migrations: bool,
+    pub lease: Duration,
     /// Run the outbox and delivery relays in this process (`RELAY_RUN_RELAYS`,
     /// default true); an api can also serve requests only.
     pub run_relays: bool,
-    pub dead_letter_retention: Duration,
+    /// How long a relay sleeps when nothing wakes it.
+    pub relay_idle: Duration,
+    pub relay_batch: i64,
+    /// Attempts one endpoint may have handed out and unreported at once.
+    pub endpoint_in_flight_cap: i64,
+    pub url_policy: Policy,
+    /// How endpoint host names are resolved for the URL rules.
+    pub resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
+}
+
+/// How long what is kept is kept, and how often the rest is deleted.
+#[derive(Debug, Clone)]
+pub struct RetentionSettings {
+    pub dead_letters: Duration,
     /// How often dead letters and events past their retention are deleted.
-    pub dead_letter_prune_every: Duration,
+    pub prune_every: Duration,
     /// How long an event, its deliveries and its attempt log are kept once
     /// every delivery has ended (`RELAY_RETENTION_DAYS`).
-    pub retention: Duration,
-    /// The REST port as customers reach it: portal links are built on it
-    /// (`RELAY_PUBLIC_URL`; https in production).
-    pub public_url: String,
-    /// How long a tenant's call may take before it is answered 503 /
-    /// UNAVAILABLE (see `detach::TENANT_WORK_DEADLINE`).
-    pub tenant_work_deadline: Duration,
-    pub health: HealthSettings,
+    pub events: Duration,
 }
 
 /// Addresses for `main`; tests pass their own listeners to `run`.
@@ -140,38 +165,46 @@ impl ApiConfig {
         let cfg = Self {
             health,
             deployment,
-            database_url: env.string_or_default("DATABASE_URL"),
-            nats_url: env.string_or_default("RELAY_NATS_URL"),
-            stream_replicas: env.number("RELAY_STREAM_REPLICAS", 1..=5)?,
-            allow_fewer_stream_replicas: env.flag("RELAY_ALLOW_FEWER_STREAM_REPLICAS")?,
-            stream_prefix: env.string_or_default("RELAY_STREAM_PREFIX"),
+            storage: StorageSettings {
+                database_url: env.string_or_default("DATABASE_URL"),
+                pool_size: env.number("RELAY_DB_POOL_SIZE", 2..=1000)?,
+                acquire_timeout: Duration::from_secs(5),
+                run_migrations: !env.flag("RELAY_SKIP_MIGRATIONS")?,
+            },
+            broker: BrokerSettings {
+                nats_url: env.string_or_default("RELAY_NATS_URL"),
+                stream_replicas: env.number("RELAY_STREAM_REPLICAS", 1..=5)?,
+                allow_fewer_stream_replicas: env.flag("RELAY_ALLOW_FEWER_STREAM_REPLICAS")?,
+                stream_prefix: env.string_or_default("RELAY_STREAM_PREFIX"),
+                events_backlog: env.number("RELAY_EVENTS_BACKLOG", 1..=1_000_000)?,
+            },
             internal_tls: InternalTls {
                 client_ca: env.path("RELAY_TLS_CLIENT_CA")?,
                 cert: env.path("RELAY_TLS_CERT")?,
                 key: env.path("RELAY_TLS_KEY")?,
             },
             keyring,
-            url_policy,
-            resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
-            schedule,
-            delivery_lease: env.secs("RELAY_DELIVERY_LEASE_SECS", 5..=3600)?,
-            // A backstop only: commits in this process wake its relays, other
-            // processes' due deliveries arrive by NOTIFY; this bounds how late
-            // the work of a process that died between commit and publish is seen.
-            relay_idle: Duration::from_secs(2),
-            relay_batch: env.number("RELAY_RELAY_BATCH", 1..=10_000)?,
-            events_backlog: env.number("RELAY_EVENTS_BACKLOG", 1..=1_000_000)?,
-            db_acquire_timeout: Duration::from_secs(5),
-            pool_size: env.number("RELAY_DB_POOL_SIZE", 2..=1000)?,
-            // Little's law: an endpoint's throughput is at most its cap over
-            // the claim-to-outcome round trip (tens of ms under load); 20
-            // held W1 to ~300 deliveries/s per endpoint, hence 64.
-            endpoint_in_flight_cap: env.number("RELAY_ENDPOINT_IN_FLIGHT_CAP", 1..=10_000)?,
-            run_migrations: !env.flag("RELAY_SKIP_MIGRATIONS")?,
-            run_relays: env.flag("RELAY_RUN_RELAYS")?,
-            dead_letter_retention: Duration::from_secs(7 * 24 * 3600),
-            dead_letter_prune_every: Duration::from_secs(600),
-            retention: Duration::from_secs(env.number::<u64>("RELAY_RETENTION_DAYS", 8..=3650)? * 24 * 3600),
+            delivery: DeliverySettings {
+                schedule,
+                lease: env.secs("RELAY_DELIVERY_LEASE_SECS", 5..=3600)?,
+                run_relays: env.flag("RELAY_RUN_RELAYS")?,
+                // A backstop only: commits in this process wake its relays, other
+                // processes' due deliveries arrive by NOTIFY; this bounds how late
+                // the work of a process that died between commit and publish is seen.
+                relay_idle: Duration::from_secs(2),
+                relay_batch: env.number("RELAY_RELAY_BATCH", 1..=10_000)?,
+                // Little's law: an endpoint's throughput is at most its cap over
+                // the claim-to-outcome round trip (tens of ms under load); 20
+                // held W1 to ~300 deliveries/s per endpoint, hence 64.
+                endpoint_in_flight_cap: env.number("RELAY_ENDPOINT_IN_FLIGHT_CAP", 1..=10_000)?,
+                url_policy,
+                resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
+            },
+            retention: RetentionSettings {
+                dead_letters: Duration::from_secs(7 * 24 * 3600),
+                prune_every: Duration::from_secs(600),
+                events: Duration::from_secs(env.number::<u64>("RELAY_RETENTION_DAYS", 8..=3650)? * 24 * 3600),
+            },
             tenant_work_deadline: crate::detach::TENANT_WORK_DEADLINE,
             public_url: match env.string("RELAY_PUBLIC_URL") {
                 Some(url) => url,
@@ -181,7 +214,7 @@ impl ApiConfig {
         cfg.validate()?;
         // The dispatcher's timeouts, read here too, so the lease rule that
         // ties the two services together is checked where the lease is set.
-        timing::check_lease(cfg.delivery_lease, attempt_timeout, seam_timeout)?;
+        timing::check_lease(cfg.delivery.lease, attempt_timeout, seam_timeout)?;
         Ok(cfg)
     }
 
@@ -189,7 +222,7 @@ impl ApiConfig {
     /// may not carry.
     pub fn validate(&self) -> Result<()> {
         if self.deployment == Deployment::Production {
-            if !self.url_policy.is_strict() {
+            if !self.delivery.url_policy.is_strict() {
                 bail!(relay_netguard::DEV_ALLOWANCES_IN_PRODUCTION);
             }
             if self.keyring.is_development() {
@@ -208,7 +241,7 @@ impl ApiConfig {
             if c.window < Duration::from_secs(10) || c.quiet < Duration::from_secs(5) {
                 bail!("a circuit window under 10 s or a quiet period under 5 s is for tests; production refuses it");
             }
-            if self.schedule != RetrySchedule::production() {
+            if self.delivery.schedule != RetrySchedule::production() {
                 bail!("RELAY_RETRY_TIERS shortens the retry schedule for tests; production runs the published schedule");
             }
             if !self.public_url.starts_with("https://") {
@@ -217,34 +250,34 @@ impl ApiConfig {
                     self.public_url
                 );
             }
-            if self.stream_replicas < 3 && !self.allow_fewer_stream_replicas {
+            if self.broker.stream_replicas < 3 && !self.broker.allow_fewer_stream_replicas {
                 bail!(
                     "RELAY_STREAM_REPLICAS is {}; production keeps each stream on 3 NATS nodes, so one node's loss loses \
                      nothing (RELAY_ALLOW_FEWER_STREAM_REPLICAS=true runs fewer, knowingly)",
-                    self.stream_replicas
+                    self.broker.stream_replicas
                 );
             }
         }
-        relay_config::nats_servers(&self.nats_url)?;
+        relay_config::nats_servers(&self.broker.nats_url)?;
         url::Url::parse(&self.public_url)
             .ok()
             .filter(|u| matches!(u.scheme(), "http" | "https") && u.host().is_some() && u.query().is_none())
             .with_context(|| format!("RELAY_PUBLIC_URL must be an http(s) URL with a host and no query, got {:?}", self.public_url))?;
-        if self.retention <= self.dead_letter_retention {
+        if self.retention.events <= self.retention.dead_letters {
             bail!(
                 "the retention ({} days) must outlast a dead letter's {} days: an event stays while its dead letter can be replayed",
-                self.retention.as_secs() / 86_400,
-                self.dead_letter_retention.as_secs() / 86_400
+                self.retention.events.as_secs() / 86_400,
+                self.retention.dead_letters.as_secs() / 86_400
             );
         }
-        if self.endpoint_in_flight_cap < 1 {
-            bail!("RELAY_ENDPOINT_IN_FLIGHT_CAP must be at least 1, got {}", self.endpoint_in_flight_cap);
+        if self.delivery.endpoint_in_flight_cap < 1 {
+            bail!("RELAY_ENDPOINT_IN_FLIGHT_CAP must be at least 1, got {}", self.delivery.endpoint_in_flight_cap);
         }
-        if !(2..=1000).contains(&self.pool_size) {
-            bail!("RELAY_DB_POOL_SIZE must be between 2 and 1000, got {}", self.pool_size);
+        if !(2..=1000).contains(&self.storage.pool_size) {
+            bail!("RELAY_DB_POOL_SIZE must be between 2 and 1000, got {}", self.storage.pool_size);
         }
-        if self.delivery_lease < Duration::from_secs(5) {
-            bail!("RELAY_DELIVERY_LEASE_SECS must be at least 5, got {}", self.delivery_lease.as_secs());
+        if self.delivery.lease < Duration::from_secs(5) {
+            bail!("RELAY_DELIVERY_LEASE_SECS must be at least 5, got {}", self.delivery.lease.as_secs());
         }
         Ok(())
     }

@@ -103,26 +103,26 @@ async fn schema_is_current(db: &sqlx::PgPool) -> Result<()> {
 
 pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let (db, primary_follower) = db::connect(&cfg.database_url, cfg.pool_size, cfg.db_acquire_timeout).await?;
-    if cfg.run_migrations {
+    let (db, primary_follower) = db::connect(&cfg.storage.database_url, cfg.storage.pool_size, cfg.storage.acquire_timeout).await?;
+    if cfg.storage.run_migrations {
         MIGRATOR.run(&db).await.context("running migrations")?;
     } else {
         schema_is_current(&db).await?;
     }
-    let names = StreamNames::new(&cfg.stream_prefix).map_err(anyhow::Error::msg)?;
-    let js = broker::connect(&cfg.nats_url).await?;
+    let names = StreamNames::new(&cfg.broker.stream_prefix).map_err(anyhow::Error::msg)?;
+    let js = broker::connect(&cfg.broker.nats_url).await?;
     let app = build_app(&cfg, db, &js, &names);
-    if !cfg.url_policy.is_strict() {
-        tracing::warn!(policy = ?cfg.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
+    if !cfg.delivery.url_policy.is_strict() {
+        tracing::warn!(policy = ?cfg.delivery.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
     }
 
     let (stop_tx, stop_rx) = watch::channel(false);
     let mut tasks = JoinSet::new();
-    app.start_batchers(cfg.db_acquire_timeout, stop_rx.clone());
+    app.start_batchers(cfg.storage.acquire_timeout, stop_rx.clone());
     if let Some(follower) = primary_follower {
         tasks.spawn(follower.run(stop_rx.clone()));
     }
-    if cfg.run_relays {
+    if cfg.delivery.run_relays {
         tasks.spawn(relays(app.clone(), js.clone(), names, cfg.clone(), stop_rx.clone()));
         let announcer = relay::upkeep::Announcer::new(app.clone());
         let stop = stop_rx.clone();
@@ -133,9 +133,9 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
     }
     let retention = relay::upkeep::Retention {
         app: app.clone(),
-        every: cfg.dead_letter_prune_every,
-        dead_letter_retention: cfg.dead_letter_retention,
-        event_retention: cfg.retention,
+        every: cfg.retention.prune_every,
+        dead_letter_retention: cfg.retention.dead_letters,
+        event_retention: cfg.retention.events,
         cursor: Default::default(),
         never: Default::default(),
     };
@@ -155,9 +155,9 @@ fn build_app(cfg: &ApiConfig, db: sqlx::PgPool, js: &async_nats::jetstream::Cont
     App {
         db,
         keyring: cfg.keyring.clone(),
-        url_policy: cfg.url_policy.clone(),
-        resolver: cfg.resolver.clone(),
-        schedule: cfg.schedule.clone(),
+        url_policy: cfg.delivery.url_policy.clone(),
+        resolver: cfg.delivery.resolver.clone(),
+        schedule: cfg.delivery.schedule.clone(),
         outbox_wake: Default::default(),
         deliveries_wake: Default::default(),
         slots_awaited: Default::default(),
@@ -168,9 +168,9 @@ fn build_app(cfg: &ApiConfig, db: sqlx::PgPool, js: &async_nats::jetstream::Cont
         dead_letters_counted: Default::default(),
         metrics: Default::default(),
         lease_guard: Default::default(),
-        direct: cfg.run_relays.then(|| app::DirectDispatch {
+        direct: cfg.delivery.run_relays.then(|| app::DirectDispatch {
             jobs: std::sync::Arc::new(queue::NatsJobs { js: js.clone(), names: names.clone() }),
-            endpoint_cap: cfg.endpoint_in_flight_cap,
+            endpoint_cap: cfg.delivery.endpoint_in_flight_cap,
         }),
         clock: std::sync::Arc::new(app::SystemClock),
         health: cfg.health,
@@ -184,8 +184,9 @@ fn build_app(cfg: &ApiConfig, db: sqlx::PgPool, js: &async_nats::jetstream::Cont
 /// The relays (outbox, deliveries and their NOTIFY listener, the prober,
 /// bulk recoveries), once the broker's streams are there.
 async fn relays(app: App, js: async_nats::jetstream::Context, names: StreamNames, cfg: ApiConfig, rx: watch::Receiver<bool>) -> Result<()> {
-    let (batch, idle, lease, endpoint_cap) = (cfg.relay_batch, cfg.relay_idle, cfg.delivery_lease, cfg.endpoint_in_flight_cap);
-    let (events_backlog, replicas) = (cfg.events_backlog, cfg.stream_replicas);
+    let (batch, idle, lease, endpoint_cap) =
+        (cfg.delivery.relay_batch, cfg.delivery.relay_idle, cfg.delivery.lease, cfg.delivery.endpoint_in_flight_cap);
+    let (events_backlog, replicas) = (cfg.broker.events_backlog, cfg.broker.stream_replicas);
     let mut waiting = rx.clone();
     if !ensure_streams_until_ready(&js, &names, replicas, &mut waiting).await {
         return Ok(());
