@@ -152,33 +152,21 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
 
 /// The use-cases' state, from the configuration and the connections.
 fn build_app(cfg: &ApiConfig, db: sqlx::PgPool, js: &async_nats::jetstream::Context, names: &StreamNames) -> App {
-    App {
+    App::new(app::AppParts {
         db,
         keyring: cfg.keyring.clone(),
         url_policy: cfg.delivery.url_policy.clone(),
         resolver: cfg.delivery.resolver.clone(),
         schedule: cfg.delivery.schedule.clone(),
-        outbox_wake: Default::default(),
-        deliveries_wake: Default::default(),
-        slots_awaited: Default::default(),
-        outbox_offers: Default::default(),
-        verified_keys: Default::default(),
-        probes_wake: Default::default(),
-        recover_wake: Default::default(),
-        dead_letters_counted: Default::default(),
-        metrics: Default::default(),
-        lease_guard: Default::default(),
+        health: cfg.health,
+        portal: app::portal::PortalSettings { public_url: cfg.public_url.clone(), secure_cookie: cfg.public_url.starts_with("https://") },
         direct: cfg.delivery.run_relays.then(|| app::DirectDispatch {
             jobs: std::sync::Arc::new(queue::NatsJobs { js: js.clone(), names: names.clone() }),
             endpoint_cap: cfg.delivery.endpoint_in_flight_cap,
         }),
-        clock: std::sync::Arc::new(app::SystemClock),
-        health: cfg.health,
-        batchers: Default::default(),
-        portal: app::portal::PortalSettings { public_url: cfg.public_url.clone(), secure_cookie: cfg.public_url.starts_with("https://") },
-        attempt_stats: Default::default(),
         switch_offs: std::sync::Arc::new(switch_offs::NatsSwitchOffs { client: js.client(), names: names.clone() }),
-    }
+        clock: std::sync::Arc::new(app::SystemClock),
+    })
 }
 
 /// The relays (outbox, deliveries and their NOTIFY listener, the prober,
@@ -202,21 +190,21 @@ async fn relays(app: App, js: async_nats::jetstream::Context, names: StreamNames
         backlog_bound: std::sync::atomic::AtomicU64::new(u64::MAX),
         // Whatever waits from before this process started is found by a look first.
         backlogged: std::sync::atomic::AtomicBool::new(true),
-        conn: tokio::sync::Mutex::new(db::batcher::KeptConnection::new(&app.db)),
+        conn: tokio::sync::Mutex::new(db::batcher::KeptConnection::new(app.db())),
         unmarked: Default::default(),
     };
-    app.outbox_offers.open();
+    app.outbox_offers().open();
     let listen = DeliveryRelay::listen(app.clone(), rx.clone());
     let prober = relay::prober::Prober { app: app.clone(), idle: std::time::Duration::from_secs(5) };
     let recoverer = relay::bulk_recovery::Recoverer {
         app: app.clone(),
-        per_pass: i64::from(app.health.recover_per_second),
+        per_pass: i64::from(app.health_settings().recover_per_second),
         every: std::time::Duration::from_secs(1),
         backstop: std::time::Duration::from_secs(5),
         busy: Default::default(),
         last: Default::default(),
     };
-    let conn = tokio::sync::Mutex::new(db::batcher::KeptConnection::new(&app.db));
+    let conn = tokio::sync::Mutex::new(db::batcher::KeptConnection::new(app.db()));
     let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap, conn };
     tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen, prober.run(rx.clone()), recoverer.run(rx));
     Ok(())

@@ -218,7 +218,7 @@ fn rest_facade(
     let grpc = Routes::new(s.endpoints).add_service(s.events).add_service(s.dead_letters).add_service(s.portal);
     let spec = openapi::rendered()?;
     let ready = {
-        let (db, js) = (app.db.clone(), js.clone());
+        let (db, js) = (app.db().clone(), js.clone());
         move || {
             let (db, js) = (db.clone(), js.clone());
             async move { readiness(&db, &js).await }

@@ -53,51 +53,158 @@ impl Wake {
 
 #[derive(Debug, Clone)]
 pub struct App {
+    db: PgPool,
+    keyring: Keyring,
+    url_policy: Policy,
+    resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
+    schedule: RetrySchedule,
+    outbox_wake: Wake,
+    deliveries_wake: Wake,
+    /// Events this process just wrote, for its outbox relay.
+    outbox_offers: events::OutboxOffers,
+    /// API keys read in the last moment (see `apikeys::VERIFIED_FOR`).
+    verified_keys: crate::apikeys::VerifiedKeys,
+    /// The delivery relay's last look found rows due that it could not take
+    /// (their endpoints at their in-flight cap, or another relay holding
+    /// them): only then does an outcome, which frees a slot, wake it.
+    slots_awaited: Arc<std::sync::atomic::AtomicBool>,
+    /// Wakes the prober when a circuit opens (its next probe may be sooner
+    /// than the prober's current sleep).
+    probes_wake: Wake,
+    /// Wakes the recovery pass when a recovery starts.
+    recover_wake: Wake,
+    /// When this process last counted a dead letter for its endpoint's
+    /// operations endpoint; the announcer asks the database only while one
+    /// may still be waiting.
+    dead_letters_counted: operational::DeadLetterHint,
+    metrics: crate::metrics::Metrics,
+    /// Set when this api runs the relays: first attempts created by an
+    /// expansion are handed to the broker right after it commits, instead of
+    /// waiting for a relay pass to find them.
+    direct: Option<DirectDispatch>,
+    /// Held by whatever hands out leases in this process (a relay pass, an
+    /// expansion that pre-leases): each counts an endpoint's in-flight
+    /// attempts from committed rows, so two at once could both fill the same
+    /// free slots and exceed the cap.
+    lease_guard: Arc<tokio::sync::Mutex<()>>,
+    clock: Arc<dyn Clock>,
+    health: HealthSettings,
+    /// The hot paths' own connections (see `db::batcher`); started by
+    /// [`App::start_batchers`] before the api serves.
+    batchers: Arc<std::sync::OnceLock<Batchers>>,
+    portal: portal::PortalSettings,
+    /// Attempts recorded by this process, added up for the portal's charts.
+    attempt_stats: Arc<attempt_stats::AttemptStats>,
+    /// Tells dispatchers which attempts in their hands a disable or delete
+    /// ended (see `endpoints`).
+    switch_offs: Arc<dyn crate::switch_offs::SwitchOffs>,
+}
+
+/// What an [`App`] is built from; the rest of its state starts empty.
+pub struct AppParts {
     pub db: PgPool,
     pub keyring: Keyring,
     pub url_policy: Policy,
     pub resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
     pub schedule: RetrySchedule,
-    pub outbox_wake: Wake,
-    pub deliveries_wake: Wake,
-    /// Events this process just wrote, for its outbox relay.
-    pub outbox_offers: events::OutboxOffers,
-    /// API keys read in the last moment (see `apikeys::VERIFIED_FOR`).
-    pub verified_keys: crate::apikeys::VerifiedKeys,
-    /// The delivery relay's last look found rows due that it could not take
-    /// (their endpoints at their in-flight cap, or another relay holding
-    /// them): only then does an outcome, which frees a slot, wake it.
-    pub slots_awaited: Arc<std::sync::atomic::AtomicBool>,
-    /// Wakes the prober when a circuit opens (its next probe may be sooner
-    /// than the prober's current sleep).
-    pub probes_wake: Wake,
-    /// Wakes the recovery pass when a recovery starts.
-    pub recover_wake: Wake,
-    /// When this process last counted a dead letter for its endpoint's
-    /// operations endpoint; the announcer asks the database only while one
-    /// may still be waiting.
-    pub dead_letters_counted: operational::DeadLetterHint,
-    pub metrics: crate::metrics::Metrics,
-    /// Set when this api runs the relays: first attempts created by an
-    /// expansion are handed to the broker right after it commits, instead of
-    /// waiting for a relay pass to find them.
-    pub direct: Option<DirectDispatch>,
-    /// Held by whatever hands out leases in this process (a relay pass, an
-    /// expansion that pre-leases): each counts an endpoint's in-flight
-    /// attempts from committed rows, so two at once could both fill the same
-    /// free slots and exceed the cap.
-    pub lease_guard: Arc<tokio::sync::Mutex<()>>,
-    pub clock: Arc<dyn Clock>,
     pub health: HealthSettings,
-    /// The hot paths' own connections (see `db::batcher`); started by
-    /// [`App::start_batchers`] before the api serves.
-    pub batchers: Arc<std::sync::OnceLock<Batchers>>,
     pub portal: portal::PortalSettings,
-    /// Attempts recorded by this process, added up for the portal's charts.
-    pub attempt_stats: Arc<attempt_stats::AttemptStats>,
-    /// Tells dispatchers which attempts in their hands a disable or delete
-    /// ended (see `endpoints`).
+    pub direct: Option<DirectDispatch>,
     pub switch_offs: Arc<dyn crate::switch_offs::SwitchOffs>,
+    pub clock: Arc<dyn Clock>,
+}
+
+impl App {
+    pub fn new(parts: AppParts) -> Self {
+        let AppParts { db, keyring, url_policy, resolver, schedule, health, portal, direct, switch_offs, clock } = parts;
+        Self {
+            db,
+            keyring,
+            url_policy,
+            resolver,
+            schedule,
+            outbox_wake: Default::default(),
+            deliveries_wake: Default::default(),
+            outbox_offers: Default::default(),
+            verified_keys: Default::default(),
+            slots_awaited: Default::default(),
+            probes_wake: Default::default(),
+            recover_wake: Default::default(),
+            dead_letters_counted: Default::default(),
+            metrics: Default::default(),
+            direct,
+            lease_guard: Default::default(),
+            clock,
+            health,
+            batchers: Default::default(),
+            portal,
+            attempt_stats: Default::default(),
+            switch_offs,
+        }
+    }
+
+    /// The pool, for the relays' kept connections and readiness.
+    pub fn db(&self) -> &PgPool {
+        &self.db
+    }
+
+    /// The time, as every rule reads it.
+    pub fn now(&self) -> Timestamp {
+        self.clock.now()
+    }
+
+    pub fn keyring(&self) -> &Keyring {
+        &self.keyring
+    }
+
+    pub fn health_settings(&self) -> &HealthSettings {
+        &self.health
+    }
+
+    pub fn portal_settings(&self) -> &portal::PortalSettings {
+        &self.portal
+    }
+
+    pub fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
+    }
+
+    pub fn outbox_wake(&self) -> &Wake {
+        &self.outbox_wake
+    }
+
+    pub fn deliveries_wake(&self) -> &Wake {
+        &self.deliveries_wake
+    }
+
+    pub fn probes_wake(&self) -> &Wake {
+        &self.probes_wake
+    }
+
+    pub fn recover_wake(&self) -> &Wake {
+        &self.recover_wake
+    }
+
+    pub fn outbox_offers(&self) -> &events::OutboxOffers {
+        &self.outbox_offers
+    }
+
+    pub fn verified_keys(&self) -> &crate::apikeys::VerifiedKeys {
+        &self.verified_keys
+    }
+
+    /// Whether the delivery relay's last look found due rows it could not take.
+    pub fn slots_awaited(&self) -> &std::sync::atomic::AtomicBool {
+        &self.slots_awaited
+    }
+
+    pub fn lease_guard(&self) -> &tokio::sync::Mutex<()> {
+        &self.lease_guard
+    }
+
+    pub fn dead_letters_counted(&self) -> &operational::DeadLetterHint {
+        &self.dead_letters_counted
+    }
 }
 
 /// The use-cases that run on connections of their own, in batches.

@@ -146,7 +146,7 @@ impl AdminService for AdminApi {
 
     async fn rewrap_secrets(&self, _req: Request<pb::RewrapSecretsRequest>) -> Result<Response<pb::RewrapSecretsResponse>, Status> {
         let rewrapped = self.app.rewrap_secrets().await.map_err(status)?;
-        tracing::info!(rewrapped, active_key_id = self.app.keyring.active_key_id(), "signing secrets rewrapped");
-        Ok(Response::new(pb::RewrapSecretsResponse { rewrapped, active_key_id: self.app.keyring.active_key_id().to_owned() }))
+        tracing::info!(rewrapped, active_key_id = self.app.keyring().active_key_id(), "signing secrets rewrapped");
+        Ok(Response::new(pb::RewrapSecretsResponse { rewrapped, active_key_id: self.app.keyring().active_key_id().to_owned() }))
     }
 }

@@ -335,7 +335,7 @@ pub async fn delete(State(app): State<App>, Path(id): Path<String>, Posted { ses
 /// (a recovery operation, throttled).
 pub async fn recover(State(app): State<App>, Path(id): Path<String>, Posted { session: s, .. }: Posted) -> Response {
     let Some(id) = path_id(&id) else { return not_found() };
-    let until = app.clock.now();
+    let until = app.now();
     match app.recover_endpoint(Some(s.tenant), id, until - chrono::TimeDelta::days(7), until, false).await {
         Ok(Recovery::Started(_) | Recovery::WouldRecover(_)) => redirect(&endpoint_url(id, "recovering")),
         Err(e) => failed(e),

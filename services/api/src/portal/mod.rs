@@ -120,7 +120,7 @@ async fn enter(State(app): State<App>, RawQuery(query): RawQuery) -> Response {
     let token = query_param(query.as_deref(), "token");
     match app.enter_portal(&token).await {
         Ok(Some(started)) => {
-            let max_age = (started.expires_at - app.clock.now()).num_seconds().max(0);
+            let max_age = (started.expires_at - app.now()).num_seconds().max(0);
             let mut resp = html(StatusCode::OK, Entering);
             let h = resp.headers_mut();
             h.insert(header::SET_COOKIE, session_cookie(&app, &started.token, max_age));

@@ -24,7 +24,7 @@ pub(super) fn cookie(headers: &HeaderMap) -> Option<String> {
 }
 
 pub(super) fn session_cookie(app: &App, value: &str, max_age: i64) -> HeaderValue {
-    let secure = if app.portal.secure_cookie { "; Secure" } else { "" };
+    let secure = if app.portal_settings().secure_cookie { "; Secure" } else { "" };
     HeaderValue::from_str(&format!("{COOKIE}={value}; Path=/portal; HttpOnly; SameSite=Strict; Max-Age={max_age}{secure}"))
         .expect("a cookie of token characters")
 }

@@ -40,7 +40,7 @@ impl super::Pass for Recoverer {
     }
 
     fn wake(&self) -> &Wake {
-        &self.app.recover_wake
+        self.app.recover_wake()
     }
 
     async fn idle_for(&self) -> Duration {

@@ -43,14 +43,14 @@ pub struct DeliveryRelay {
 const MIN_PASS_GAP: Duration = Duration::from_millis(5);
 
 async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
-    let mut l = sqlx::postgres::PgListener::connect_with(&app.db).await?;
+    let mut l = sqlx::postgres::PgListener::connect_with(app.db()).await?;
     l.listen_all([crate::db::deliveries::DUE_CHANNEL, crate::db::keys::REVOKED_CHANNEL]).await?;
     loop {
         let n = l.recv().await?;
         match (n.channel(), n.payload()) {
-            (crate::db::keys::REVOKED_CHANNEL, prefix) => app.verified_keys.forget(prefix),
-            (_, crate::db::deliveries::BEHIND_CAPS) => app.slots_awaited.store(true, std::sync::atomic::Ordering::Relaxed),
-            _ => app.deliveries_wake.wake(),
+            (crate::db::keys::REVOKED_CHANNEL, prefix) => app.verified_keys().forget(prefix),
+            (_, crate::db::deliveries::BEHIND_CAPS) => app.slots_awaited().store(true, std::sync::atomic::Ordering::Relaxed),
+            _ => app.deliveries_wake().wake(),
         }
     }
 }
@@ -97,7 +97,7 @@ impl super::Pass for DeliveryRelay {
     }
 
     fn wake(&self) -> &crate::app::Wake {
-        &self.app.deliveries_wake
+        self.app.deliveries_wake()
     }
 
     /// Until the earliest due time rather than polling blindly. A due time
@@ -105,10 +105,10 @@ impl super::Pass for DeliveryRelay {
     /// is at its cap, or another relay holds them): the relay says so, and an
     /// outcome freeing a slot wakes it, so it waits for that.
     async fn idle_for(&self) -> Duration {
-        let now = self.app.clock.now();
+        let now = self.app.now();
         let next = self.next_due().await;
         let awaited = matches!(next, Ok(Some(at)) if at <= now);
-        self.app.slots_awaited.store(awaited, std::sync::atomic::Ordering::Relaxed);
+        self.app.slots_awaited().store(awaited, std::sync::atomic::Ordering::Relaxed);
         match next {
             Ok(Some(at)) if at > now => (at - now).to_std().unwrap_or(Duration::ZERO).min(self.idle),
             Ok(_) => self.idle,
@@ -134,7 +134,7 @@ impl super::Pass for DeliveryRelay {
 impl DeliveryRelay {
     async fn pass(&self, held: &mut KeptConnection) -> Result<usize> {
         let conn = held.get().await?;
-        let _leasing = self.app.lease_guard.lock().await;
+        let _leasing = self.app.lease_guard().lock().await;
         // Choose without locking (the claim below re-checks): each
         // endpoint's fresh rows come already within its free slots, lost
         // leases hold theirs, so every row chosen may be taken.

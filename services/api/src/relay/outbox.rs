@@ -157,7 +157,7 @@ impl super::Pass for OutboxRelay {
     }
 
     fn wake(&self) -> &crate::app::Wake {
-        &self.app.outbox_wake
+        self.app.outbox_wake()
     }
 
     async fn idle_for(&self) -> Duration {
@@ -185,7 +185,7 @@ impl OutboxRelay {
     /// and the outbox is read in turns across environments, which is what
     /// keeps one environment's burst from going ahead of the others'.
     async fn pass(&self, held: &mut KeptConnection) -> Result<usize> {
-        let (offered, overflowed) = self.app.outbox_offers.take();
+        let (offered, overflowed) = self.app.outbox_offers().take();
         let woke_for_marks = std::mem::take(&mut self.unmarked.lock().expect("not poisoned").woke_for_marks);
         if offered.is_empty() && woke_for_marks && !overflowed && !self.backlogged.load(Ordering::Relaxed) {
             // Nothing new: the marks were what the relay slept for.
@@ -259,7 +259,7 @@ impl OutboxRelay {
                 let conn = held.get().await?;
                 db::events::mark_published(&mut *conn, &published).await.context("marking events published")?;
                 // Offered while this look found them: already published.
-                self.app.outbox_offers.forget(&published.iter().copied().collect());
+                self.app.outbox_offers().forget(&published.iter().copied().collect());
             }
             self.write_marks(held, false).await?;
         }

@@ -29,11 +29,11 @@ impl super::Pass for Prober {
     }
 
     fn wake(&self) -> &Wake {
-        &self.app.probes_wake
+        self.app.probes_wake()
     }
 
     async fn idle_for(&self) -> Duration {
-        let now = self.app.clock.now();
+        let now = self.app.now();
         match self.app.next_probe_at().await {
             Ok(Some(at)) if at > now => (at - now).to_std().unwrap_or(Duration::ZERO).min(self.idle),
             // Past due but not taken: another prober holds it, or the pass

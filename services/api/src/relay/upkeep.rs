@@ -46,7 +46,7 @@ impl super::Pass for Announcer {
 
     async fn drain_once(&self) -> Result<usize> {
         let looked = *self.looked.lock().expect("not poisoned");
-        if !self.app.dead_letters_counted.may_wait() && looked.is_some_and(|at| at.elapsed() < ANNOUNCE_BACKSTOP) {
+        if !self.app.dead_letters_counted().may_wait() && looked.is_some_and(|at| at.elapsed() < ANNOUNCE_BACKSTOP) {
             return Ok(0);
         }
         *self.looked.lock().expect("not poisoned") = Some(tokio::time::Instant::now());
