@@ -408,10 +408,15 @@ async fn disabled_and_deleted_endpoints_get_nothing_more_and_their_deliveries_en
     let (status, _) = rest.call(reqwest::Method::GET, &format!("/v1/webhooks/{gone}"), None).await?;
     assert_eq!(status, 404, "a deleted endpoint is gone from reads");
 
-    // New events skip the disabled endpoint entirely.
+    // New events skip the disabled endpoint entirely: once a live endpoint
+    // registered now has the next event, its expansion has committed, and
+    // it made no delivery for the disabled one.
+    let (witness, _) = rest.endpoint(&receiver.url("/witness"), &["p"]).await?;
     let later = rest.publish("p", json!({"later": true})).await?;
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert!(rest.deliveries(&later).await?.is_empty());
+    assert_eq!(receiver.wait_at("/witness", 1, Duration::from_secs(20)).await.len(), 1, "the live endpoint gets the event");
+    let expanded = rest.deliveries(&later).await?;
+    assert_eq!(expanded.len(), 1, "one delivery, to the live endpoint only: {expanded:?}");
+    assert_eq!(expanded[0]["endpoint_id"], witness.as_str(), "{expanded:?}");
 
     // Replay waits for the endpoint to be enabled, then delivers.
     let letter = letters["dead_letters"].as_array().unwrap().iter().find(|l| l["endpoint_id"] == paused.as_str()).unwrap().clone();

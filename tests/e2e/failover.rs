@@ -272,7 +272,7 @@ async fn a_publish_whose_commit_cannot_be_replicated_is_answered_503_in_time_and
     publish_until_accepted(&rest, &id, Duration::from_secs(30)).await?;
     let got = receiver.wait_at("/s", 1, Duration::from_secs(30)).await;
     assert!(got.iter().any(|r| r.header("relay-webhook-id") == id), "the retried event arrived");
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    crate::faults::all_delivered(&rest, [&id], Duration::from_secs(20)).await;
     let (all, _) = arrivals(&receiver, "/s");
     assert_eq!(all.iter().filter(|a| **a == id).count(), 1, "once, though it was published twice");
     stack.stop().await

@@ -32,6 +32,24 @@ pub(crate) fn repeats_only_of(receiver: &Receiver, path: &str, in_flight: &HashS
     all.len() - distinct.len()
 }
 
+/// Waits (bounded) until every delivery of every event in `events` is
+/// recorded delivered: from then on nothing more is owed to anyone, so a
+/// request that still came would be a duplicate. Panics past `within`.
+pub(crate) async fn all_delivered<'a>(rest: &Rest, events: impl IntoIterator<Item = &'a String>, within: Duration) {
+    let events: Vec<&String> = events.into_iter().collect();
+    let done = eventually(within, || async {
+        for id in &events {
+            let deliveries = rest.deliveries(id).await.ok()?;
+            if deliveries.is_empty() || !deliveries.iter().all(|d| d["state"] == "DELIVERY_STATE_DELIVERED") {
+                return None;
+            }
+        }
+        Some(())
+    })
+    .await;
+    assert!(done.is_some(), "not every delivery of {} events was recorded delivered within {within:?}", events.len());
+}
+
 /// How many of `expected` have not arrived at `path` once they all have, or
 /// `within` has passed.
 pub(crate) async fn missing_after(receiver: &Receiver, path: &str, expected: &HashSet<String>, within: Duration) -> usize {
@@ -114,7 +132,7 @@ async fn a_job_the_dispatcher_cannot_process_is_not_acked_and_comes_back() -> an
 
     stack.start_api().await?;
     assert_eq!(receiver.wait_at("/away", 1, Duration::from_secs(20)).await.len(), 1, "delivered once the api is back");
-    tokio::time::sleep(Duration::from_millis(1000)).await;
+    all_delivered(&rest, [&event_id], Duration::from_secs(20)).await;
     assert_eq!(receiver.at("/away").len(), 1);
     stack.stop().await
 }
@@ -196,7 +214,7 @@ async fn stopping_nats_while_events_are_published_loses_nothing() -> anyhow::Res
     assert!(eventually(Duration::from_secs(20), || async { (ready().await == 200).then_some(()) }).await.is_some(), "ready again");
 
     let got = receiver.wait_at("/n", 15, Duration::from_secs(60)).await;
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    all_delivered(&rest, &published, Duration::from_secs(30)).await;
     let (all, distinct) = arrivals(&receiver, "/n");
     assert_eq!(distinct, published, "every event arrives after the broker returns ({} of 15 so far)", got.len());
     assert_eq!(all.len(), 15, "and none twice");
@@ -227,7 +245,7 @@ async fn kill_9_the_api_mid_relay_loses_nothing_and_sends_nothing_twice() -> any
     for path in ["/a", "/b"] {
         receiver.wait_at(path, 40, Duration::from_secs(60)).await;
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    all_delivered(&rest, &published, Duration::from_secs(30)).await;
     for path in ["/a", "/b"] {
         let (all, distinct) = arrivals(&receiver, path);
         assert_eq!(distinct, published, "{path}: every event arrives");
@@ -257,7 +275,7 @@ async fn two_apis_and_two_dispatchers_share_the_work_and_send_each_delivery_once
     for path in ["/1", "/2", "/3"] {
         receiver.wait_at(path, 60, Duration::from_secs(60)).await;
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    all_delivered(&rests[0], &published, Duration::from_secs(30)).await;
     for path in ["/1", "/2", "/3"] {
         let (all, distinct) = arrivals(&receiver, path);
         assert_eq!(distinct, published, "{path}: every event arrives");
