@@ -12,7 +12,7 @@ fn entries(r: &relay_tests::Received) -> Vec<String> {
     r.header("relay-webhook-signature").split(',').map(|s| s.trim().to_owned()).collect()
 }
 
-async fn delivery_state(rest: &Rest, event_id: &str, want: &str, within: Duration) -> serde_json::Value {
+pub(crate) async fn delivery_state(rest: &Rest, event_id: &str, want: &str, within: Duration) -> serde_json::Value {
     eventually(within, || async {
         let d = rest.deliveries(event_id).await.ok()?;
         d.first().filter(|d| d["state"] == want).cloned()

@@ -1,7 +1,8 @@
 //! How attempts are sent: hanging endpoints never delay a healthy one,
 //! redirects, timeouts and refused connections are failures with their cause,
 //! the stored states are the code's, a backlog behind the cap goes out as
-//! slots free.
+//! slots free, an answer is kept to its first 4 KiB, retries and replays go
+//! to the endpoint's current URL.
 
 use std::time::{Duration, Instant};
 
@@ -175,5 +176,71 @@ async fn a_backlog_behind_the_cap_is_handed_back_with_the_outcomes_that_free_its
     let through_broker = js.get_stream(names.deliveries_stream()).await?.info().await?.state.messages;
     assert!(through_broker <= 8, "{through_broker} of 36 waiting deliveries went through DELIVERIES");
     pg.close().await;
+    stack.stop().await
+}
+
+/// docs/webhooks.md: the attempt log keeps the first 4,096 bytes of a
+/// receiver's answer, exactly, and no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_attempt_log_keeps_an_answers_first_4096_bytes() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("body-cap").await?;
+    let receiver = Receiver::start().await?;
+    let answer: String = (0..10_000u32).map(|i| char::from(b'a' + (i % 26) as u8)).collect();
+    receiver.reply("/big", Reply::Body(200, answer.clone()));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/big"), &["b"]).await?;
+    let event_id = rest.publish("b", json!({})).await?;
+    let done = crate::delivery::delivery_state(&rest, &event_id, "DELIVERY_STATE_DELIVERED", Duration::from_secs(20)).await;
+    let kept = done["attempts"][0]["response_body"].as_str().unwrap_or_default();
+    assert_eq!(kept.len(), relay_contracts::RESPONSE_BODY_KEPT_BYTES, "{done}");
+    assert_eq!(kept, &answer[..relay_contracts::RESPONSE_BODY_KEPT_BYTES], "the first bytes, as sent");
+    stack.stop().await
+}
+
+/// docs/webhooks.md: a retry, and a replay, go to the URL the endpoint has
+/// when they are sent, not the one it had when the event came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_and_a_replay_go_to_the_endpoints_current_url() -> anyhow::Result<()> {
+    // A second between the first two attempts, to move the endpoint in; then
+    // the rest quickly, to make a dead letter.
+    let stack = Stack::start(Options::default().tiers("0,1000,50,50,50,50,50")).await?;
+    let tenant = stack.tenant("moved").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/old", Reply::Status(500));
+    receiver.reply("/failing", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (id, _) = rest.endpoint(&receiver.url("/old"), &["m"]).await?;
+    let moved = |to: &str| {
+        let (rest, path, to) = (&rest, format!("/v1/webhooks/{id}"), receiver.url(to));
+        async move {
+            let (status, body) = rest.call(reqwest::Method::PATCH, &path, Some(json!({"url": to}))).await?;
+            anyhow::ensure!(status == 200, "moving the endpoint answered {status}: {body}");
+            anyhow::Ok(())
+        }
+    };
+
+    let first = rest.publish("m", json!({"n": 1})).await?;
+    assert_eq!(receiver.wait_at("/old", 1, Duration::from_secs(20)).await.len(), 1);
+    moved("/new").await?;
+    let done = crate::delivery::delivery_state(&rest, &first, "DELIVERY_STATE_DELIVERED", Duration::from_secs(20)).await;
+    assert_eq!(done["attempt"], 2, "{done}");
+    let at_new = receiver.at("/new");
+    assert_eq!(at_new.len(), 1, "the retry went to the new URL");
+    assert_eq!(at_new[0].header("relay-webhook-id"), first);
+    assert_eq!(receiver.at("/old").len(), 1, "and nothing more to the old one");
+
+    moved("/failing").await?;
+    let second = rest.publish("m", json!({"n": 2})).await?;
+    crate::delivery::delivery_state(&rest, &second, "DELIVERY_STATE_DEAD", Duration::from_secs(20)).await;
+    moved("/fixed").await?;
+    let letters = rest.get("/v1/dead-letters").await?;
+    let letter = letters["dead_letters"].as_array().and_then(|l| l.iter().find(|l| l["event_id"] == second.as_str())).cloned();
+    let letter = letter.unwrap_or_else(|| panic!("no dead letter for {second}: {letters}"));
+    let (status, body) = rest.post(&format!("/v1/dead-letters/{}/replay", letter["id"].as_str().unwrap_or_default()), json!({})).await?;
+    assert_eq!(status, 202, "{body}");
+    let replayed = receiver.wait_at("/fixed", 1, Duration::from_secs(20)).await;
+    assert_eq!(replayed.len(), 1, "the replay went to the endpoint's URL now");
+    assert_eq!(replayed[0].header("relay-webhook-id"), second);
     stack.stop().await
 }

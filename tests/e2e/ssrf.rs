@@ -217,6 +217,10 @@ async fn production_refuses_to_start_without_a_proper_key_or_with_dev_allowances
     let good = ("RELAY_SECRET_KEYS", format!("k:{}", STANDARD.encode([9u8; 32])));
     let (ok, err) = run(&[good.clone(), ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into())])?;
     assert!(!ok && err.contains("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"), "{err}");
+    let (ok, err) = run(&[good.clone(), ("RELAY_DEV_ALLOWED_ENDPOINT_RANGES", "10.0.0.0/8".into())])?;
+    assert!(!ok && err.contains("RELAY_DEV_ALLOWED_ENDPOINT_RANGES"), "{err}");
+    let (ok, err) = run(&[good.clone(), ("RELAY_DEV_CIRCUIT_OFF", "true".into())])?;
+    assert!(!ok && err.contains("RELAY_DEV_CIRCUIT_OFF"), "{err}");
     let (ok, err) = run(&[good.clone(), ("RELAY_RETRY_TIERS", "0,10".into())])?;
     assert!(!ok && err.contains("RELAY_RETRY_TIERS"), "{err}");
     // Portal links must be https: the public address is required, and an

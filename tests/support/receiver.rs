@@ -32,6 +32,8 @@ pub enum Reply {
     StatusWith(u16, &'static str, String),
     /// 302 with this `Location`.
     Redirect(String),
+    /// A status with this body.
+    Body(u16, String),
     /// Holds the request this long before answering 200 (past any attempt timeout).
     Hang(Duration),
     /// Fails sometimes, as `flaky` describes.
@@ -74,6 +76,7 @@ impl Receiver {
                         Reply::StatusWith(code, name, value) => {
                             (axum::http::StatusCode::from_u16(code).expect("valid status"), [(name, value)], "answer").into_response()
                         }
+                        Reply::Body(code, body) => (axum::http::StatusCode::from_u16(code).expect("valid status"), body).into_response(),
                         Reply::Redirect(to) => {
                             (axum::http::StatusCode::FOUND, [(axum::http::header::LOCATION, to)], "moved").into_response()
                         }

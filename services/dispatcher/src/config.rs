@@ -158,5 +158,9 @@ mod tests {
         c.production = true;
         c.url_policy.allow_http = true;
         assert!(c.validate().unwrap_err().to_string().contains("RELAY_DEV_ALLOW_HTTP_ENDPOINTS"));
+        let mut c = cfg(1000, 1000);
+        c.production = true;
+        c.url_policy.allowed_ranges = vec!["10.0.0.0/8".parse().unwrap()];
+        assert!(c.validate().unwrap_err().to_string().contains("RELAY_DEV_ALLOWED_ENDPOINT_RANGES"));
     }
 }
