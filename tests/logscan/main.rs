@@ -9,7 +9,10 @@ use std::{
 };
 
 use base64::{Engine, engine::general_purpose::STANDARD};
-use relay_tests::{Options, Receiver, Rest, Stack, eventually};
+use relay_tests::{
+    Options, Receiver, Reply, Rest, Stack, eventually,
+    flaky::{Behaviour, Flaky},
+};
 use serde_json::json;
 
 #[derive(Clone, Default)]
@@ -47,19 +50,34 @@ async fn a_full_flow_at_trace_level_logs_no_secret_key_or_payload() -> anyhow::R
     let (status, rotated) = rest.post(&format!("/v1/webhooks/{endpoint_id}/rotate-secret"), json!({})).await?;
     assert_eq!(status, 200);
     let second_secret = rotated["secret"].as_str().unwrap().to_owned();
+    // The failing paths log most: a receiver that accepts only retries, and
+    // one that fails every attempt until the delivery is a dead letter.
+    receiver.reply("/retried", Reply::Flaky(Flaky::new(Behaviour::FailFirst(500))));
+    receiver.reply("/dead", Reply::Status(500));
+    rest.endpoint(&receiver.url("/retried"), &["scan.me"]).await?;
+    rest.endpoint(&receiver.url("/dead"), &["scan.me"]).await?;
     let marker = format!("payload-marker-{}", uuid::Uuid::new_v4().simple());
     let event_id = rest.publish("scan.me", json!({"card": marker})).await?;
     assert_eq!(receiver.wait_at("/scan", 1, Duration::from_secs(20)).await.len(), 1);
-    eventually(Duration::from_secs(10), || async {
-        rest.deliveries(&event_id).await.ok()?.into_iter().next().filter(|d| d["state"] == "DELIVERY_STATE_DELIVERED")
+    let ended = eventually(Duration::from_secs(20), || async {
+        let d = rest.deliveries(&event_id).await.ok()?;
+        let states: Vec<&str> = d.iter().filter_map(|d| d["state"].as_str()).collect();
+        let attempts: Vec<u64> = d.iter().filter_map(|d| d["attempt"].as_u64()).collect();
+        (states.iter().filter(|s| **s == "DELIVERY_STATE_DELIVERED").count() == 2 && states.contains(&"DELIVERY_STATE_DEAD"))
+            .then_some(attempts)
     })
     .await
-    .expect("delivered");
+    .expect("delivered at two endpoints, dead at the third");
+    let mut attempts = ended;
+    attempts.sort();
+    assert_eq!(attempts, [1, 2, 7], "one first try, one retry, seven failures");
     stack.stop().await?;
 
     let logs = String::from_utf8_lossy(&captured.0.lock().unwrap()).into_owned();
-    // The capture is real: it saw the flow at trace level.
+    // The capture is real: it saw the flow at trace level, failures included.
     assert!(logs.contains("attempt recorded") && logs.contains("TRACE"), "the capture saw nothing useful ({} bytes)", logs.len());
+    let failed = logs.lines().filter(|l| l.contains("attempt recorded") && l.contains("status=Some(500)")).count();
+    assert!(failed >= 8, "the failed attempts were logged: {failed} of 8 (one before the retry, seven to the dead letter)");
     assert!(logs.contains(&event_id), "ids are fine to log, and were");
     // The random parts (base64url may itself contain '_', so split on the
     // known prefixes, never on the last '_').
