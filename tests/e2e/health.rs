@@ -80,16 +80,17 @@ async fn a_dead_endpoint_opens_on_evidence_holds_its_work_where_no_pass_looks_is
     // event expanded first (the late ones reach the endpoint a moment after
     // their 202), so the count read is the count that stays.
     let pg = stack.pg().await?;
-    let expanded = |pg: sqlx::PgPool, endpoint: String| async move {
-        sqlx::query_scalar::<_, i64>("SELECT count(*) FROM webhook_deliveries WHERE endpoint_id = $1::uuid")
-            .bind(endpoint)
-            .fetch_one(&pg)
-            .await
-            .ok()
-    };
     let settled = eventually(Duration::from_secs(10), || async {
-        let (pending, held) = counts(&pg, &endpoint).await.ok()?;
-        let all = expanded(pg.clone(), endpoint.clone()).await?;
+        // One statement, one snapshot: counted apart, a delivery expanded
+        // between the two reads slipped through as neither pending nor held.
+        let (all, pending, held): (i64, i64, i64) = sqlx::query_as(
+            "SELECT count(*), count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'held')
+             FROM webhook_deliveries WHERE endpoint_id = $1::uuid",
+        )
+        .bind(&endpoint)
+        .fetch_one(&pg)
+        .await
+        .ok()?;
         (all == events.len() as i64 && pending == 0 && held >= 10).then_some(held)
     })
     .await;
