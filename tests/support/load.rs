@@ -135,11 +135,7 @@ impl Publishers {
 
 /// Each event id that arrived at `path`, with when it arrived (each time).
 pub fn arrivals(receiver: &Receiver, path: &str) -> HashMap<String, Vec<Instant>> {
-    let mut m: HashMap<String, Vec<Instant>> = HashMap::new();
-    for r in receiver.at(path) {
-        m.entry(r.header("relay-webhook-id")).or_default().push(r.at);
-    }
-    m
+    requests(receiver, path).into_iter().map(|(id, seen)| (id, seen.iter().map(|r| r.at).collect())).collect()
 }
 
 /// What settling found.

@@ -7,13 +7,13 @@
 //! [`DetachLayer`]: each call runs in a task of its own, and a vanished
 //! client only means nobody reads the answer.
 
-use relay_domain::Reason;
 use std::{
     future::Future,
     pin::Pin,
     task::{Context, Poll},
 };
 
+use relay_domain::Reason;
 use tower::{Layer, Service};
 
 #[derive(Debug, Clone, Copy, Default)]

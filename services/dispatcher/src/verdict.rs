@@ -8,10 +8,10 @@
 //! processed, e.g. undecodable bytes). The broker's redelivery budget is for
 //! our failures only; the customer's attempt budget lives in the api.
 
-use relay_domain::Reason;
 use std::time::Duration;
 
 use async_nats::jetstream::{AckKind, message::Message};
+use relay_domain::Reason;
 use tonic::Code;
 
 /// Asking for a job back: 1 s, doubling with each redelivery, at most 30 s,

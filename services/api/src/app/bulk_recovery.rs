@@ -5,10 +5,9 @@
 //! makes it pending).
 
 use anyhow::Context;
-use relay_domain::Reason;
 use uuid::Uuid;
 
-use relay_domain::models::Operation;
+use relay_domain::{Reason, models::Operation};
 
 use super::{App, Tenant, Timestamp};
 use crate::{

@@ -3,10 +3,10 @@
 //! an open circuit when its probe is due, and the tenant's view of what an
 //! endpoint holds. The rules are `relay_domain::health`'s.
 
-use relay_domain::Reason;
 use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Context;
+use relay_domain::Reason;
 use sqlx::PgConnection;
 use uuid::Uuid;
 

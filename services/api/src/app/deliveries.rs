@@ -3,10 +3,10 @@
 //! beside this file — `expansion`, `material`, `outcomes` — the rules in
 //! `state`, the SQL in `crate::db`. Every transition is one transaction.
 
-use relay_domain::Reason;
 use std::time::Duration;
 
 use anyhow::Context;
+use relay_domain::Reason;
 use relay_signing::{Scheme, SigningSecret};
 use uuid::Uuid;
 

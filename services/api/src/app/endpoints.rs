@@ -2,7 +2,6 @@
 //! and switching one off (disable, delete) so that nothing starts after the
 //! tenant is answered.
 
-use relay_domain::Reason;
 use std::{
     collections::HashMap,
     net::IpAddr,
@@ -11,6 +10,7 @@ use std::{
 
 use anyhow::Context;
 use relay_contracts::relay::queue::v1::{DeliveryJob, SwitchedOff};
+use relay_domain::Reason;
 use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;

@@ -1,9 +1,9 @@
 //! Publishing events into the outbox, and reading what became of them.
 
-use relay_domain::Reason;
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
+use relay_domain::Reason;
 use serde::Serialize;
 use serde_json::value::RawValue;
 use uuid::Uuid;

@@ -2,10 +2,10 @@
 //! exactly once per event, and first attempts handed out at once — to the
 //! dispatcher that asked, with their material, or to the broker.
 
-use relay_domain::Reason;
 use std::{collections::HashMap, time::Duration};
 
 use anyhow::Context;
+use relay_domain::Reason;
 use sqlx::PgConnection;
 use uuid::Uuid;
 

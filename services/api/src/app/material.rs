@@ -1,13 +1,12 @@
 //! Material: what the dispatcher needs to sign and send an attempt that is
 //! still current, claimed for the one dispatcher that asked.
 
-use relay_domain::Reason;
 use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
 use uuid::Uuid;
 
-use relay_domain::{delivery::DeliveryState, health::DisabledReason};
+use relay_domain::{Reason, delivery::DeliveryState, health::DisabledReason};
 
 use super::{App, Timestamp, deliveries::*};
 use crate::{

@@ -19,10 +19,9 @@ mod outcomes;
 pub mod portal;
 mod refill;
 
-use relay_domain::Reason;
 use std::sync::Arc;
 
-use relay_domain::{health, schedule::RetrySchedule};
+use relay_domain::{Reason, health, schedule::RetrySchedule};
 use relay_netguard::Policy;
 use sqlx::PgPool;
 use tokio::sync::Notify;
@@ -163,10 +162,6 @@ impl App {
 
     pub fn portal_settings(&self) -> &portal::PortalSettings {
         &self.portal
-    }
-
-    pub fn metrics(&self) -> &crate::metrics::Metrics {
-        &self.metrics
     }
 
     pub fn outbox_wake(&self) -> &Wake {

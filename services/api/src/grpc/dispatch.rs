@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use relay_contracts::relay::dispatch::v1::{self as pb, dispatch_service_server::DispatchService};
+use relay_domain::Reason;
 use tonic::{Request, Response, Status};
 use tracing::field::Empty;
 
@@ -16,7 +17,6 @@ use crate::{
     },
     error::AppError,
 };
-use relay_domain::Reason;
 
 /// The most items one batch call may carry.
 pub const MAX_BATCH: usize = 1000;

@@ -5,11 +5,10 @@ use relay_contracts::relay::tenant::v1::{
     self as pb, dead_letter_service_server::DeadLetterService, event_service_server::EventService, portal_service_server::PortalService,
     webhook_endpoint_service_server::WebhookEndpointService,
 };
-use relay_domain::Reason;
 use tonic::{Request, Response, Status};
 use tracing::{Instrument as _, field::Empty};
 
-use relay_domain::{delivery::DeliveryState, models::HeldDelivery};
+use relay_domain::{Reason, delivery::DeliveryState, models::HeldDelivery};
 
 use super::{id, status, ts};
 use crate::{

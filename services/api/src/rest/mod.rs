@@ -22,7 +22,6 @@ pub mod errors;
 mod rules;
 pub mod server;
 
-use relay_domain::Reason;
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use anyhow::Result;
@@ -38,6 +37,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use prost::Message;
 use prost_reflect::{DynamicMessage, FieldDescriptor, Kind, ReflectMessage, SerializeOptions, Value};
+use relay_domain::Reason;
 use serde_json::value::RawValue;
 use tokio::sync::Semaphore;
 use tonic::{Code, Status, service::Routes};
