@@ -10,7 +10,6 @@ use relay_api::{
     app::events::{checked_payload, envelope},
     rest::BodyTranscoder,
 };
-use uuid::Uuid;
 
 /// A 1 KiB JSON payload, as the end-to-end benchmark publishes.
 fn payload() -> String {
@@ -31,7 +30,7 @@ fn transcoder(c: &mut Criterion) {
 
 fn envelope_encoder(c: &mut Criterion) {
     let text = payload();
-    let (id, environment) = (Uuid::now_v7(), Uuid::now_v7());
+    let (id, environment) = (relay_domain::EventId::mint(), relay_domain::EnvironmentId::mint());
     let at = chrono::Utc::now();
     let mut group = c.benchmark_group("envelope");
     group.throughput(Throughput::Bytes(text.len() as u64));

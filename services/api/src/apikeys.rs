@@ -6,6 +6,7 @@
 use std::fmt;
 
 use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+use relay_domain::EnvironmentId;
 use sha2::{Digest, Sha256};
 use subtle::ConstantTimeEq;
 
@@ -64,7 +65,7 @@ pub fn matches(presented: &str, salt: &[u8], stored_hash: &[u8]) -> bool {
 /// A live key as stored: what a presented key is checked against.
 #[derive(Clone)]
 pub struct LiveKey {
-    pub environment_id: uuid::Uuid,
+    pub environment_id: EnvironmentId,
     pub salt: Vec<u8>,
     pub key_hash: Vec<u8>,
 }

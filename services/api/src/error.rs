@@ -142,8 +142,9 @@ pub fn quoted(raw: &str) -> String {
 }
 
 /// Parses an id a caller supplied, with an error naming the field.
-pub fn parse_id(field: &'static str, raw: &str) -> AppResult<uuid::Uuid> {
+pub fn parse_id<Id: From<uuid::Uuid>>(field: &'static str, raw: &str) -> AppResult<Id> {
     uuid::Uuid::parse_str(raw.trim())
+        .map(Id::from)
         .map_err(|_| AppError::invalid(Reason::InvalidId, format!("{field} must be a UUID, got {}", quoted(raw))))
 }
 

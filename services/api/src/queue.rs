@@ -8,13 +8,13 @@ use std::{future::Future, pin::Pin};
 use async_nats::{HeaderMap, jetstream};
 use prost::Message;
 use relay_contracts::{StreamNames, relay::queue::v1::DeliveryJob};
-use uuid::Uuid;
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId};
 
 /// One attempt to hand to the broker.
 pub struct Job<'a> {
-    pub delivery_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub environment_id: Uuid,
+    pub delivery_id: DeliveryId,
+    pub endpoint_id: EndpointId,
+    pub environment_id: EnvironmentId,
     pub attempt: i32,
     pub generation: i32,
     pub trace_context: Option<&'a str>,

@@ -7,7 +7,7 @@ use std::{fmt, future::Future, pin::Pin, time::Duration};
 
 use prost::Message;
 use relay_contracts::{StreamNames, relay::queue::v1::SwitchedOff};
-use uuid::Uuid;
+use relay_domain::DispatcherId;
 
 /// Why a dispatcher did not answer a switch-off notice.
 #[derive(Debug, thiserror::Error)]
@@ -28,7 +28,7 @@ pub enum Unanswered {
 pub trait SwitchOffs: Send + Sync + fmt::Debug {
     fn tell<'a>(
         &'a self,
-        claimant: Uuid,
+        claimant: DispatcherId,
         notice: &'a SwitchedOff,
         within: Duration,
     ) -> Pin<Box<dyn Future<Output = Result<(), Unanswered>> + Send + 'a>>;
@@ -45,7 +45,7 @@ pub struct NatsSwitchOffs {
 impl SwitchOffs for NatsSwitchOffs {
     fn tell<'a>(
         &'a self,
-        claimant: Uuid,
+        claimant: DispatcherId,
         notice: &'a SwitchedOff,
         within: Duration,
     ) -> Pin<Box<dyn Future<Output = Result<(), Unanswered>> + Send + 'a>> {

@@ -115,6 +115,12 @@ typed_id!(
     OperationId,
     "operation id"
 );
+typed_id!(
+    /// A dispatcher process, as it claims attempts: each run picks a new one,
+    /// so a restarted dispatcher never inherits its predecessor's claims.
+    DispatcherId,
+    "dispatcher id"
+);
 
 #[cfg(test)]
 mod tests {

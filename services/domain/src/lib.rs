@@ -18,5 +18,5 @@ pub mod signing;
 /// An instant, as every rule reads and the database stores it (UTC).
 pub type Timestamp = chrono::DateTime<chrono::Utc>;
 
-pub use ids::{ApiKeyId, DeadLetterId, DeliveryId, EndpointId, EnvironmentId, EventId, OperationId};
+pub use ids::{ApiKeyId, DeadLetterId, DeliveryId, DispatcherId, EndpointId, EnvironmentId, EventId, OperationId};
 pub use reason::Reason;

@@ -1,8 +1,7 @@
 //! Operator use-cases: environments, API keys, quotas, queue depths.
 
 use anyhow::Context;
-use relay_domain::Reason;
-use uuid::Uuid;
+use relay_domain::{ApiKeyId, EnvironmentId, Reason};
 
 use super::App;
 pub use crate::db::models::{ApiKey, Environment, QueueDepths};
@@ -61,7 +60,7 @@ impl App {
         db::environments::insert(&self.db, &name, quota).await
     }
 
-    pub async fn set_endpoint_quota(&self, environment_id: Uuid, quota: u32) -> AppResult<Environment> {
+    pub async fn set_endpoint_quota(&self, environment_id: EnvironmentId, quota: u32) -> AppResult<Environment> {
         let quota = check_quota(quota)?;
         db::environments::set_quota(&self.db, environment_id, quota).await?.ok_or_else(|| AppError::not_found("environment"))
     }
@@ -72,7 +71,7 @@ impl App {
     /// development deployment.
     pub async fn set_disable_policy(
         &self,
-        environment_id: Uuid,
+        environment_id: EnvironmentId,
         after_secs: u32,
         min_failures: u32,
         max_held_secs: u32,
@@ -105,7 +104,7 @@ impl App {
             .ok_or_else(|| AppError::not_found("environment"))
     }
 
-    pub async fn create_api_key(&self, environment_id: Uuid, name: &str) -> AppResult<(ApiKey, ApiKeySecret)> {
+    pub async fn create_api_key(&self, environment_id: EnvironmentId, name: &str) -> AppResult<(ApiKey, ApiKeySecret)> {
         let name = check_name("name", name)?;
         let minted = apikeys::mint();
         let key = db::keys::insert(&self.db, environment_id, &name, &minted.lookup_prefix, &minted.salt, &minted.hash)
@@ -117,7 +116,7 @@ impl App {
     /// Revoked at once on this api, and on the others as soon as they hear
     /// of it (a Postgres notification), at the latest once their cached
     /// verification expires (`apikeys::VERIFIED_FOR`).
-    pub async fn revoke_api_key(&self, id: Uuid) -> AppResult<ApiKey> {
+    pub async fn revoke_api_key(&self, id: ApiKeyId) -> AppResult<ApiKey> {
         let key = db::keys::revoke(&self.db, id).await?.ok_or_else(|| AppError::not_found("API key"))?;
         self.verified_keys.forget(&key.lookup_prefix);
         if let Err(e) = db::keys::announce_revoked(&self.db, &key.lookup_prefix).await {
@@ -129,7 +128,7 @@ impl App {
     /// The environment an API key belongs to, if the key is live and matches.
     /// A key verified in the last moment is checked against what was read
     /// then (its salted hash), not read again.
-    pub async fn authenticate_api_key(&self, presented: &str) -> AppResult<Option<Uuid>> {
+    pub async fn authenticate_api_key(&self, presented: &str) -> AppResult<Option<EnvironmentId>> {
         let Some(prefix) = apikeys::lookup_prefix(presented) else { return Ok(None) };
         let stored = match self.verified_keys.get(prefix) {
             Some(live) => live,
@@ -154,7 +153,7 @@ impl App {
 impl App {
     /// Fails with NOT_FOUND unless the environment exists; operator calls
     /// that act within one environment start here.
-    pub async fn environment_scope(&self, environment_id: Uuid) -> AppResult<super::Tenant> {
+    pub async fn environment_scope(&self, environment_id: EnvironmentId) -> AppResult<super::Tenant> {
         let exists = db::environments::exists(&self.db, environment_id).await?;
         if !exists {
             return Err(AppError::not_found("environment"));

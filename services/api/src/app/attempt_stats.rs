@@ -7,7 +7,7 @@
 use std::{collections::HashMap, sync::Mutex, time::Duration};
 
 use chrono::{DurationRound, TimeDelta};
-use uuid::Uuid;
+use relay_domain::EndpointId;
 
 use super::{App, Timestamp, endpoints::Endpoint};
 use crate::{db, error::AppResult};
@@ -90,12 +90,12 @@ pub fn bucket_of(at: Timestamp) -> Timestamp {
 /// What this process recorded and has not written yet.
 #[derive(Debug, Default)]
 pub struct AttemptStats {
-    pending: Mutex<HashMap<(Uuid, Timestamp), BucketSums>>,
+    pending: Mutex<HashMap<(EndpointId, Timestamp), BucketSums>>,
 }
 
 impl AttemptStats {
     /// Adds attempts just recorded: (endpoint, succeeded, latency).
-    pub fn add(&self, at: Timestamp, attempts: impl IntoIterator<Item = (Uuid, bool, u64)>) {
+    pub fn add(&self, at: Timestamp, attempts: impl IntoIterator<Item = (EndpointId, bool, u64)>) {
         let bucket = bucket_of(at);
         let mut pending = self.pending.lock().expect("attempt stats lock");
         for (endpoint, succeeded, latency_ms) in attempts {
@@ -103,12 +103,12 @@ impl AttemptStats {
         }
     }
 
-    fn take(&self) -> HashMap<(Uuid, Timestamp), BucketSums> {
+    fn take(&self) -> HashMap<(EndpointId, Timestamp), BucketSums> {
         std::mem::take(&mut *self.pending.lock().expect("attempt stats lock"))
     }
 
     /// Puts sums back that could not be written, to go with the next write.
-    fn restore(&self, sums: HashMap<(Uuid, Timestamp), BucketSums>) {
+    fn restore(&self, sums: HashMap<(EndpointId, Timestamp), BucketSums>) {
         let mut pending = self.pending.lock().expect("attempt stats lock");
         for (key, s) in sums {
             pending.entry(key).or_default().merge(&s);
@@ -152,7 +152,7 @@ impl App {
         let from = bucket_of(now - WINDOW) + BUCKET;
         let count = (WINDOW.num_seconds() / BUCKET.num_seconds()) as usize;
         let mut buckets = vec![BucketSums::default(); count];
-        for stored in db::attempt_stats::of_endpoint(&self.db, endpoint_id.uuid(), from).await? {
+        for stored in db::attempt_stats::of_endpoint(&self.db, endpoint_id, from).await? {
             let i = ((stored.bucket_start - from).num_seconds() / BUCKET.num_seconds()) as usize;
             let mut latency_counts = stored.latency_counts;
             latency_counts.resize(LATENCY_BUCKETS, 0);
@@ -201,7 +201,7 @@ mod tests {
     fn sums_that_could_not_be_written_go_with_the_next_write() {
         let stats = AttemptStats::default();
         let at = chrono::Utc::now();
-        let e = Uuid::nil();
+        let e = EndpointId::from_uuid(uuid::Uuid::nil());
         stats.add(at, [(e, true, 1), (e, false, 2)]);
         let taken = stats.take();
         stats.add(at, [(e, true, 1)]);

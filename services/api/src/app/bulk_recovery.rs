@@ -5,9 +5,8 @@
 //! makes it pending).
 
 use anyhow::Context;
-use uuid::Uuid;
 
-use relay_domain::{Reason, models::Operation};
+use relay_domain::{EndpointId, OperationId, Reason, models::Operation};
 
 use super::{App, Tenant, Timestamp};
 use crate::{
@@ -30,7 +29,7 @@ impl App {
     pub async fn recover_endpoint(
         &self,
         tenant: Option<Tenant>,
-        endpoint_id: Uuid,
+        endpoint_id: EndpointId,
         since: Timestamp,
         until: Timestamp,
         dry_run: bool,
@@ -59,7 +58,7 @@ impl App {
         Ok(Recovery::Started(op))
     }
 
-    pub async fn operation(&self, tenant: Option<Tenant>, id: Uuid) -> AppResult<Operation> {
+    pub async fn operation(&self, tenant: Option<Tenant>, id: OperationId) -> AppResult<Operation> {
         db::operations::get(&self.db, id, tenant.map(|t| t.environment_id)).await?.ok_or_else(|| AppError::not_found("operation"))
     }
 
@@ -70,15 +69,15 @@ impl App {
         let ops = db::operations::lock_running(&mut tx).await?;
         let mut sent = 0;
         for op in ops {
-            let endpoint = db::endpoints::get(&mut tx, op.environment_id.uuid(), op.endpoint_id.uuid(), self.clock.now()).await?;
+            let endpoint = db::endpoints::get(&mut tx, op.environment_id, op.endpoint_id, self.clock.now()).await?;
             if !endpoint.is_some_and(|e| e.enabled) {
-                db::operations::fail(&mut tx, op.id.uuid(), "the endpoint was disabled or deleted before the recovery finished").await?;
+                db::operations::fail(&mut tx, op.id, "the endpoint was disabled or deleted before the recovery finished").await?;
                 continue;
             }
             let taken = db::operations::recover_next(&mut tx, &op, per_pass).await?;
             let cursor = taken.iter().max_by_key(|r| (r.created_at, r.id)).map(|r| (r.created_at, r.id));
             let finished = (taken.len() as i64) < per_pass;
-            db::operations::advance(&mut tx, op.id.uuid(), taken.len() as i32, cursor, finished).await?;
+            db::operations::advance(&mut tx, op.id, taken.len() as i32, cursor, finished).await?;
             sent += taken.len();
         }
         if sent > 0 {

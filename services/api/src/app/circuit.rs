@@ -6,9 +6,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use anyhow::Context;
-use relay_domain::Reason;
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId, Reason};
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use relay_domain::health::{Circuit, DisablePolicy, DisabledReason, Effects, EndpointStanding, ProbeStep, Seen};
 
@@ -34,13 +33,13 @@ fn standing(row: &HealthRow) -> EndpointStanding {
 /// each.
 #[derive(Default)]
 struct HealthChanges {
-    stored: Vec<(Uuid, relay_domain::health::EndpointHealth)>,
-    hold: Vec<Uuid>,
-    recover: Vec<Uuid>,
-    release: Vec<(Uuid, u32)>,
-    enable: Vec<Uuid>,
-    disable: HashMap<DisabledReason, Vec<Uuid>>,
-    announce: Vec<(Uuid, Uuid, Happened)>,
+    stored: Vec<(EndpointId, relay_domain::health::EndpointHealth)>,
+    hold: Vec<EndpointId>,
+    recover: Vec<EndpointId>,
+    release: Vec<(EndpointId, u32)>,
+    enable: Vec<EndpointId>,
+    disable: HashMap<DisabledReason, Vec<EndpointId>>,
+    announce: Vec<(EnvironmentId, EndpointId, Happened)>,
 }
 
 impl HealthChanges {
@@ -93,16 +92,16 @@ impl App {
     /// Applies the results of an outcome batch (endpoint, result, in the
     /// order reported) to the endpoints' health, inside the batch's
     /// transaction and after its deliveries are written.
-    pub(super) async fn observe_results(&self, tx: &mut PgConnection, seen: &[(Uuid, Seen)], now: Timestamp) -> AppResult<()> {
+    pub(super) async fn observe_results(&self, tx: &mut PgConnection, seen: &[(EndpointId, Seen)], now: Timestamp) -> AppResult<()> {
         if seen.is_empty() {
             return Ok(());
         }
         let policy = &self.health.circuit;
-        let mut by_endpoint: BTreeMap<Uuid, Vec<(Seen, Timestamp)>> = BTreeMap::new();
+        let mut by_endpoint: BTreeMap<EndpointId, Vec<(Seen, Timestamp)>> = BTreeMap::new();
         for &(endpoint, s) in seen {
             by_endpoint.entry(endpoint).or_default().push((s, now));
         }
-        let ids: Vec<Uuid> = by_endpoint.keys().copied().collect();
+        let ids: Vec<EndpointId> = by_endpoint.keys().copied().collect();
         // The common case, a healthy endpoint succeeding, takes no lock: only
         // a change of circuit must wait for expansions in flight.
         let mut stamp = Vec::new();
@@ -135,7 +134,8 @@ impl App {
         }
         // A failed probe's next one comes no later than a held retry falls due.
         if !reopened.is_empty() {
-            let due: HashMap<Uuid, Timestamp> = db::health::next_held_retry_due(&mut *tx, &reopened, now).await?.into_iter().collect();
+            let due: HashMap<EndpointId, Timestamp> =
+                db::health::next_held_retry_due(&mut *tx, &reopened, now).await?.into_iter().collect();
             for (id, health) in &mut changes.stored {
                 if let Some(&due) = due.get(id) {
                     let s = EndpointStanding { health: *health, disabled: None }.probe_by_held_retry(now, Some(due), policy);
@@ -164,7 +164,7 @@ impl App {
             released += db::health::release_not_due(&mut *tx, &c.recover).await?;
         }
         if !c.release.is_empty() {
-            let (ids, counts): (Vec<Uuid>, Vec<i64>) = c.release.iter().map(|&(id, n)| (id, i64::from(n))).unzip();
+            let (ids, counts): (Vec<EndpointId>, Vec<i64>) = c.release.iter().map(|&(id, n)| (id, i64::from(n))).unzip();
             released += db::health::release_due(&mut *tx, &ids, &counts).await?;
         }
         db::health::store(&mut *tx, &c.stored).await?;
@@ -191,9 +191,9 @@ impl App {
             return Ok(0);
         }
         let now = self.clock.now();
-        let due: Vec<Uuid> = rows.iter().filter(|r| standing(r).probe_due(now)).map(|r| r.endpoint_id).collect();
+        let due: Vec<EndpointId> = rows.iter().filter(|r| standing(r).probe_due(now)).map(|r| r.endpoint_id).collect();
         let max_attempts = i32::try_from(self.schedule.max_attempts()).unwrap_or(i32::MAX);
-        let candidates: HashMap<Uuid, db::health::ProbeCandidate> =
+        let candidates: HashMap<EndpointId, db::health::ProbeCandidate> =
             db::health::probe_candidates(&mut tx, &due, max_attempts).await?.into_iter().map(|c| (c.endpoint_id, c)).collect();
         let (mut probes, mut release, mut closed, mut stored) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for row in &rows {
@@ -217,7 +217,7 @@ impl App {
         }
         let mut released = db::health::release_probes(&mut tx, &probes).await?;
         if !release.is_empty() {
-            let (ids, counts): (Vec<Uuid>, Vec<i64>) = release.into_iter().unzip();
+            let (ids, counts): (Vec<EndpointId>, Vec<i64>) = release.into_iter().unzip();
             released += db::health::release_due(&mut tx, &ids, &counts).await?;
         }
         // A circuit closed with nothing held releases whatever an outcome
@@ -249,8 +249,8 @@ impl App {
     pub async fn list_held(
         &self,
         tenant: Tenant,
-        endpoint_id: Uuid,
-        after: Option<(Timestamp, Uuid)>,
+        endpoint_id: EndpointId,
+        after: Option<(Timestamp, DeliveryId)>,
         limit: i64,
     ) -> AppResult<Vec<relay_domain::models::HeldDelivery>> {
         // The endpoint must be the tenant's (another's answers 404).

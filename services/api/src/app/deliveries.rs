@@ -6,9 +6,8 @@
 use std::time::Duration;
 
 use anyhow::Context;
-use relay_domain::Reason;
+use relay_domain::{DeadLetterId, DeliveryId, DispatcherId, EndpointId, EnvironmentId, EventId, Reason};
 use relay_signing::{Scheme, SigningSecret};
-use uuid::Uuid;
 
 use super::{App, Tenant};
 pub use crate::db::dead_letters::DeadLetter;
@@ -40,10 +39,10 @@ impl Expanded {
 /// only; `SigningSecret`'s `Debug` keeps them out of logs.
 #[derive(Debug)]
 pub struct Material {
-    pub delivery_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub environment_id: Uuid,
-    pub event_id: Uuid,
+    pub delivery_id: DeliveryId,
+    pub endpoint_id: EndpointId,
+    pub environment_id: EnvironmentId,
+    pub event_id: EventId,
     pub url: String,
     pub attempt: u32,
     pub generation: u32,
@@ -74,7 +73,7 @@ pub struct Recorded {
 
 #[derive(Debug, Clone)]
 pub struct AttemptReport {
-    pub delivery_id: Uuid,
+    pub delivery_id: DeliveryId,
     pub generation: u32,
     pub attempt: u32,
     pub http_status: Option<u32>,
@@ -92,18 +91,18 @@ pub struct AttemptReport {
 /// carry, so their attempts continue the event's trace.
 #[derive(Debug, Clone)]
 pub struct ExpandItem {
-    pub event_id: Uuid,
-    pub environment_id: Uuid,
+    pub event_id: EventId,
+    pub environment_id: EnvironmentId,
     pub event_type: String,
     pub trace_context: Option<String>,
     /// An operational event's one recipient.
-    pub target: Option<Uuid>,
+    pub target: Option<EndpointId>,
 }
 
 /// One attempt of one delivery, as the dispatcher names it.
 #[derive(Debug, Clone, Copy)]
 pub struct AttemptRef {
-    pub delivery_id: Uuid,
+    pub delivery_id: DeliveryId,
     pub generation: u32,
     pub attempt: u32,
     /// Who will send it, for how long: the material is handed out only to
@@ -114,7 +113,7 @@ pub struct AttemptRef {
 /// A dispatcher's claim on an attempt it is about to send.
 #[derive(Debug, Clone, Copy)]
 pub struct Claim {
-    pub claimant: Uuid,
+    pub claimant: DispatcherId,
     pub hold: Duration,
 }
 
@@ -125,7 +124,7 @@ impl App {
     /// Puts a dead delivery back at attempt 1, due now, in a new generation.
     /// The dead-letter record stays: it is the evidence the attempts ran out.
     /// `tenant` scopes the lookup; the internal seam passes `None`.
-    pub async fn replay_dead_letter(&self, tenant: Option<Tenant>, dead_letter_id: Uuid) -> AppResult<Uuid> {
+    pub async fn replay_dead_letter(&self, tenant: Option<Tenant>, dead_letter_id: DeadLetterId) -> AppResult<DeliveryId> {
         let mut tx = self.db.begin().await?;
         let (delivery_id, endpoint_id, active) =
             db::dead_letters::find_for_replay(&mut tx, dead_letter_id, tenant.map(|t| t.environment_id))

@@ -10,11 +10,10 @@ use std::{
 
 use anyhow::Context;
 use relay_contracts::relay::queue::v1::{DeliveryJob, SwitchedOff};
-use relay_domain::Reason;
+use relay_domain::{DispatcherId, EndpointId, Reason};
 use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;
-use uuid::Uuid;
 
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
@@ -77,7 +76,7 @@ impl Minted {
 }
 
 /// A live endpoint of the tenant's, its row locked, with its scheme.
-async fn lock_signing(tx: &mut sqlx::PgConnection, tenant: Tenant, id: Uuid) -> AppResult<(db::endpoints::LockedSigning, Scheme)> {
+async fn lock_signing(tx: &mut sqlx::PgConnection, tenant: Tenant, id: EndpointId) -> AppResult<(db::endpoints::LockedSigning, Scheme)> {
     let locked =
         db::endpoints::lock_signing(tx, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("webhook endpoint"))?;
     let scheme = db::models::stored_scheme(id, &locked.signature_scheme)?;
@@ -176,7 +175,12 @@ impl App {
     /// Changes an endpoint's url, event types or signature scheme (see the
     /// proto's UpdateWebhookEndpoint); returns it, and a secret when the
     /// change minted one.
-    pub async fn update_endpoint(&self, tenant: Tenant, id: Uuid, change: EndpointChange) -> AppResult<(Endpoint, Option<SigningSecret>)> {
+    pub async fn update_endpoint(
+        &self,
+        tenant: Tenant,
+        id: EndpointId,
+        change: EndpointChange,
+    ) -> AppResult<(Endpoint, Option<SigningSecret>)> {
         // Another tenant's endpoint answers 404 whatever the body says, as
         // one that never existed does; then everything is checked before the
         // row is locked (the URL check resolves the host).
@@ -239,7 +243,7 @@ impl App {
         db::endpoints::list(&self.db, tenant.environment_id, self.clock.now()).await
     }
 
-    pub async fn get_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<Endpoint> {
+    pub async fn get_endpoint(&self, tenant: Tenant, id: EndpointId) -> AppResult<Endpoint> {
         let mut conn = self.db.acquire().await?;
         db::endpoints::get(&mut conn, tenant.environment_id, id, self.clock.now())
             .await?
@@ -250,7 +254,7 @@ impl App {
     /// pair); the current one becomes the previous one and keeps signing for
     /// the 24 h window. Returns the new secret; none for a key pair, whose
     /// public half is on the endpoint.
-    pub async fn rotate_endpoint_secret(&self, tenant: Tenant, id: Uuid) -> AppResult<(Endpoint, Option<SigningSecret>)> {
+    pub async fn rotate_endpoint_secret(&self, tenant: Tenant, id: EndpointId) -> AppResult<(Endpoint, Option<SigningSecret>)> {
         let mut tx = self.db.begin().await?;
         let (_, scheme) = lock_signing(&mut tx, tenant, id).await?;
         let minted = Minted::for_scheme(scheme);
@@ -271,7 +275,7 @@ impl App {
     ///
     /// A disable is answered only once no attempt of the endpoint can start
     /// any more (see [`App::await_switch_off`]).
-    pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<Endpoint> {
+    pub async fn set_endpoint_enabled(&self, tenant: Tenant, id: EndpointId, enabled: bool) -> AppResult<Endpoint> {
         // The endpoint is locked first here and last by an outcome batch that
         // disables it automatically (deliveries → health → endpoint), so the
         // two can close a circle; Postgres then ends one of them, and this
@@ -281,7 +285,7 @@ impl App {
         Ok(endpoint)
     }
 
-    async fn set_endpoint_enabled_once(&self, tenant: Tenant, id: Uuid, enabled: bool) -> AppResult<(Endpoint, Vec<HeldClaim>)> {
+    async fn set_endpoint_enabled_once(&self, tenant: Tenant, id: EndpointId, enabled: bool) -> AppResult<(Endpoint, Vec<HeldClaim>)> {
         let mut tx = self.db.begin().await?;
         let reason = (!enabled).then_some(DisabledReason::Manual);
         db::endpoints::set_disabled(&mut tx, tenant.environment_id, id, reason)
@@ -315,13 +319,13 @@ impl App {
     /// as dead letters with reason `endpoint_deleted`. Answered only once no
     /// attempt of the endpoint can start any more (see
     /// [`App::await_switch_off`]).
-    pub async fn delete_endpoint(&self, tenant: Tenant, id: Uuid) -> AppResult<()> {
+    pub async fn delete_endpoint(&self, tenant: Tenant, id: EndpointId) -> AppResult<()> {
         let held = retry_lost_conflicts(|| self.delete_endpoint_once(tenant, id)).await?;
         self.await_switch_off(id, held).await;
         Ok(())
     }
 
-    async fn delete_endpoint_once(&self, tenant: Tenant, id: Uuid) -> AppResult<Vec<HeldClaim>> {
+    async fn delete_endpoint_once(&self, tenant: Tenant, id: EndpointId) -> AppResult<Vec<HeldClaim>> {
         let mut tx = self.db.begin().await?;
         if !db::endpoints::soft_delete(&mut tx, tenant.environment_id, id).await? {
             return Err(AppError::not_found("webhook endpoint"));
@@ -362,12 +366,12 @@ impl App {
     /// this only waits (no transaction, nothing half-written): a caller
     /// that gives up (tenant calls run detached, see `crate::detach`, so a
     /// vanished client does not even stop it) loses nothing but the wait.
-    async fn await_switch_off(&self, endpoint_id: Uuid, held: Vec<HeldClaim>) {
+    async fn await_switch_off(&self, endpoint_id: EndpointId, held: Vec<HeldClaim>) {
         if held.is_empty() {
             return;
         }
         let started = Instant::now();
-        let mut by_claimant: HashMap<Uuid, (Vec<DeliveryJob>, i64)> = HashMap::new();
+        let mut by_claimant: HashMap<DispatcherId, (Vec<DeliveryJob>, i64)> = HashMap::new();
         for c in held {
             let (attempts, remaining_ms) = by_claimant.entry(c.claimant).or_default();
             attempts.push(DeliveryJob {

@@ -3,10 +3,9 @@
 use std::sync::{Arc, Mutex};
 
 use anyhow::Context;
-use relay_domain::Reason;
+use relay_domain::{DeliveryId, EnvironmentId, EventId, Reason};
 use serde::Serialize;
 use serde_json::value::RawValue;
-use uuid::Uuid;
 
 use super::{App, Tenant, Timestamp, check_time, endpoints::check_event_type, require_nonempty};
 pub use crate::db::models::{Attempt, Delivery};
@@ -20,10 +19,10 @@ use crate::{
 /// never changes between attempts.
 #[derive(Serialize)]
 struct Envelope<'a> {
-    id: Uuid,
+    id: EventId,
     #[serde(rename = "type")]
     event_type: &'a str,
-    environment_id: Uuid,
+    environment_id: EnvironmentId,
     occurred_at: String,
     /// The tenant's JSON text, exactly as published.
     payload: &'a RawValue,
@@ -89,7 +88,13 @@ pub fn checked_payload(text: &str) -> AppResult<&RawValue> {
 /// The bytes every attempt of an event sends: its envelope around the
 /// payload text, which is kept exactly as given. Public for the micro
 /// benchmarks.
-pub fn envelope(id: Uuid, event_type: &str, environment_id: Uuid, occurred_at: Timestamp, payload: &RawValue) -> AppResult<Vec<u8>> {
+pub fn envelope(
+    id: EventId,
+    event_type: &str,
+    environment_id: EnvironmentId,
+    occurred_at: Timestamp,
+    payload: &RawValue,
+) -> AppResult<Vec<u8>> {
     Ok(serde_json::to_vec(&Envelope {
         id,
         event_type,
@@ -154,8 +159,8 @@ impl OutboxOffers {
 /// An event to write, as the publish batcher takes it.
 #[derive(Debug)]
 pub struct NewEvent {
-    pub id: Uuid,
-    pub environment_id: Uuid,
+    pub id: EventId,
+    pub environment_id: EnvironmentId,
     pub event_type: String,
     pub envelope: Vec<u8>,
     pub occurred_at: Timestamp,
@@ -164,17 +169,17 @@ pub struct NewEvent {
 
 #[derive(Debug, Clone, Copy)]
 pub struct Published {
-    pub event_id: Uuid,
+    pub event_id: EventId,
     pub duplicate: bool,
 }
 
 impl App {
-    pub async fn publish_event(&self, tenant: Tenant, id: Option<Uuid>, event_type: &str, payload: &str) -> AppResult<Published> {
+    pub async fn publish_event(&self, tenant: Tenant, id: Option<EventId>, event_type: &str, payload: &str) -> AppResult<Published> {
         require_nonempty("type", event_type)?;
         let event_type = event_type.trim();
         check_event_type(event_type)?;
         let payload = checked_payload(payload)?;
-        let event_id = id.unwrap_or_else(Uuid::now_v7);
+        let event_id = id.unwrap_or_else(EventId::mint);
         let occurred_at = self.clock.now();
         let envelope = envelope(event_id, event_type, tenant.environment_id, occurred_at, payload)?;
         if envelope.len() > MAX_ENVELOPE_BYTES {
@@ -232,13 +237,13 @@ impl App {
             rows.occurred_at.push(e.occurred_at);
             rows.trace_context.push(e.trace_context.clone());
         }
-        let mut seq_of: std::collections::HashMap<(Uuid, Uuid), i64> =
+        let mut seq_of: std::collections::HashMap<(EnvironmentId, EventId), i64> =
             db::events::insert(conn, &rows).await?.into_iter().map(|(env, id, seq)| ((env, id), seq)).collect();
         // The same id twice in one batch: the first is the one written.
         Ok(events.iter().map(|e| Ok(seq_of.remove(&(e.environment_id, e.id)))).collect())
     }
 
-    pub async fn list_event_deliveries(&self, tenant: Tenant, event_id: Uuid) -> AppResult<Vec<Delivery>> {
+    pub async fn list_event_deliveries(&self, tenant: Tenant, event_id: EventId) -> AppResult<Vec<Delivery>> {
         // One snapshot for the deliveries and their attempt logs: read apart,
         // an outcome committing in between would show a delivery still dead
         // beside the attempt that made it delivered.
@@ -248,7 +253,7 @@ impl App {
             return Err(AppError::not_found("event"));
         }
         let mut deliveries = db::events::deliveries_of(&mut tx, tenant.environment_id, event_id).await?;
-        let ids: Vec<Uuid> = deliveries.iter().map(|d| d.id.uuid()).collect();
+        let ids: Vec<DeliveryId> = deliveries.iter().map(|d| d.id).collect();
         let attempts = db::attempts::of_deliveries(&mut tx, tenant.environment_id, &ids).await?;
         for a in attempts {
             if let Some(d) = deliveries.iter_mut().find(|d| d.id == a.delivery_id) {
@@ -285,7 +290,7 @@ impl App {
     }
 
     /// One of the tenant's events.
-    pub async fn get_event(&self, tenant: Tenant, id: Uuid) -> AppResult<db::events::StoredEvent> {
+    pub async fn get_event(&self, tenant: Tenant, id: EventId) -> AppResult<db::events::StoredEvent> {
         db::events::get(&self.db, tenant.environment_id, id).await?.ok_or_else(|| AppError::not_found("event"))
     }
 }

@@ -5,9 +5,8 @@
 use std::{collections::HashMap, time::Duration};
 
 use anyhow::Context;
-use relay_domain::Reason;
+use relay_domain::{DeliveryId, EndpointId, Reason};
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use super::{
     App,
@@ -161,8 +160,8 @@ impl App {
     fn first_attempt(
         &self,
         row: &db::deliveries::ExpandedRow,
-        delivery_id: Uuid,
-        endpoint_id: Uuid,
+        delivery_id: DeliveryId,
+        endpoint_id: EndpointId,
         ask: &ExpandAsk,
         envelope: Option<&Vec<u8>>,
         now: super::Timestamp,
@@ -203,7 +202,7 @@ impl App {
     async fn dispatch_leased(&self, jobs: &[crate::queue::Job<'_>]) {
         let Some(direct) = &self.direct else { return };
         let (stored, first_error) = direct.jobs.publish(jobs).await;
-        let unsent: Vec<Uuid> = jobs.iter().zip(stored).filter_map(|(j, ok)| (!ok).then_some(j.delivery_id)).collect();
+        let unsent: Vec<DeliveryId> = jobs.iter().zip(stored).filter_map(|(j, ok)| (!ok).then_some(j.delivery_id)).collect();
         if unsent.is_empty() {
             return;
         }

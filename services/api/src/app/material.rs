@@ -4,9 +4,8 @@
 use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
-use uuid::Uuid;
 
-use relay_domain::{Reason, delivery::DeliveryState, health::DisabledReason};
+use relay_domain::{DeliveryId, EndpointId, Reason, delivery::DeliveryState, health::DisabledReason};
 
 use super::{App, Timestamp, deliveries::*};
 use crate::{
@@ -45,8 +44,8 @@ impl App {
         let mut secrets_of = SecretsByEndpoint::new();
         let now = self.clock.now();
         let mut out = Vec::with_capacity(wanted.len());
-        let mut switched_off: Vec<(Uuid, &'static str)> = Vec::new();
-        let mut to_hold: Vec<Uuid> = Vec::new();
+        let mut switched_off: Vec<(DeliveryId, &'static str)> = Vec::new();
+        let mut to_hold: Vec<DeliveryId> = Vec::new();
         for (ord, w) in (1..).zip(wanted) {
             let row = match by_ord.get(&ord) {
                 Some(r) => r,
@@ -85,7 +84,7 @@ impl App {
         // none should get here; if one ever does, it ends now rather than
         // waiting on a lease for an attempt that will never be made.
         for reason in [db::dead_letters::ENDPOINT_DISABLED, db::dead_letters::ENDPOINT_DELETED] {
-            let ids: Vec<Uuid> = switched_off.iter().filter(|(_, r)| *r == reason).map(|(id, _)| *id).collect();
+            let ids: Vec<DeliveryId> = switched_off.iter().filter(|(_, r)| *r == reason).map(|(id, _)| *id).collect();
             if !ids.is_empty() {
                 let ended = db::deliveries::end_pending_by_id(&self.db, &ids, reason).await?;
                 tracing::warn!(ended, reason, "pending deliveries of an inactive endpoint found at material time; dead-lettered");
@@ -105,8 +104,12 @@ impl App {
     /// out). A claim outlives its attempt's outcome on purpose: a second copy
     /// of the job asking before it runs out is refused, and asking after
     /// finds the attempt no longer current. Returns the deliveries claimed.
-    async fn claim_attempts(&self, wanted: &[AttemptRef], rows: &HashMap<i64, db::deliveries::MaterialRow>) -> AppResult<HashSet<Uuid>> {
-        let mut seen: HashSet<Uuid> = HashSet::new();
+    async fn claim_attempts(
+        &self,
+        wanted: &[AttemptRef],
+        rows: &HashMap<i64, db::deliveries::MaterialRow>,
+    ) -> AppResult<HashSet<DeliveryId>> {
+        let mut seen: HashSet<DeliveryId> = HashSet::new();
         let asked: Vec<(&AttemptRef, Claim)> = (1..)
             .zip(wanted)
             .filter_map(|(ord, w)| {
@@ -204,7 +207,7 @@ impl<'a> StoredSecrets<'a> {
 
 /// Signing secrets decrypted in one batch, by endpoint: each endpoint's
 /// once, however many of its attempts the batch hands out.
-pub(crate) type SecretsByEndpoint = HashMap<Uuid, (Scheme, Vec<SigningSecret>)>;
+pub(crate) type SecretsByEndpoint = HashMap<EndpointId, (Scheme, Vec<SigningSecret>)>;
 
 impl App {
     /// An endpoint's scheme and signing secrets, decrypted (once per batch):
@@ -213,7 +216,7 @@ impl App {
     pub(crate) fn signing_secrets(
         &self,
         decrypted: &mut SecretsByEndpoint,
-        endpoint_id: Uuid,
+        endpoint_id: EndpointId,
         stored: StoredSecrets<'_>,
         now: Timestamp,
     ) -> AppResult<(Scheme, Vec<SigningSecret>)> {

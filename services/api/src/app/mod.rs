@@ -21,11 +21,10 @@ mod refill;
 
 use std::sync::Arc;
 
-use relay_domain::{Reason, health, schedule::RetrySchedule};
+use relay_domain::{EnvironmentId, Reason, health, schedule::RetrySchedule};
 use relay_netguard::Policy;
 use sqlx::PgPool;
 use tokio::sync::Notify;
-use uuid::Uuid;
 
 use crate::{
     db::{
@@ -308,7 +307,7 @@ impl std::fmt::Debug for DirectDispatch {
 /// An environment, resolved from a verified credential.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Tenant {
-    pub environment_id: Uuid,
+    pub environment_id: EnvironmentId,
 }
 
 pub use relay_domain::Timestamp;

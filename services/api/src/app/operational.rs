@@ -12,9 +12,8 @@ use std::time::Duration;
 use anyhow::Context;
 use serde_json::json;
 use sqlx::PgConnection;
-use uuid::Uuid;
 
-use relay_domain::health::DisabledReason;
+use relay_domain::{EndpointId, EnvironmentId, EventId, health::DisabledReason};
 
 use super::{App, Tenant, Timestamp};
 use crate::{
@@ -76,7 +75,7 @@ impl Happened {
         }
     }
 
-    fn payload(&self, endpoint_id: Uuid) -> serde_json::Value {
+    fn payload(&self, endpoint_id: EndpointId) -> serde_json::Value {
         let stamp = |t: Timestamp| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         match *self {
             Self::Disabled(reason) => json!({"endpoint_id": endpoint_id, "reason": reason.as_str()}),
@@ -93,14 +92,14 @@ impl App {
     /// Writes operational events (environment, endpoint, what happened) in
     /// the caller's transaction, for environments that name an operations
     /// endpoint.
-    pub(super) async fn announce(&self, tx: &mut PgConnection, what: &[(Uuid, Uuid, Happened)]) -> AppResult<()> {
+    pub(super) async fn announce(&self, tx: &mut PgConnection, what: &[(EnvironmentId, EndpointId, Happened)]) -> AppResult<()> {
         if what.is_empty() {
             return Ok(());
         }
         let now = self.clock.now();
         let mut rows = db::events::Operational::default();
         for &(environment_id, endpoint_id, happened) in what {
-            let id = Uuid::now_v7();
+            let id = EventId::mint();
             let payload = serde_json::value::to_raw_value(&happened.payload(endpoint_id)).context("an operational payload")?;
             rows.envelope.push(super::events::envelope(id, happened.event_type(), environment_id, now, &payload)?);
             rows.environment_id.push(environment_id);
@@ -122,7 +121,7 @@ impl App {
         if notices.is_empty() {
             return Ok(0);
         }
-        let what: Vec<(Uuid, Uuid, Happened)> =
+        let what: Vec<(EnvironmentId, EndpointId, Happened)> =
             notices.iter().map(|n| (n.environment_id, n.endpoint_id, Happened::DeadLettered { count: n.count, since: n.since })).collect();
         self.announce(&mut tx, &what).await?;
         tx.commit().await.context("committing dead-letter announcements")?;
@@ -131,7 +130,7 @@ impl App {
 
     /// Names the environment's operations endpoint (`None` clears it); it
     /// must be one of the environment's live endpoints.
-    pub async fn set_operations_endpoint(&self, tenant: Tenant, endpoint_id: Option<Uuid>) -> AppResult<Option<Uuid>> {
+    pub async fn set_operations_endpoint(&self, tenant: Tenant, endpoint_id: Option<EndpointId>) -> AppResult<Option<EndpointId>> {
         if let Some(id) = endpoint_id {
             self.get_endpoint(tenant, id).await?;
         }
@@ -140,7 +139,7 @@ impl App {
             .ok_or_else(|| AppError::not_found("environment"))
     }
 
-    pub async fn operations_endpoint(&self, tenant: Tenant) -> AppResult<Option<Uuid>> {
+    pub async fn operations_endpoint(&self, tenant: Tenant) -> AppResult<Option<EndpointId>> {
         db::environments::operations_endpoint(&self.db, tenant.environment_id).await?.ok_or_else(|| AppError::not_found("environment"))
     }
 }

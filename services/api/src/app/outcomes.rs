@@ -4,8 +4,8 @@
 use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId};
 use relay_signing::Scheme;
-use uuid::Uuid;
 
 use sqlx::{Connection, PgConnection};
 
@@ -93,9 +93,9 @@ impl App {
         &self,
         conn: &mut PgConnection,
         reports: &[AttemptReport],
-    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<Option<Uuid>>)> {
+    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<Option<EndpointId>>)> {
         let now = self.clock.now();
-        let mut first_seen: HashSet<Uuid> = HashSet::new();
+        let mut first_seen: HashSet<DeliveryId> = HashSet::new();
         let mut candidates: Vec<(usize, Decision)> = Vec::new();
         for (i, r) in reports.iter().enumerate() {
             if first_seen.insert(r.delivery_id) {
@@ -149,7 +149,8 @@ impl App {
                 applied.iter().filter(|a| batch.decision_of(a.id) == Some(Decision::DeadLettered)).collect();
             if !dead.is_empty() {
                 // Counted for the tenant's operations endpoint, announced in a batch.
-                let (endpoints, environments): (Vec<Uuid>, Vec<Uuid>) = dead.iter().map(|a| (a.endpoint_id, a.environment_id)).unzip();
+                let (endpoints, environments): (Vec<EndpointId>, Vec<EnvironmentId>) =
+                    dead.iter().map(|a| (a.endpoint_id, a.environment_id)).unzip();
                 db::events::count_dead_letter_notices(&mut tx, &endpoints, &environments).await?;
                 self.dead_letters_counted.counted();
             }
@@ -191,7 +192,7 @@ impl App {
             batch.decisions.extend(slow_decisions);
         }
         batch.seen.sort_by_key(|(i, _, _)| *i);
-        let seen: Vec<(Uuid, Seen)> = batch.seen.iter().map(|&(_, endpoint, s)| (endpoint, s)).collect();
+        let seen: Vec<(EndpointId, Seen)> = batch.seen.iter().map(|&(_, endpoint, s)| (endpoint, s)).collect();
         self.observe_results(&mut *tx, &seen, now).await
     }
 
@@ -204,35 +205,35 @@ impl App {
         tx: &mut sqlx::PgConnection,
         reports: Vec<AttemptReport>,
         now: Timestamp,
-    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<(&'static str, i64)>, Vec<(usize, Uuid, Seen)>)> {
-        let ids: Vec<Uuid> = reports.iter().map(|r| r.delivery_id).collect();
+    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<(&'static str, i64)>, Vec<(usize, EndpointId, Seen)>)> {
+        let ids: Vec<DeliveryId> = reports.iter().map(|r| r.delivery_id).collect();
         let rows = db::deliveries::lock_for_outcome(&mut *tx, &ids).await?;
-        let mut current: HashMap<Uuid, db::deliveries::OutcomeRow> = rows.into_iter().map(|r| (r.id, r)).collect();
+        let mut current: HashMap<DeliveryId, db::deliveries::OutcomeRow> = rows.into_iter().map(|r| (r.id, r)).collect();
         // A report for the delivery's current attempt cannot have been
         // recorded (recording moves the attempt on or ends the delivery), so
         // the attempt log is read only for the rare repeats and stragglers.
-        let stragglers: Vec<Uuid> = reports
+        let stragglers: Vec<DeliveryId> = reports
             .iter()
             .filter(|r| !current.get(&r.delivery_id).is_some_and(|row| standing(row, false).awaits(&reported(r))))
             .map(|r| r.delivery_id)
             .collect();
-        let mut recorded: HashMap<(Uuid, u32, u32), Decision> = HashMap::new();
+        let mut recorded: HashMap<(DeliveryId, u32, u32), Decision> = HashMap::new();
         if !stragglers.is_empty() {
-            let wanted: HashSet<(Uuid, u32, u32)> = reports.iter().map(|r| (r.delivery_id, r.generation, r.attempt)).collect();
+            let wanted: HashSet<(DeliveryId, u32, u32)> = reports.iter().map(|r| (r.delivery_id, r.generation, r.attempt)).collect();
             recorded = db::attempts::recorded_decisions(&mut *tx, &stragglers).await?;
             recorded.retain(|key, _| wanted.contains(key));
         }
         // Deliveries ended because their endpoint was disabled or deleted
         // while an attempt was on the wire: that attempt's result still
         // counts (a 2xx means the receiver has the event).
-        let switched_off: HashSet<Uuid> =
+        let switched_off: HashSet<DeliveryId> =
             if stragglers.is_empty() { HashSet::new() } else { db::dead_letters::switched_off_in_flight(&mut *tx, &stragglers).await? };
-        let mut revived: Vec<Uuid> = Vec::new();
+        let mut revived: Vec<DeliveryId> = Vec::new();
         let mut late_failures = db::dead_letters::DeadLetterRows::default();
 
         let mut out = Vec::with_capacity(reports.len());
         let mut seen = Vec::new();
-        let mut touched: Vec<Uuid> = Vec::new();
+        let mut touched: Vec<DeliveryId> = Vec::new();
         let mut dead = db::dead_letters::DeadLetterRows::default();
         let mut log = db::attempts::AttemptRows::default();
         for (k, report) in reports.into_iter().enumerate() {
@@ -339,10 +340,10 @@ async fn write_outcome_rows(
 /// decisions recorded (for metrics).
 struct OutcomeBatch {
     answers: Vec<Option<AppResult<Decision>>>,
-    seen: Vec<(usize, Uuid, Seen)>,
+    seen: Vec<(usize, EndpointId, Seen)>,
     decisions: Vec<(&'static str, i64)>,
     /// Each candidate's report position and decision, by delivery.
-    candidate_of: HashMap<Uuid, (usize, Decision)>,
+    candidate_of: HashMap<DeliveryId, (usize, Decision)>,
     seen_of: Vec<Seen>,
     latency_of: Vec<i64>,
 }
@@ -359,7 +360,7 @@ impl OutcomeBatch {
         }
     }
 
-    fn decision_of(&self, delivery: Uuid) -> Option<Decision> {
+    fn decision_of(&self, delivery: DeliveryId) -> Option<Decision> {
         self.candidate_of.get(&delivery).map(|&(_, d)| d)
     }
 
@@ -404,8 +405,8 @@ fn seen_in(r: &AttemptReport) -> Seen {
 
 /// Healthy endpoints whose `last_success_at` is older than the stamp's
 /// interval: refreshed at most once a second each, not once per batch.
-fn stale_success_stamps(applied: &[db::deliveries::AppliedOutcome], now: Timestamp) -> Vec<Uuid> {
-    let mut stamp: Vec<Uuid> = applied
+fn stale_success_stamps(applied: &[db::deliveries::AppliedOutcome], now: Timestamp) -> Vec<EndpointId> {
+    let mut stamp: Vec<EndpointId> = applied
         .iter()
         .filter(|a| a.last_success_at.is_none_or(|at| at + super::circuit::SUCCESS_STAMP_EVERY <= now))
         .map(|a| a.endpoint_id)

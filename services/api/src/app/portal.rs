@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+use relay_domain::EnvironmentId;
 use sha2::{Digest, Sha256};
-use uuid::Uuid;
 
 use super::{App, Tenant, Timestamp};
 use crate::{db, error::AppResult};
@@ -105,7 +105,7 @@ impl App {
         }
         Ok(db::portal::session(&self.db, &hash(session_token))
             .await?
-            .map(|(environment_id, csrf_token): (Uuid, String)| PortalSession { tenant: Tenant { environment_id }, csrf_token }))
+            .map(|(environment_id, csrf_token): (EnvironmentId, String)| PortalSession { tenant: Tenant { environment_id }, csrf_token }))
     }
 
     pub async fn leave_portal(&self, session_token: &str) -> AppResult<()> {

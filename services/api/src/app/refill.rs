@@ -5,8 +5,8 @@
 
 use std::collections::HashMap;
 
+use relay_domain::{DispatcherId, EndpointId};
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use super::{
     App, Timestamp,
@@ -27,7 +27,7 @@ impl App {
         &self,
         conn: &mut PgConnection,
         asks: &[OutcomeAsk],
-        endpoints: &[Option<Uuid>],
+        endpoints: &[Option<EndpointId>],
         recorded: &mut [AppResult<Recorded>],
     ) -> AppResult<()> {
         if !self.slots_awaited.load(std::sync::atomic::Ordering::Relaxed) {
@@ -36,8 +36,8 @@ impl App {
         let Some(cap) = self.direct.as_ref().map(|d| d.endpoint_cap) else { return Ok(()) };
         // By claimant: each endpoint freed, and the last report of it that
         // recorded (where its next attempts ride back).
-        let mut freed: HashMap<Uuid, HashMap<Uuid, usize>> = HashMap::new();
-        let mut holds: HashMap<Uuid, std::time::Duration> = HashMap::new();
+        let mut freed: HashMap<DispatcherId, HashMap<EndpointId, usize>> = HashMap::new();
+        let mut holds: HashMap<DispatcherId, std::time::Duration> = HashMap::new();
         for (i, (ask, endpoint)) in asks.iter().zip(endpoints).enumerate() {
             if let (Some(claim), Some(endpoint)) = (ask.claim, endpoint) {
                 freed.entry(claim.claimant).or_default().insert(*endpoint, i);
@@ -52,7 +52,7 @@ impl App {
         let mut secrets_of = SecretsByEndpoint::new();
         let mut found = 0;
         for (claimant, endpoints) in freed {
-            let ids: Vec<Uuid> = endpoints.keys().copied().collect();
+            let ids: Vec<EndpointId> = endpoints.keys().copied().collect();
             let rows = {
                 let _leasing = self.lease_guard.lock().await;
                 db::deliveries::refill(

@@ -3,8 +3,8 @@
 
 use std::time::Duration;
 
+use relay_domain::EndpointId;
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use super::{interval, models::Timestamp};
 use crate::error::AppResult;
@@ -13,7 +13,7 @@ use crate::error::AppResult;
 /// `LATENCY_BUCKETS` long.
 #[derive(Default)]
 pub struct Rows {
-    endpoint_id: Vec<Uuid>,
+    endpoint_id: Vec<EndpointId>,
     bucket_start: Vec<Timestamp>,
     attempts: Vec<i64>,
     succeeded: Vec<i64>,
@@ -21,7 +21,7 @@ pub struct Rows {
 }
 
 impl Rows {
-    pub fn push(&mut self, endpoint_id: Uuid, bucket_start: Timestamp, attempts: i64, succeeded: i64, latency_counts: &[i64]) {
+    pub fn push(&mut self, endpoint_id: EndpointId, bucket_start: Timestamp, attempts: i64, succeeded: i64, latency_counts: &[i64]) {
         self.endpoint_id.push(endpoint_id);
         self.bucket_start.push(bucket_start);
         self.attempts.push(attempts);
@@ -49,7 +49,7 @@ pub async fn add(db: &PgPool, rows: &Rows) -> AppResult<()> {
            succeeded = s.succeeded + EXCLUDED.succeeded,
            latency_counts = ARRAY(SELECT coalesce(a, 0) + coalesce(b, 0)
                                   FROM UNNEST(s.latency_counts, EXCLUDED.latency_counts) WITH ORDINALITY AS t(a, b, i) ORDER BY i)",
-        &rows.endpoint_id,
+        &rows.endpoint_id as _,
         &rows.bucket_start,
         &rows.attempts,
         &rows.succeeded,
@@ -68,12 +68,12 @@ pub struct StoredBucket {
     pub latency_counts: Vec<i64>,
 }
 
-pub async fn of_endpoint(db: &PgPool, endpoint_id: Uuid, from: Timestamp) -> AppResult<Vec<StoredBucket>> {
+pub async fn of_endpoint(db: &PgPool, endpoint_id: EndpointId, from: Timestamp) -> AppResult<Vec<StoredBucket>> {
     Ok(sqlx::query_as!(
         StoredBucket,
         "SELECT bucket_start, attempts, succeeded, latency_counts FROM endpoint_attempt_stats
          WHERE endpoint_id = $1 AND bucket_start >= $2 ORDER BY bucket_start",
-        endpoint_id,
+        endpoint_id as _,
         from,
     )
     .fetch_all(db)

@@ -3,8 +3,8 @@
 
 use std::collections::HashMap;
 
+use relay_domain::{DeliveryId, EnvironmentId};
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use relay_signing::Scheme;
 
@@ -14,10 +14,10 @@ use crate::error::AppResult;
 /// Attempt-log rows of one outcome batch, column by column.
 #[derive(Default)]
 pub struct AttemptRows {
-    pub delivery_id: Vec<Uuid>,
+    pub delivery_id: Vec<DeliveryId>,
     pub generation: Vec<i32>,
     pub attempt: Vec<i32>,
-    pub environment_id: Vec<Uuid>,
+    pub environment_id: Vec<EnvironmentId>,
     pub http_status: Vec<Option<i32>>,
     pub error: Vec<Option<String>>,
     pub latency_ms: Vec<i64>,
@@ -31,10 +31,10 @@ impl AttemptRows {
     #[allow(clippy::too_many_arguments)]
     pub fn push(
         &mut self,
-        delivery_id: Uuid,
+        delivery_id: DeliveryId,
         generation: u32,
         attempt: u32,
-        environment_id: Uuid,
+        environment_id: EnvironmentId,
         http_status: Option<i32>,
         error: Option<String>,
         latency_ms: u64,
@@ -67,10 +67,10 @@ pub async fn insert(tx: &mut PgConnection, log: &AttemptRows) -> AppResult<()> {
             signature_scheme)
          SELECT * FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::uuid[], $5::int[], $6::text[], $7::bigint[], $8::bytea[],
                               $9::text[], $10::timestamptz[], $11::text[])",
-        &log.delivery_id,
+        &log.delivery_id as _,
         &log.generation,
         &log.attempt,
-        &log.environment_id,
+        &log.environment_id as _,
         &log.http_status as &[Option<i32>],
         &log.error as &[Option<String>],
         &log.latency_ms,
@@ -86,16 +86,19 @@ pub async fn insert(tx: &mut PgConnection, log: &AttemptRows) -> AppResult<()> {
 
 /// What the log already holds for these deliveries, by (delivery,
 /// generation, attempt): the first answer a repeated report gets again.
-pub async fn recorded_decisions(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<HashMap<(Uuid, u32, u32), Decision>> {
+pub async fn recorded_decisions(
+    tx: &mut PgConnection,
+    delivery_ids: &[DeliveryId],
+) -> AppResult<HashMap<(DeliveryId, u32, u32), Decision>> {
     let rows = sqlx::query!(
         "SELECT delivery_id, generation, attempt, decision, next_attempt_at FROM delivery_attempts WHERE delivery_id = ANY ($1)",
-        delivery_ids,
+        delivery_ids as _,
     )
     .fetch_all(&mut *tx)
     .await?;
     rows.into_iter()
         .map(|r| {
-            let (id, decision) = (r.delivery_id, r.decision);
+            let (id, decision) = (DeliveryId::from(r.delivery_id), r.decision);
             let d = Decision::from_log(&decision, r.next_attempt_at).ok_or_else(|| {
                 anyhow::anyhow!("the attempt log of delivery {id} holds a decision this build does not know: {decision:?}")
             })?;
@@ -105,15 +108,15 @@ pub async fn recorded_decisions(tx: &mut PgConnection, delivery_ids: &[Uuid]) ->
 }
 
 /// The attempt logs of these deliveries, in order.
-pub async fn of_deliveries(tx: &mut PgConnection, environment_id: Uuid, delivery_ids: &[Uuid]) -> AppResult<Vec<Attempt>> {
+pub async fn of_deliveries(tx: &mut PgConnection, environment_id: EnvironmentId, delivery_ids: &[DeliveryId]) -> AppResult<Vec<Attempt>> {
     Ok(sqlx::query_as!(
         Attempt,
         "SELECT delivery_id, generation, attempt, attempted_at, http_status, error, latency_ms, response_body, next_attempt_at,
                 signature_scheme
          FROM delivery_attempts WHERE delivery_id = ANY ($1) AND environment_id = $2
          ORDER BY generation, attempt",
-        delivery_ids,
-        environment_id,
+        delivery_ids as _,
+        environment_id as _,
     )
     .fetch_all(&mut *tx)
     .await?)

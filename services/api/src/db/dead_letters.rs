@@ -4,9 +4,8 @@
 use std::{collections::HashSet, time::Duration};
 
 use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
 
-use relay_domain::delivery::DeadLetterReason;
+use relay_domain::{DeadLetterId, DeliveryId, EndpointId, EnvironmentId, EventId, delivery::DeadLetterReason};
 
 pub use super::models::DeadLetter;
 use crate::error::AppResult;
@@ -23,11 +22,11 @@ pub const ENDPOINT_FAILING: &str = "endpoint_failing";
 /// Dead letters of one outcome batch, column by column for one `UNNEST` insert.
 #[derive(Default)]
 pub struct DeadLetterRows {
-    pub id: Vec<Uuid>,
-    pub environment_id: Vec<Uuid>,
-    pub delivery_id: Vec<Uuid>,
-    pub endpoint_id: Vec<Uuid>,
-    pub event_id: Vec<Uuid>,
+    pub id: Vec<DeadLetterId>,
+    pub environment_id: Vec<EnvironmentId>,
+    pub delivery_id: Vec<DeliveryId>,
+    pub endpoint_id: Vec<EndpointId>,
+    pub event_id: Vec<EventId>,
     pub attempts: Vec<i32>,
     pub last_status: Vec<Option<i32>>,
     pub last_error: Vec<Option<String>>,
@@ -37,15 +36,15 @@ impl DeadLetterRows {
     #[allow(clippy::too_many_arguments)]
     pub fn push(
         &mut self,
-        delivery_id: Uuid,
-        environment_id: Uuid,
-        endpoint_id: Uuid,
-        event_id: Uuid,
+        delivery_id: DeliveryId,
+        environment_id: EnvironmentId,
+        endpoint_id: EndpointId,
+        event_id: EventId,
         attempts: i32,
         last_status: Option<i32>,
         last_error: Option<String>,
     ) {
-        self.id.push(Uuid::now_v7());
+        self.id.push(DeadLetterId::mint());
         self.environment_id.push(environment_id);
         self.delivery_id.push(delivery_id);
         self.endpoint_id.push(endpoint_id);
@@ -68,11 +67,11 @@ pub async fn insert_exhausted(tx: &mut PgConnection, rows: &DeadLetterRows) -> A
     sqlx::query!(
         "INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error)
          SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::uuid[], $5::uuid[], $6::int[], $7::int[], $8::text[])",
-        &rows.id,
-        &rows.environment_id,
-        &rows.delivery_id,
-        &rows.endpoint_id,
-        &rows.event_id,
+        &rows.id as _,
+        &rows.environment_id as _,
+        &rows.delivery_id as _,
+        &rows.endpoint_id as _,
+        &rows.event_id as _,
         &rows.attempts,
         &rows.last_status as &[Option<i32>],
         &rows.last_error as &[Option<String>],
@@ -84,28 +83,29 @@ pub async fn insert_exhausted(tx: &mut PgConnection, rows: &DeadLetterRows) -> A
 
 /// Of these deliveries, those ended by a switch-off while their current
 /// attempt was on the wire (the dead letter counts the attempts before it).
-pub async fn switched_off_in_flight(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<HashSet<Uuid>> {
+pub async fn switched_off_in_flight(tx: &mut PgConnection, delivery_ids: &[DeliveryId]) -> AppResult<HashSet<DeliveryId>> {
     Ok(sqlx::query_scalar!(
         "SELECT l.delivery_id FROM webhook_dead_letters l JOIN webhook_deliveries d ON d.id = l.delivery_id
          WHERE l.delivery_id = ANY ($1) AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')
            AND d.state = 'dead' AND l.attempts = d.attempt - 1",
-        delivery_ids,
+        delivery_ids as _,
     )
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
+    .map(DeliveryId::from)
     .collect())
 }
 
 /// Delivered after all: the provisional dead letters go, so a replay cannot
 /// send the receiver an event it already has.
-pub async fn withdraw_switch_off(tx: &mut PgConnection, delivery_ids: &[Uuid]) -> AppResult<()> {
+pub async fn withdraw_switch_off(tx: &mut PgConnection, delivery_ids: &[DeliveryId]) -> AppResult<()> {
     if delivery_ids.is_empty() {
         return Ok(());
     }
     sqlx::query!(
         "DELETE FROM webhook_dead_letters WHERE delivery_id = ANY ($1) AND reason IN ('endpoint_disabled', 'endpoint_deleted')",
-        delivery_ids
+        delivery_ids as _
     )
     .execute(&mut *tx)
     .await?;
@@ -122,7 +122,7 @@ pub async fn complete_switch_off(tx: &mut PgConnection, rows: &DeadLetterRows) -
         "UPDATE webhook_dead_letters l SET attempts = u.attempts, last_status = u.last_status, last_error = u.last_error
          FROM UNNEST($1::uuid[], $2::int[], $3::int[], $4::text[]) AS u(delivery_id, attempts, last_status, last_error)
          WHERE l.delivery_id = ANY ($1::uuid[]) AND l.delivery_id = u.delivery_id AND l.reason IN ('endpoint_disabled', 'endpoint_deleted')",
-        &rows.delivery_id,
+        &rows.delivery_id as _,
         &rows.attempts,
         &rows.last_status as &[Option<i32>],
         &rows.last_error as &[Option<String>],
@@ -136,17 +136,21 @@ pub async fn complete_switch_off(tx: &mut PgConnection, rows: &DeadLetterRows) -
 /// endpoint takes deliveries (enabled, or disabled by Relay, which holds
 /// them: a replay then waits, held, with the rest). `environment` scopes
 /// the lookup (`None`: any).
-pub async fn find_for_replay(tx: &mut PgConnection, id: Uuid, environment: Option<Uuid>) -> AppResult<Option<(Uuid, Uuid, bool)>> {
+pub async fn find_for_replay(
+    tx: &mut PgConnection,
+    id: DeadLetterId,
+    environment: Option<EnvironmentId>,
+) -> AppResult<Option<(DeliveryId, EndpointId, bool)>> {
     Ok(sqlx::query!(
         r#"SELECT l.delivery_id, l.endpoint_id, (e.enabled OR e.disabled_reason IN ('gone', 'failing')) AND e.deleted_at IS NULL AS "active!"
          FROM webhook_dead_letters l JOIN webhook_endpoints e ON e.id = l.endpoint_id
          WHERE l.id = $1 AND ($2::uuid IS NULL OR l.environment_id = $2)"#,
-        id,
-        environment,
+        id as _,
+        environment as _,
     )
     .fetch_optional(&mut *tx)
     .await?
-    .map(|r| (r.delivery_id, r.endpoint_id, r.active)))
+    .map(|r| (r.delivery_id.into(), r.endpoint_id.into(), r.active)))
 }
 
 /// Deletes dead letters older than `retention`.
@@ -159,7 +163,7 @@ pub async fn prune(db: &PgPool, retention: Duration) -> AppResult<u64> {
 }
 
 /// An environment's newest dead letters.
-pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<DeadLetter>> {
+pub async fn list(db: &PgPool, environment_id: EnvironmentId) -> AppResult<Vec<DeadLetter>> {
     Ok(sqlx::query_as!(
         DeadLetter,
         r#"SELECT l.id, l.delivery_id, l.endpoint_id, l.event_id, l.attempts, l.last_status, l.last_error, l.reason AS "reason: DeadLetterReason", l.dead_lettered_at,
@@ -168,7 +172,7 @@ pub async fn list(db: &PgPool, environment_id: Uuid) -> AppResult<Vec<DeadLetter
                     AS "replayed!"
          FROM webhook_dead_letters l LEFT JOIN webhook_deliveries d ON d.id = l.delivery_id
          WHERE l.environment_id = $1 ORDER BY l.dead_lettered_at DESC, l.id DESC LIMIT 1000"#,
-        environment_id,
+        environment_id as _,
     )
     .fetch_all(db)
     .await?)

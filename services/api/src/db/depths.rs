@@ -1,8 +1,8 @@
 //! How much work is waiting where, read for operators and metrics.
 
 use anyhow::Context;
+use relay_domain::EndpointId;
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use super::models::QueueDepths;
 use crate::error::AppResult;
@@ -30,7 +30,7 @@ pub async fn queue_depths(db: &PgPool) -> AppResult<QueueDepths> {
 
 /// Attempts handed out and not yet reported, per endpoint (the small
 /// partial index of leased rows).
-pub async fn in_flight_by_endpoint(db: &PgPool) -> AppResult<Vec<(Uuid, i64)>> {
+pub async fn in_flight_by_endpoint(db: &PgPool) -> AppResult<Vec<(EndpointId, i64)>> {
     Ok(sqlx::query!(
         r#"SELECT endpoint_id, count(*) AS "n!" FROM webhook_deliveries
          WHERE state = 'pending' AND dispatched_at IS NOT NULL GROUP BY endpoint_id"#,
@@ -39,7 +39,7 @@ pub async fn in_flight_by_endpoint(db: &PgPool) -> AppResult<Vec<(Uuid, i64)>> {
     .await
     .context("reading in-flight attempts")?
     .into_iter()
-    .map(|r| (r.endpoint_id, r.n))
+    .map(|r| (r.endpoint_id.into(), r.n))
     .collect())
 }
 

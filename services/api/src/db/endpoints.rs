@@ -1,8 +1,8 @@
 //! `webhook_endpoints`. Reads never select a ciphertext; only material and
 //! the rewrap read secrets.
 
+use relay_domain::{EndpointId, EnvironmentId};
 use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
 
 use relay_signing::Scheme;
 
@@ -11,16 +11,16 @@ use crate::error::AppResult;
 
 /// The environment's endpoint quota, its row locked: concurrent creates
 /// serialise on it, so two racing requests cannot both take the last slot.
-pub async fn lock_quota(tx: &mut PgConnection, environment_id: Uuid) -> AppResult<Option<i32>> {
-    Ok(sqlx::query_scalar!("SELECT endpoint_quota FROM environments WHERE id = $1 FOR UPDATE", environment_id)
+pub async fn lock_quota(tx: &mut PgConnection, environment_id: EnvironmentId) -> AppResult<Option<i32>> {
+    Ok(sqlx::query_scalar!("SELECT endpoint_quota FROM environments WHERE id = $1 FOR UPDATE", environment_id as _)
         .fetch_optional(&mut *tx)
         .await?)
 }
 
-pub async fn count_live(tx: &mut PgConnection, environment_id: Uuid) -> AppResult<i64> {
+pub async fn count_live(tx: &mut PgConnection, environment_id: EnvironmentId) -> AppResult<i64> {
     Ok(sqlx::query_scalar!(
         r#"SELECT count(*) AS "n!" FROM webhook_endpoints WHERE environment_id = $1 AND deleted_at IS NULL"#,
-        environment_id
+        environment_id as _
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -29,7 +29,7 @@ pub async fn count_live(tx: &mut PgConnection, environment_id: Uuid) -> AppResul
 /// An endpoint as every read selects it: the row, its health, and how many
 /// deliveries it holds (counted on the held index).
 struct EndpointRow {
-    id: Uuid,
+    id: EndpointId,
     url: String,
     event_types: Vec<String>,
     enabled: bool,
@@ -74,7 +74,7 @@ impl EndpointRow {
             previous_failures: r.previous_failures,
         };
         Ok(Endpoint {
-            id: r.id.into(),
+            id: r.id,
             url: r.url,
             event_types: r.event_types,
             enabled: r.enabled,
@@ -114,17 +114,17 @@ pub struct NewSigningMaterial<'a> {
 /// The new endpoint's id.
 pub async fn insert(
     tx: &mut PgConnection,
-    environment_id: Uuid,
+    environment_id: EnvironmentId,
     url: &str,
     event_types: &[String],
     scheme: Scheme,
     material: NewSigningMaterial<'_>,
-) -> AppResult<Uuid> {
+) -> AppResult<EndpointId> {
     Ok(sqlx::query_scalar!(
-        "INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id",
-        Uuid::now_v7(),
-        environment_id,
+        r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id AS "id: EndpointId""#,
+        EndpointId::mint() as _,
+        environment_id as _,
         url,
         event_types,
         scheme.as_str(),
@@ -138,7 +138,12 @@ pub async fn insert(
 
 /// The live endpoints of an environment (`id` = `None`), or one of them, as
 /// read at `now`.
-async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>, now: Timestamp) -> AppResult<Vec<Endpoint>> {
+async fn select(
+    conn: &mut PgConnection,
+    environment_id: EnvironmentId,
+    id: Option<EndpointId>,
+    now: Timestamp,
+) -> AppResult<Vec<Endpoint>> {
     sqlx::query_as!(
         EndpointRow,
         r#"SELECT e.id, e.url, e.event_types, e.enabled, e.disabled_reason AS "disabled_reason?: DisabledReason", e.created_at,
@@ -150,8 +155,8 @@ async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>,
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
-        environment_id,
-        id,
+        environment_id as _,
+        id as _,
     )
     .fetch_all(&mut *conn)
     .await?
@@ -160,11 +165,11 @@ async fn select(conn: &mut PgConnection, environment_id: Uuid, id: Option<Uuid>,
     .collect()
 }
 
-pub async fn list(db: &PgPool, environment_id: Uuid, now: Timestamp) -> AppResult<Vec<Endpoint>> {
+pub async fn list(db: &PgPool, environment_id: EnvironmentId, now: Timestamp) -> AppResult<Vec<Endpoint>> {
     select(&mut *db.acquire().await?, environment_id, None, now).await
 }
 
-pub async fn get(conn: &mut PgConnection, environment_id: Uuid, id: Uuid, now: Timestamp) -> AppResult<Option<Endpoint>> {
+pub async fn get(conn: &mut PgConnection, environment_id: EnvironmentId, id: EndpointId, now: Timestamp) -> AppResult<Option<Endpoint>> {
     Ok(select(conn, environment_id, Some(id), now).await?.pop())
 }
 
@@ -176,13 +181,13 @@ pub struct LockedSigning {
     pub secret_ciphertext: Vec<u8>,
 }
 
-pub async fn lock_signing(tx: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<Option<LockedSigning>> {
+pub async fn lock_signing(tx: &mut PgConnection, environment_id: EnvironmentId, id: EndpointId) -> AppResult<Option<LockedSigning>> {
     Ok(sqlx::query_as!(
         LockedSigning,
         "SELECT signature_scheme, secret_key_id, secret_ciphertext FROM webhook_endpoints
          WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL FOR UPDATE",
-        id,
-        environment_id,
+        id as _,
+        environment_id as _,
     )
     .fetch_optional(&mut *tx)
     .await?)
@@ -190,7 +195,7 @@ pub async fn lock_signing(tx: &mut PgConnection, environment_id: Uuid, id: Uuid)
 
 /// The new material becomes current; the current one becomes the previous
 /// one (public key too), signing beside it for the rotation window.
-pub async fn rotate_secret(tx: &mut PgConnection, id: Uuid, material: NewSigningMaterial<'_>) -> AppResult<()> {
+pub async fn rotate_secret(tx: &mut PgConnection, id: EndpointId, material: NewSigningMaterial<'_>) -> AppResult<()> {
     sqlx::query!(
         "UPDATE webhook_endpoints SET
            previous_secret_key_id = secret_key_id,
@@ -198,7 +203,7 @@ pub async fn rotate_secret(tx: &mut PgConnection, id: Uuid, material: NewSigning
            previous_public_key = public_key,
            secret_key_id = $2, secret_ciphertext = $3, public_key = $4, secret_rotated_at = now()
          WHERE id = $1",
-        id,
+        id as _,
         material.key_id,
         material.ciphertext,
         material.public_key,
@@ -220,7 +225,7 @@ pub struct EndpointUpdate<'a> {
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
-pub async fn update(tx: &mut PgConnection, id: Uuid, change: EndpointUpdate<'_>) -> AppResult<()> {
+pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdate<'_>) -> AppResult<()> {
     let material = change.material.as_ref();
     sqlx::query!(
         "UPDATE webhook_endpoints SET
@@ -236,7 +241,7 @@ pub async fn update(tx: &mut PgConnection, id: Uuid, change: EndpointUpdate<'_>)
            previous_public_key = CASE WHEN $5::text IS NULL THEN previous_public_key END,
            secret_rotated_at = CASE WHEN $5::text IS NULL THEN secret_rotated_at END
          WHERE id = $1",
-        id,
+        id as _,
         change.url,
         change.event_types,
         change.scheme.map(Scheme::as_str),
@@ -253,8 +258,8 @@ pub async fn update(tx: &mut PgConnection, id: Uuid, change: EndpointUpdate<'_>)
 /// was disabled before, or `None` when there is no such endpoint.
 pub async fn set_disabled(
     tx: &mut PgConnection,
-    environment_id: Uuid,
-    id: Uuid,
+    environment_id: EnvironmentId,
+    id: EndpointId,
     reason: Option<DisabledReason>,
 ) -> AppResult<Option<Option<DisabledReason>>> {
     Ok(sqlx::query_scalar!(
@@ -262,8 +267,8 @@ pub async fn set_disabled(
            FROM (SELECT id, disabled_reason FROM webhook_endpoints WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL FOR UPDATE) old
            WHERE e.id = old.id
            RETURNING old.disabled_reason AS "before?: DisabledReason""#,
-        id,
-        environment_id,
+        id as _,
+        environment_id as _,
         reason.map(|r| r.as_str()),
     )
     .fetch_optional(&mut *tx)
@@ -272,10 +277,10 @@ pub async fn set_disabled(
 
 /// Relay's own disable or re-enable of endpoints (health rules), whatever
 /// their environment.
-pub async fn set_disabled_by_health(tx: &mut PgConnection, ids: &[Uuid], reason: Option<DisabledReason>) -> AppResult<()> {
+pub async fn set_disabled_by_health(tx: &mut PgConnection, ids: &[EndpointId], reason: Option<DisabledReason>) -> AppResult<()> {
     sqlx::query!(
         "UPDATE webhook_endpoints SET enabled = $2::text IS NULL, disabled_reason = $2 WHERE id = ANY ($1) AND deleted_at IS NULL",
-        ids,
+        ids as _,
         reason.map(|r| r.as_str()),
     )
     .execute(&mut *tx)
@@ -285,11 +290,11 @@ pub async fn set_disabled_by_health(tx: &mut PgConnection, ids: &[Uuid], reason:
 
 /// Soft: the row stays so its dead letters can. False when there was no
 /// such live endpoint.
-pub async fn soft_delete(tx: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<bool> {
+pub async fn soft_delete(tx: &mut PgConnection, environment_id: EnvironmentId, id: EndpointId) -> AppResult<bool> {
     Ok(sqlx::query!(
         "UPDATE webhook_endpoints SET deleted_at = now() WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL",
-        id,
-        environment_id
+        id as _,
+        environment_id as _
     )
     .execute(&mut *tx)
     .await?
@@ -299,7 +304,7 @@ pub async fn soft_delete(tx: &mut PgConnection, environment_id: Uuid, id: Uuid) 
 
 /// An endpoint's stored secrets, for re-encryption under another key.
 pub struct StoredSecrets {
-    pub id: Uuid,
+    pub id: EndpointId,
     pub secret_key_id: String,
     pub secret_ciphertext: Vec<u8>,
     pub previous_secret_key_id: Option<String>,
@@ -320,11 +325,16 @@ pub async fn lock_not_under_key(tx: &mut PgConnection, active_key_id: &str) -> A
     .await?)
 }
 
-pub async fn store_secrets(tx: &mut PgConnection, id: Uuid, current: (&str, &[u8]), previous: Option<(&str, &[u8])>) -> AppResult<()> {
+pub async fn store_secrets(
+    tx: &mut PgConnection,
+    id: EndpointId,
+    current: (&str, &[u8]),
+    previous: Option<(&str, &[u8])>,
+) -> AppResult<()> {
     sqlx::query!(
         "UPDATE webhook_endpoints SET secret_key_id = $2, secret_ciphertext = $3,
            previous_secret_key_id = $4, previous_secret_ciphertext = $5 WHERE id = $1",
-        id,
+        id as _,
         current.0,
         current.1,
         previous.map(|p| p.0),
@@ -337,8 +347,9 @@ pub async fn store_secrets(tx: &mut PgConnection, id: Uuid, current: (&str, &[u8
 
 /// The environment a live endpoint belongs to (an operator's call names
 /// only the endpoint).
-pub async fn environment_of(db: &PgPool, id: Uuid) -> AppResult<Option<Uuid>> {
-    Ok(sqlx::query_scalar!("SELECT environment_id FROM webhook_endpoints WHERE id = $1 AND deleted_at IS NULL", id)
+pub async fn environment_of(db: &PgPool, id: EndpointId) -> AppResult<Option<EnvironmentId>> {
+    Ok(sqlx::query_scalar!("SELECT environment_id FROM webhook_endpoints WHERE id = $1 AND deleted_at IS NULL", id as _)
         .fetch_optional(db)
-        .await?)
+        .await?
+        .map(EnvironmentId::from))
 }

@@ -1,7 +1,7 @@
 //! `environments`: the tenants, each with its endpoint quota.
 
+use relay_domain::{EndpointId, EnvironmentId};
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use super::models::Environment;
 use crate::error::AppResult;
@@ -11,7 +11,7 @@ pub async fn insert(db: &PgPool, name: &str, endpoint_quota: i32) -> AppResult<E
         Environment,
         "INSERT INTO environments (id, name, endpoint_quota) VALUES ($1, $2, $3)
          RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures, max_held_secs",
-        Uuid::now_v7(),
+        EnvironmentId::mint() as _,
         name,
         endpoint_quota,
     )
@@ -19,25 +19,25 @@ pub async fn insert(db: &PgPool, name: &str, endpoint_quota: i32) -> AppResult<E
     .await?)
 }
 
-pub async fn set_quota(db: &PgPool, id: Uuid, endpoint_quota: i32) -> AppResult<Option<Environment>> {
+pub async fn set_quota(db: &PgPool, id: EnvironmentId, endpoint_quota: i32) -> AppResult<Option<Environment>> {
     Ok(sqlx::query_as!(
         Environment,
         "UPDATE environments SET endpoint_quota = $2 WHERE id = $1
          RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures, max_held_secs",
-        id,
+        id as _,
         endpoint_quota,
     )
     .fetch_optional(db)
     .await?)
 }
 
-pub async fn exists(db: &PgPool, id: Uuid) -> AppResult<bool> {
-    Ok(sqlx::query_scalar!(r#"SELECT EXISTS (SELECT 1 FROM environments WHERE id = $1) AS "exists!""#, id).fetch_one(db).await?)
+pub async fn exists(db: &PgPool, id: EnvironmentId) -> AppResult<bool> {
+    Ok(sqlx::query_scalar!(r#"SELECT EXISTS (SELECT 1 FROM environments WHERE id = $1) AS "exists!""#, id as _).fetch_one(db).await?)
 }
 
 pub async fn set_disable_policy(
     db: &PgPool,
-    id: Uuid,
+    id: EnvironmentId,
     after_secs: i32,
     min_failures: i32,
     max_held_secs: i32,
@@ -46,7 +46,7 @@ pub async fn set_disable_policy(
         Environment,
         "UPDATE environments SET disable_after_secs = $2, disable_min_failures = $3, max_held_secs = $4 WHERE id = $1
          RETURNING id, name, endpoint_quota, created_at, disable_after_secs, disable_min_failures, max_held_secs",
-        id,
+        id as _,
         after_secs,
         min_failures,
         max_held_secs,
@@ -57,23 +57,31 @@ pub async fn set_disable_policy(
 
 /// Names (or clears) the environment's operations endpoint; `None` when
 /// there is no such environment, else what it is now.
-pub async fn set_operations_endpoint(db: &PgPool, id: Uuid, endpoint_id: Option<Uuid>) -> AppResult<Option<Option<Uuid>>> {
+pub async fn set_operations_endpoint(
+    db: &PgPool,
+    id: EnvironmentId,
+    endpoint_id: Option<EndpointId>,
+) -> AppResult<Option<Option<EndpointId>>> {
     Ok(sqlx::query_scalar!(
         "UPDATE environments SET operations_endpoint_id = $2 WHERE id = $1 RETURNING operations_endpoint_id",
-        id,
-        endpoint_id,
+        id as _,
+        endpoint_id as _,
     )
     .fetch_optional(db)
-    .await?)
+    .await?
+    .map(|e| e.map(EndpointId::from)))
 }
 
-pub async fn operations_endpoint(db: &PgPool, id: Uuid) -> AppResult<Option<Option<Uuid>>> {
-    Ok(sqlx::query_scalar!("SELECT operations_endpoint_id FROM environments WHERE id = $1", id).fetch_optional(db).await?)
+pub async fn operations_endpoint(db: &PgPool, id: EnvironmentId) -> AppResult<Option<Option<EndpointId>>> {
+    Ok(sqlx::query_scalar!("SELECT operations_endpoint_id FROM environments WHERE id = $1", id as _)
+        .fetch_optional(db)
+        .await?
+        .map(|e| e.map(EndpointId::from)))
 }
 
 /// An endpoint being deleted stops being any environment's operations endpoint.
-pub async fn forget_operations_endpoint(tx: &mut sqlx::PgConnection, endpoint_id: Uuid) -> AppResult<()> {
-    sqlx::query!("UPDATE environments SET operations_endpoint_id = NULL WHERE operations_endpoint_id = $1", endpoint_id)
+pub async fn forget_operations_endpoint(tx: &mut sqlx::PgConnection, endpoint_id: EndpointId) -> AppResult<()> {
+    sqlx::query!("UPDATE environments SET operations_endpoint_id = NULL WHERE operations_endpoint_id = $1", endpoint_id as _)
         .execute(&mut *tx)
         .await?;
     Ok(())

@@ -4,8 +4,8 @@
 
 use std::time::Duration;
 
+use relay_domain::{EndpointId, EnvironmentId, EventId};
 use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
 
 use super::models::{Delivery, DeliveryState, EventFilter, LoggedEvent, Timestamp};
 use crate::error::AppResult;
@@ -14,12 +14,12 @@ use crate::error::AppResult;
 #[derive(Debug, Clone)]
 pub struct OutboxRow {
     pub seq: i64,
-    pub id: Uuid,
-    pub environment_id: Uuid,
+    pub id: EventId,
+    pub environment_id: EnvironmentId,
     pub event_type: String,
     pub trace_context: Option<String>,
     /// An operational event's one recipient.
-    pub target_endpoint_id: Option<Uuid>,
+    pub target_endpoint_id: Option<EndpointId>,
 }
 
 /// Claims up to `limit` unpublished events nobody holds for `claim`, in one
@@ -63,11 +63,11 @@ pub async fn claim_unpublished<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cl
     .into_iter()
     .map(|r| OutboxRow {
         seq: r.seq,
-        id: r.id,
-        environment_id: r.environment_id,
+        id: r.id.into(),
+        environment_id: r.environment_id.into(),
         event_type: r.event_type,
         trace_context: r.trace_context,
-        target_endpoint_id: r.target_endpoint_id,
+        target_endpoint_id: r.target_endpoint_id.map(Into::into),
     })
     .collect())
 }
@@ -95,8 +95,8 @@ pub async fn release_refused<'e>(db: impl sqlx::PgExecutor<'e>, seqs: &[i64]) ->
 /// New events, column by column; each is also its outbox row.
 #[derive(Default)]
 pub struct NewEvents {
-    pub id: Vec<Uuid>,
-    pub environment_id: Vec<Uuid>,
+    pub id: Vec<EventId>,
+    pub environment_id: Vec<EnvironmentId>,
     pub event_type: Vec<String>,
     pub envelope: Vec<Vec<u8>>,
     pub occurred_at: Vec<Timestamp>,
@@ -106,14 +106,14 @@ pub struct NewEvents {
 /// Inserts the events in one statement; returns (environment, id, seq) of
 /// each one inserted. An event whose environment already has one with its
 /// id (a repeat publish, or the same id twice in the batch) is not.
-pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<(Uuid, Uuid, i64)>> {
+pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<(EnvironmentId, EventId, i64)>> {
     Ok(sqlx::query!(
         "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context)
          SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::timestamptz[], $6::text[])
          ON CONFLICT (environment_id, id) DO NOTHING
          RETURNING environment_id, id, seq",
-        &events.id,
-        &events.environment_id,
+        &events.id as _,
+        &events.environment_id as _,
         &events.event_type,
         &events.envelope,
         &events.occurred_at,
@@ -122,28 +122,28 @@ pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<
     .fetch_all(&mut *db)
     .await?
     .into_iter()
-    .map(|r| (r.environment_id, r.id, r.seq))
+    .map(|r| (r.environment_id.into(), r.id.into(), r.seq))
     .collect())
 }
 
-pub async fn exists(tx: &mut PgConnection, environment_id: Uuid, id: Uuid) -> AppResult<bool> {
+pub async fn exists(tx: &mut PgConnection, environment_id: EnvironmentId, id: EventId) -> AppResult<bool> {
     Ok(sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM events WHERE id = $1 AND environment_id = $2) AS "exists!""#,
-        id,
-        environment_id
+        id as _,
+        environment_id as _
     )
     .fetch_one(&mut *tx)
     .await?)
 }
 
 /// An event's deliveries, oldest first, without their attempts.
-pub async fn deliveries_of(tx: &mut PgConnection, environment_id: Uuid, event_id: Uuid) -> AppResult<Vec<Delivery>> {
+pub async fn deliveries_of(tx: &mut PgConnection, environment_id: EnvironmentId, event_id: EventId) -> AppResult<Vec<Delivery>> {
     Ok(sqlx::query!(
         r#"SELECT id, event_id, endpoint_id, state AS "state: DeliveryState", attempt, next_attempt_at, created_at, last_status,
                   last_error, generation
          FROM webhook_deliveries WHERE event_id = $1 AND environment_id = $2 ORDER BY created_at, id"#,
-        event_id,
-        environment_id,
+        event_id as _,
+        environment_id as _,
     )
     .fetch_all(&mut *tx)
     .await?
@@ -168,9 +168,9 @@ pub async fn deliveries_of(tx: &mut PgConnection, environment_id: Uuid, event_id
 /// endpoint the event is about, its id, type and envelope.
 #[derive(Default)]
 pub struct Operational {
-    pub environment_id: Vec<Uuid>,
-    pub subject: Vec<Uuid>,
-    pub id: Vec<Uuid>,
+    pub environment_id: Vec<EnvironmentId>,
+    pub subject: Vec<EndpointId>,
+    pub id: Vec<EventId>,
     pub event_type: Vec<String>,
     pub envelope: Vec<Vec<u8>>,
 }
@@ -188,9 +188,9 @@ pub async fn insert_operational(tx: &mut PgConnection, o: &Operational) -> AppRe
          FROM UNNEST($1::uuid[], $2::uuid[], $3::uuid[], $4::text[], $5::bytea[]) AS u(environment_id, subject, id, event_type, envelope)
          JOIN environments v ON v.id = u.environment_id
          WHERE v.operations_endpoint_id IS NOT NULL AND v.operations_endpoint_id <> u.subject",
-        &o.environment_id,
-        &o.subject,
-        &o.id,
+        &o.environment_id as _,
+        &o.subject as _,
+        &o.id as _,
         &o.event_type as &[String],
         &o.envelope,
     )
@@ -201,14 +201,18 @@ pub async fn insert_operational(tx: &mut PgConnection, o: &Operational) -> AppRe
 
 /// Dead letters to announce, counted per endpoint (in the transaction that
 /// wrote them).
-pub async fn count_dead_letter_notices(tx: &mut PgConnection, endpoint_ids: &[Uuid], environment_ids: &[Uuid]) -> AppResult<()> {
+pub async fn count_dead_letter_notices(
+    tx: &mut PgConnection,
+    endpoint_ids: &[EndpointId],
+    environment_ids: &[EnvironmentId],
+) -> AppResult<()> {
     sqlx::query!(
         "INSERT INTO dead_letter_notices AS n (endpoint_id, environment_id, pending, first_at)
          SELECT endpoint_id, environment_id, count(*), now() FROM UNNEST($1::uuid[], $2::uuid[]) AS u(endpoint_id, environment_id)
          GROUP BY endpoint_id, environment_id
          ON CONFLICT (endpoint_id) DO UPDATE SET pending = n.pending + excluded.pending, first_at = coalesce(n.first_at, excluded.first_at)",
-        endpoint_ids,
-        environment_ids,
+        endpoint_ids as _,
+        environment_ids as _,
     )
     .execute(&mut *tx)
     .await?;
@@ -220,8 +224,8 @@ pub async fn count_dead_letter_notices(tx: &mut PgConnection, endpoint_ids: &[Uu
 /// (reset) in the same statement; the caller writes the events in the same
 /// transaction.
 pub struct Notice {
-    pub endpoint_id: Uuid,
-    pub environment_id: Uuid,
+    pub endpoint_id: EndpointId,
+    pub environment_id: EnvironmentId,
     pub count: i32,
     pub since: Timestamp,
 }
@@ -245,7 +249,7 @@ pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: Duration, e
 }
 
 /// Newest first, `limit` at most, through `events_environment_recent_idx`.
-pub async fn list_recent(db: &PgPool, environment_id: Uuid, f: &EventFilter, limit: i64) -> AppResult<Vec<LoggedEvent>> {
+pub async fn list_recent(db: &PgPool, environment_id: EnvironmentId, f: &EventFilter, limit: i64) -> AppResult<Vec<LoggedEvent>> {
     let (before_at, before_seq) = f.before.unzip();
     Ok(sqlx::query_as!(
         LoggedEvent,
@@ -265,7 +269,7 @@ pub async fn list_recent(db: &PgPool, environment_id: Uuid, f: &EventFilter, lim
          LEFT JOIN webhook_deliveries d ON d.event_id = e.id AND d.environment_id = $1
          GROUP BY e.id, e.event_type, e.created_at, e.seq
          ORDER BY e.created_at DESC, e.seq DESC"#,
-        environment_id,
+        environment_id as _,
         f.event_type.as_deref(),
         f.since,
         f.until,
@@ -280,18 +284,18 @@ pub async fn list_recent(db: &PgPool, environment_id: Uuid, f: &EventFilter, lim
 /// One event of the environment: its type, when it was written, and the
 /// envelope every attempt sends.
 pub struct StoredEvent {
-    pub id: Uuid,
+    pub id: EventId,
     pub event_type: String,
     pub created_at: Timestamp,
     pub envelope: Vec<u8>,
 }
 
-pub async fn get(db: &PgPool, environment_id: Uuid, id: Uuid) -> AppResult<Option<StoredEvent>> {
+pub async fn get(db: &PgPool, environment_id: EnvironmentId, id: EventId) -> AppResult<Option<StoredEvent>> {
     Ok(sqlx::query_as!(
         StoredEvent,
         "SELECT id, event_type, created_at, envelope FROM events WHERE environment_id = $1 AND id = $2",
-        environment_id,
-        id
+        environment_id as _,
+        id as _
     )
     .fetch_optional(db)
     .await?)

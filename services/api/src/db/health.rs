@@ -8,16 +8,16 @@
 //! health lock after this transaction and applies the circuit it finds, so
 //! nothing is left pending behind an open circuit or held behind a closed one.
 
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId};
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use super::models::{Circuit, DisabledReason, EndpointHealth, FailureWindow, HeldDelivery, Timestamp};
 use crate::error::AppResult;
 
 /// An endpoint's health with what the rules need beside it.
 pub struct HealthRow {
-    pub endpoint_id: Uuid,
-    pub environment_id: Uuid,
+    pub endpoint_id: EndpointId,
+    pub environment_id: EnvironmentId,
     pub circuit: Circuit,
     pub consecutive_failures: i32,
     pub failing_since: Option<Timestamp>,
@@ -64,7 +64,7 @@ impl HealthRow {
 }
 
 /// The health of these endpoints, unlocked.
-pub async fn read(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec<HealthRow>> {
+pub async fn read(tx: &mut PgConnection, endpoint_ids: &[EndpointId]) -> AppResult<Vec<HealthRow>> {
     Ok(sqlx::query_as!(
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
@@ -73,7 +73,7 @@ pub async fn read(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.endpoint_id = ANY ($1)"#,
-        endpoint_ids,
+        endpoint_ids as _,
     )
     .fetch_all(&mut *tx)
     .await?)
@@ -81,7 +81,7 @@ pub async fn read(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
 
 /// The same, the health rows locked in endpoint order: a change of circuit
 /// waits for expansions that read the old one (they hold KEY SHARE).
-pub async fn lock(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec<HealthRow>> {
+pub async fn lock(tx: &mut PgConnection, endpoint_ids: &[EndpointId]) -> AppResult<Vec<HealthRow>> {
     Ok(sqlx::query_as!(
         HealthRow,
         r#"SELECT h.endpoint_id, e.environment_id, h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
@@ -90,7 +90,7 @@ pub async fn lock(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<Vec
                   v.disable_after_secs, v.disable_min_failures
            FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id JOIN environments v ON v.id = e.environment_id
            WHERE h.endpoint_id = ANY ($1) ORDER BY h.endpoint_id FOR UPDATE OF h"#,
-        endpoint_ids,
+        endpoint_ids as _,
     )
     .fetch_all(&mut *tx)
     .await?)
@@ -120,12 +120,12 @@ pub async fn next_probe_at(db: &sqlx::PgPool) -> AppResult<Option<Timestamp>> {
 }
 
 /// Writes health rows back.
-pub async fn store(tx: &mut PgConnection, rows: &[(Uuid, EndpointHealth)]) -> AppResult<()> {
+pub async fn store(tx: &mut PgConnection, rows: &[(EndpointId, EndpointHealth)]) -> AppResult<()> {
     if rows.is_empty() {
         return Ok(());
     }
     let column = |f: fn(&EndpointHealth) -> i32| -> Vec<i32> { rows.iter().map(|r| f(&r.1)).collect() };
-    let ids: Vec<Uuid> = rows.iter().map(|r| r.0).collect();
+    let ids: Vec<EndpointId> = rows.iter().map(|r| r.0).collect();
     let circuits: Vec<&str> = rows.iter().map(|r| r.1.circuit.as_str()).collect();
     let since: Vec<Option<Timestamp>> = rows.iter().map(|r| r.1.failing_since).collect();
     let success: Vec<Option<Timestamp>> = rows.iter().map(|r| r.1.last_success_at).collect();
@@ -146,7 +146,7 @@ pub async fn store(tx: &mut PgConnection, rows: &[(Uuid, EndpointHealth)]) -> Ap
            AS u(id, circuit, failures, since, success, failure, probe, interval, length, bucket, attempts, window_failures, previous_attempts,
                 previous_failures, failed_retries, one_at_a_time)
          WHERE h.endpoint_id = ANY ($1::uuid[]) AND h.endpoint_id = u.id",
-        &ids,
+        &ids as _,
         &circuits as &[&str],
         &column(|h| h.consecutive_failures),
         &since as &[Option<Timestamp>],
@@ -170,10 +170,10 @@ pub async fn store(tx: &mut PgConnection, rows: &[(Uuid, EndpointHealth)]) -> Ap
 
 /// A healthy endpoint's last success, moved forward without a lock on the
 /// row's circuit (a plain update does not conflict with expansions).
-pub async fn touch_success(tx: &mut PgConnection, endpoint_ids: &[Uuid], at: Timestamp) -> AppResult<()> {
+pub async fn touch_success(tx: &mut PgConnection, endpoint_ids: &[EndpointId], at: Timestamp) -> AppResult<()> {
     sqlx::query!(
         "UPDATE endpoint_health SET last_success_at = $2 WHERE endpoint_id = ANY ($1) AND (last_success_at IS NULL OR last_success_at < $2)",
-        endpoint_ids,
+        endpoint_ids as _,
         at,
     )
     .execute(&mut *tx)
@@ -182,15 +182,15 @@ pub async fn touch_success(tx: &mut PgConnection, endpoint_ids: &[Uuid], at: Tim
 }
 
 /// A new endpoint's health row: closed, no history.
-pub async fn insert(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<()> {
-    sqlx::query!("INSERT INTO endpoint_health (endpoint_id) VALUES ($1)", endpoint_id).execute(&mut *tx).await?;
+pub async fn insert(tx: &mut PgConnection, endpoint_id: EndpointId) -> AppResult<()> {
+    sqlx::query!("INSERT INTO endpoint_health (endpoint_id) VALUES ($1)", endpoint_id as _).execute(&mut *tx).await?;
     Ok(())
 }
 
 /// A clean slate (a tenant enabled or disabled the endpoint): no run of
 /// failures, nothing in the window; `recovering` while it holds deliveries
 /// (they go back as its answers come in, see `relay_domain::health`), else closed.
-pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid, recovering: bool) -> AppResult<()> {
+pub async fn reset(tx: &mut PgConnection, endpoint_id: EndpointId, recovering: bool) -> AppResult<()> {
     let circuit = if recovering { Circuit::Recovering } else { Circuit::Closed };
     sqlx::query!(
         "UPDATE endpoint_health SET circuit = $2, consecutive_failures = 0, failing_since = NULL, probe_interval_ms = 0,
@@ -198,7 +198,7 @@ pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid, recovering: bool) -
            window_attempts = 0, window_failures = 0, previous_attempts = 0, previous_failures = 0, failed_retries = 0,
            one_at_a_time = false
          WHERE endpoint_id = $1",
-        endpoint_id,
+        endpoint_id as _,
         circuit.as_str(),
     )
     .execute(&mut *tx)
@@ -209,7 +209,7 @@ pub async fn reset(tx: &mut PgConnection, endpoint_id: Uuid, recovering: bool) -
 /// Every pending delivery of these endpoints becomes held, leased ones
 /// included (a dispatcher holding the job is then refused its material; the
 /// lease's expiry is not a due time, so those are due from now).
-pub async fn hold_pending(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<u64> {
+pub async fn hold_pending(tx: &mut PgConnection, endpoint_ids: &[EndpointId]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'held', dispatched_at = NULL, updated_at = now(), held_since = coalesce(held_since, now()),
            next_attempt_at = CASE WHEN dispatched_at IS NULL THEN next_attempt_at ELSE now() END
@@ -219,7 +219,7 @@ pub async fn hold_pending(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppRe
                                  -- waiting and leased: each has its partial index
                                  AND (state = 'pending' AND dispatched_at IS NULL OR state = 'pending' AND dispatched_at IS NOT NULL)
                                FOR UPDATE SKIP LOCKED))",
-        endpoint_ids,
+        endpoint_ids as _,
     )
     .execute(&mut *tx)
     .await?
@@ -228,12 +228,12 @@ pub async fn hold_pending(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppRe
 
 /// Pending deliveries found by id become held (material met them after
 /// their endpoint was disabled as gone).
-pub async fn hold_by_id(db: &sqlx::PgPool, ids: &[Uuid]) -> AppResult<u64> {
+pub async fn hold_by_id(db: &sqlx::PgPool, ids: &[DeliveryId]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'held', dispatched_at = NULL, updated_at = now(), held_since = coalesce(held_since, now()),
            next_attempt_at = CASE WHEN dispatched_at IS NULL THEN next_attempt_at ELSE now() END
          WHERE id = ANY ($1) AND state = 'pending'",
-        ids,
+        ids as _,
     )
     .execute(db)
     .await?
@@ -243,12 +243,12 @@ pub async fn hold_by_id(db: &sqlx::PgPool, ids: &[Uuid]) -> AppResult<u64> {
 /// Held deliveries of these endpoints that are not yet due go back to
 /// pending with their due times (the recovery began: the schedule paces
 /// those); the due ones stay held for `release_due`.
-pub async fn release_not_due(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<u64> {
+pub async fn release_not_due(tx: &mut PgConnection, endpoint_ids: &[EndpointId]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, held_since = NULL, updated_at = now()
          WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'held' AND next_attempt_at > now()
                                FOR UPDATE SKIP LOCKED))",
-        endpoint_ids,
+        endpoint_ids as _,
     )
     .execute(&mut *tx)
     .await?
@@ -259,7 +259,7 @@ pub async fn release_not_due(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> Ap
 /// pending, the earliest due first, as they are (attempt and due time kept:
 /// each is attempted as the retry it was). Rows another transaction holds
 /// are passed over. Returns how many went back.
-pub async fn release_due(tx: &mut PgConnection, endpoint_ids: &[Uuid], counts: &[i64]) -> AppResult<u64> {
+pub async fn release_due(tx: &mut PgConnection, endpoint_ids: &[EndpointId], counts: &[i64]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, held_since = NULL, updated_at = now()
          WHERE id = ANY (ARRAY(
@@ -267,7 +267,7 @@ pub async fn release_due(tx: &mut PgConnection, endpoint_ids: &[Uuid], counts: &
            CROSS JOIN LATERAL (SELECT id FROM webhook_deliveries
                                WHERE endpoint_id = u.endpoint_id AND state = 'held' AND next_attempt_at <= now()
                                ORDER BY next_attempt_at, id LIMIT u.n FOR UPDATE SKIP LOCKED) d))",
-        endpoint_ids,
+        endpoint_ids as _,
         counts,
     )
     .execute(&mut *tx)
@@ -278,11 +278,11 @@ pub async fn release_due(tx: &mut PgConnection, endpoint_ids: &[Uuid], counts: &
 /// Every held delivery of these endpoints back to pending as it is (the
 /// circuit closed with something still held: a tenant's enable, or rows
 /// an outcome batch held while the prober found none).
-pub async fn release_all(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppResult<u64> {
+pub async fn release_all(tx: &mut PgConnection, endpoint_ids: &[EndpointId]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, held_since = NULL, updated_at = now()
          WHERE id = ANY (ARRAY(SELECT id FROM webhook_deliveries WHERE endpoint_id = ANY ($1) AND state = 'held' FOR UPDATE SKIP LOCKED))",
-        endpoint_ids,
+        endpoint_ids as _,
     )
     .execute(&mut *tx)
     .await?
@@ -294,12 +294,12 @@ pub async fn release_all(tx: &mut PgConnection, endpoint_ids: &[Uuid]) -> AppRes
 /// retries answers it), the earliest due of those; with none due, the first
 /// to fall due (to wait for). None for an endpoint that holds nothing.
 pub struct ProbeCandidate {
-    pub endpoint_id: Uuid,
-    pub id: Uuid,
+    pub endpoint_id: EndpointId,
+    pub id: DeliveryId,
     pub next_attempt_at: Timestamp,
 }
 
-pub async fn probe_candidates(tx: &mut PgConnection, endpoint_ids: &[Uuid], max_attempts: i32) -> AppResult<Vec<ProbeCandidate>> {
+pub async fn probe_candidates(tx: &mut PgConnection, endpoint_ids: &[EndpointId], max_attempts: i32) -> AppResult<Vec<ProbeCandidate>> {
     Ok(sqlx::query_as!(
         ProbeCandidate,
         r#"SELECT u.endpoint_id AS "endpoint_id!", p.id AS "id!", p.next_attempt_at AS "next_attempt_at!"
@@ -317,7 +317,7 @@ pub async fn probe_candidates(tx: &mut PgConnection, endpoint_ids: &[Uuid], max_
              (SELECT id, next_attempt_at FROM webhook_deliveries WHERE endpoint_id = u.endpoint_id AND state = 'held'
               ORDER BY next_attempt_at, id LIMIT 1)
              LIMIT 1) p"#,
-        endpoint_ids,
+        endpoint_ids as _,
         max_attempts,
     )
     .fetch_all(&mut *tx)
@@ -327,28 +327,32 @@ pub async fn probe_candidates(tx: &mut PgConnection, endpoint_ids: &[Uuid], max_
 /// Each endpoint's earliest held retry (an attempt after the first) that
 /// falls due after `after`: the next probe comes no later (see
 /// `relay_domain::health::EndpointStanding::probe_by_held_retry`).
-pub async fn next_held_retry_due(tx: &mut PgConnection, endpoint_ids: &[Uuid], after: Timestamp) -> AppResult<Vec<(Uuid, Timestamp)>> {
+pub async fn next_held_retry_due(
+    tx: &mut PgConnection,
+    endpoint_ids: &[EndpointId],
+    after: Timestamp,
+) -> AppResult<Vec<(EndpointId, Timestamp)>> {
     Ok(sqlx::query!(
         r#"SELECT u.endpoint_id AS "endpoint_id!", r.due AS "due!"
            FROM UNNEST($1::uuid[]) AS u(endpoint_id)
            CROSS JOIN LATERAL (SELECT next_attempt_at AS due FROM webhook_deliveries
                                WHERE endpoint_id = u.endpoint_id AND state = 'held' AND attempt > 1 AND next_attempt_at > $2
                                ORDER BY next_attempt_at LIMIT 1) r"#,
-        endpoint_ids,
+        endpoint_ids as _,
         after,
     )
     .fetch_all(&mut *tx)
     .await?
     .into_iter()
-    .map(|r| (r.endpoint_id, r.due))
+    .map(|r| (r.endpoint_id.into(), r.due))
     .collect())
 }
 
 /// Whether the endpoint holds any delivery.
-pub async fn holds_any(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<bool> {
+pub async fn holds_any(tx: &mut PgConnection, endpoint_id: EndpointId) -> AppResult<bool> {
     Ok(sqlx::query_scalar!(
         r#"SELECT EXISTS (SELECT 1 FROM webhook_deliveries WHERE endpoint_id = $1 AND state = 'held') AS "held!""#,
-        endpoint_id
+        endpoint_id as _
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -357,10 +361,10 @@ pub async fn holds_any(tx: &mut PgConnection, endpoint_id: Uuid) -> AppResult<bo
 /// Held deliveries become pending as they are (due): the probes. Their
 /// `held_since` stays: a probe that fails is held again with the rest, and
 /// the bound on holding counts from when it was first held.
-pub async fn release_probes(tx: &mut PgConnection, ids: &[Uuid]) -> AppResult<u64> {
+pub async fn release_probes(tx: &mut PgConnection, ids: &[DeliveryId]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', dispatched_at = NULL, updated_at = now() WHERE id = ANY ($1) AND state = 'held'",
-        ids,
+        ids as _,
     )
     .execute(&mut *tx)
     .await?
@@ -395,16 +399,21 @@ pub async fn expire_held(db: &sqlx::PgPool, limit: i64) -> AppResult<u64> {
 
 /// Held deliveries of one endpoint in the order they fall due, a page after
 /// the `(next_attempt_at, id)` of the last one shown.
-pub async fn list_held(db: &sqlx::PgPool, endpoint_id: Uuid, after: Option<(Timestamp, Uuid)>, limit: i64) -> AppResult<Vec<HeldDelivery>> {
+pub async fn list_held(
+    db: &sqlx::PgPool,
+    endpoint_id: EndpointId,
+    after: Option<(Timestamp, DeliveryId)>,
+    limit: i64,
+) -> AppResult<Vec<HeldDelivery>> {
     let (after_at, after_id) = after.unzip();
     Ok(sqlx::query_as!(
         HeldDelivery,
         "SELECT id, event_id, attempt, next_attempt_at, created_at, last_status, last_error FROM webhook_deliveries
          WHERE endpoint_id = $1 AND state = 'held' AND ($2::timestamptz IS NULL OR (next_attempt_at, id) > ($2, $3))
          ORDER BY next_attempt_at, id LIMIT $4",
-        endpoint_id,
+        endpoint_id as _,
         after_at,
-        after_id,
+        after_id as _,
         limit,
     )
     .fetch_all(db)

@@ -1,7 +1,7 @@
 //! `api_keys`: salted hashes, found by their lookup prefix.
 
+use relay_domain::{ApiKeyId, EnvironmentId};
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use super::models::{ApiKey, Timestamp};
 use crate::error::AppResult;
@@ -9,7 +9,7 @@ use crate::error::AppResult;
 /// A new key for an environment; `None` when the environment does not exist.
 pub async fn insert(
     db: &PgPool,
-    environment_id: Uuid,
+    environment_id: EnvironmentId,
     name: &str,
     lookup_prefix: &str,
     salt: &[u8],
@@ -20,8 +20,8 @@ pub async fn insert(
         "INSERT INTO api_keys (id, environment_id, name, lookup_prefix, salt, key_hash)
          SELECT $1, e.id, $3, $4, $5, $6 FROM environments e WHERE e.id = $2
          RETURNING id, environment_id, name, lookup_prefix, created_at, revoked_at",
-        Uuid::now_v7(),
-        environment_id,
+        ApiKeyId::mint() as _,
+        environment_id as _,
         name,
         lookup_prefix,
         salt,
@@ -32,12 +32,12 @@ pub async fn insert(
 }
 
 /// Revoked from now on, or since it was first revoked.
-pub async fn revoke(db: &PgPool, id: Uuid) -> AppResult<Option<ApiKey>> {
+pub async fn revoke(db: &PgPool, id: ApiKeyId) -> AppResult<Option<ApiKey>> {
     Ok(sqlx::query_as!(
         ApiKey,
         "UPDATE api_keys SET revoked_at = coalesce(revoked_at, now()) WHERE id = $1
          RETURNING id, environment_id, name, lookup_prefix, created_at, revoked_at",
-        id,
+        id as _,
     )
     .fetch_optional(db)
     .await?)
@@ -54,7 +54,7 @@ pub async fn announce_revoked(db: &PgPool, lookup_prefix: &str) -> AppResult<()>
 
 /// What a presented key is checked against.
 pub struct StoredKey {
-    pub environment_id: Uuid,
+    pub environment_id: EnvironmentId,
     pub salt: Vec<u8>,
     pub key_hash: Vec<u8>,
     pub revoked_at: Option<Timestamp>,

@@ -13,8 +13,7 @@ pub use relay_domain::{
 
 /// An endpoint's stored `signature_scheme`, read. The column's CHECK allows
 /// only known names; one this build does not know means a newer schema.
-pub fn stored_scheme(endpoint_id: Uuid, stored: &str) -> anyhow::Result<relay_signing::Scheme> {
+pub fn stored_scheme(endpoint_id: relay_domain::EndpointId, stored: &str) -> anyhow::Result<relay_signing::Scheme> {
     relay_signing::Scheme::parse(stored)
         .ok_or_else(|| anyhow::anyhow!("endpoint {endpoint_id} has signature scheme {stored:?}, which this api does not know"))
 }
-use uuid::Uuid;

@@ -1,21 +1,19 @@
 //! `recover_operations`, and the statements a recovery pass runs.
 
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId, OperationId};
 use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
-
-use relay_domain::DeliveryId;
 
 use super::models::{Operation, Timestamp};
 use crate::error::AppResult;
 
 /// Dead deliveries (still with their dead letter) and held ones of an
 /// endpoint created in `[since, until)`: what a recovery would send again.
-pub async fn count_recoverable(db: &PgPool, endpoint_id: Uuid, since: Timestamp, until: Timestamp) -> AppResult<i64> {
+pub async fn count_recoverable(db: &PgPool, endpoint_id: EndpointId, since: Timestamp, until: Timestamp) -> AppResult<i64> {
     Ok(sqlx::query_scalar!(
         r#"SELECT count(*) AS "n!" FROM webhook_deliveries d
            WHERE d.endpoint_id = $1 AND d.state IN ('dead', 'held') AND d.created_at >= $2 AND d.created_at < $3
              AND (d.state = 'held' OR EXISTS (SELECT 1 FROM webhook_dead_letters l WHERE l.delivery_id = d.id))"#,
-        endpoint_id,
+        endpoint_id as _,
         since,
         until,
     )
@@ -25,8 +23,8 @@ pub async fn count_recoverable(db: &PgPool, endpoint_id: Uuid, since: Timestamp,
 
 pub async fn insert(
     db: &PgPool,
-    environment_id: Uuid,
-    endpoint_id: Uuid,
+    environment_id: EnvironmentId,
+    endpoint_id: EndpointId,
     since: Timestamp,
     until: Timestamp,
     total: i32,
@@ -35,9 +33,9 @@ pub async fn insert(
         Operation,
         "INSERT INTO recover_operations (id, environment_id, endpoint_id, since, until, total) VALUES ($1, $2, $3, $4, $5, $6)
          RETURNING id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id AS \"cursor_id: DeliveryId\", error",
-        Uuid::now_v7(),
-        environment_id,
-        endpoint_id,
+        OperationId::mint() as _,
+        environment_id as _,
+        endpoint_id as _,
         since,
         until,
         total,
@@ -47,13 +45,13 @@ pub async fn insert(
 }
 
 /// An operation of the environment (`None`: any).
-pub async fn get(db: &PgPool, id: Uuid, environment_id: Option<Uuid>) -> AppResult<Option<Operation>> {
+pub async fn get(db: &PgPool, id: OperationId, environment_id: Option<EnvironmentId>) -> AppResult<Option<Operation>> {
     Ok(sqlx::query_as!(
         Operation,
         "SELECT id, environment_id, endpoint_id, since, until, state, total, completed, cursor_at, cursor_id AS \"cursor_id: DeliveryId\", error
          FROM recover_operations WHERE id = $1 AND ($2::uuid IS NULL OR environment_id = $2)",
-        id,
-        environment_id,
+        id as _,
+        environment_id as _,
     )
     .fetch_optional(db)
     .await?)
@@ -76,7 +74,7 @@ pub async fn lock_running(tx: &mut PgConnection) -> AppResult<Vec<Operation>> {
 
 /// A delivery a recovery pass takes.
 pub struct Recoverable {
-    pub id: Uuid,
+    pub id: DeliveryId,
     pub created_at: Timestamp,
 }
 
@@ -98,11 +96,11 @@ pub async fn recover_next(tx: &mut PgConnection, op: &Operation, limit: i64) -> 
                generation = CASE WHEN next.state = 'dead' THEN d.generation + 1 ELSE d.generation END
            FROM next WHERE d.id = next.id
            RETURNING d.id, d.created_at"#,
-        op.endpoint_id.uuid(),
+        op.endpoint_id as _,
         op.since,
         op.until,
         op.cursor_at,
-        op.cursor_id.map(DeliveryId::uuid),
+        op.cursor_id as _,
         limit,
     )
     .fetch_all(&mut *tx)
@@ -110,16 +108,22 @@ pub async fn recover_next(tx: &mut PgConnection, op: &Operation, limit: i64) -> 
 }
 
 /// Progress after a pass: the cursor moved to the last delivery handled.
-pub async fn advance(tx: &mut PgConnection, id: Uuid, done: i32, cursor: Option<(Timestamp, Uuid)>, finished: bool) -> AppResult<()> {
+pub async fn advance(
+    tx: &mut PgConnection,
+    id: OperationId,
+    done: i32,
+    cursor: Option<(Timestamp, DeliveryId)>,
+    finished: bool,
+) -> AppResult<()> {
     let (at, cursor_id) = cursor.unzip();
     sqlx::query!(
         "UPDATE recover_operations SET completed = completed + $2, cursor_at = coalesce($3, cursor_at), cursor_id = coalesce($4, cursor_id),
            state = CASE WHEN $5 THEN 'done' ELSE state END, updated_at = now()
          WHERE id = $1",
-        id,
+        id as _,
         done,
         at,
-        cursor_id,
+        cursor_id as _,
         finished,
     )
     .execute(&mut *tx)
@@ -127,8 +131,8 @@ pub async fn advance(tx: &mut PgConnection, id: Uuid, done: i32, cursor: Option<
     Ok(())
 }
 
-pub async fn fail(tx: &mut PgConnection, id: Uuid, error: &str) -> AppResult<()> {
-    sqlx::query!("UPDATE recover_operations SET state = 'failed', error = $2, updated_at = now() WHERE id = $1", id, error)
+pub async fn fail(tx: &mut PgConnection, id: OperationId, error: &str) -> AppResult<()> {
+    sqlx::query!("UPDATE recover_operations SET state = 'failed', error = $2, updated_at = now() WHERE id = $1", id as _, error)
         .execute(&mut *tx)
         .await?;
     Ok(())

@@ -3,18 +3,18 @@
 
 use std::time::Duration;
 
+use relay_domain::EnvironmentId;
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use super::{interval, models::Timestamp};
 use crate::error::AppResult;
 
 /// Stores a link for `environment_id` valid for `ttl`; when it expires.
-pub async fn create_link(db: &PgPool, token_hash: &[u8], environment_id: Uuid, ttl: Duration) -> AppResult<Timestamp> {
+pub async fn create_link(db: &PgPool, token_hash: &[u8], environment_id: EnvironmentId, ttl: Duration) -> AppResult<Timestamp> {
     Ok(sqlx::query_scalar!(
         "INSERT INTO portal_links (token_hash, environment_id, expires_at) VALUES ($1, $2, now() + $3::interval) RETURNING expires_at",
         token_hash,
-        environment_id,
+        environment_id as _,
         interval(ttl)?,
     )
     .fetch_one(db)
@@ -30,7 +30,7 @@ pub async fn exchange(
     session_hash: &[u8],
     csrf_token: &str,
     ttl: Duration,
-) -> AppResult<Option<(Uuid, Timestamp)>> {
+) -> AppResult<Option<(EnvironmentId, Timestamp)>> {
     Ok(sqlx::query!(
         "WITH used AS (
            UPDATE portal_links SET used_at = now()
@@ -46,15 +46,15 @@ pub async fn exchange(
     )
     .fetch_optional(db)
     .await?
-    .map(|r| (r.environment_id, r.expires_at)))
+    .map(|r| (r.environment_id.into(), r.expires_at)))
 }
 
 /// A live session: its environment and CSRF token.
-pub async fn session(db: &PgPool, session_hash: &[u8]) -> AppResult<Option<(Uuid, String)>> {
+pub async fn session(db: &PgPool, session_hash: &[u8]) -> AppResult<Option<(EnvironmentId, String)>> {
     Ok(sqlx::query!("SELECT environment_id, csrf_token FROM portal_sessions WHERE token_hash = $1 AND expires_at > now()", session_hash)
         .fetch_optional(db)
         .await?
-        .map(|r| (r.environment_id, r.csrf_token)))
+        .map(|r| (r.environment_id.into(), r.csrf_token)))
 }
 
 /// Ends a session (signing out).

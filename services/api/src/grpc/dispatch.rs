@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use relay_contracts::relay::dispatch::v1::{self as pb, dispatch_service_server::DispatchService};
-use relay_domain::Reason;
+use relay_domain::{EndpointId, EnvironmentId, EventId, Reason};
 use tonic::{Request, Response, Status};
 use tracing::field::Empty;
 
@@ -185,7 +185,7 @@ fn claim(field: &'static str, claimant: &str, hold_ms: u32) -> Result<Option<Cla
 
 /// An expand item's fields, checked; the traceparent is dropped if it is
 /// not one (tracing is best effort, never a reason to refuse an event).
-fn expand_fields(r: &pb::ExpandRequest) -> Result<(uuid::Uuid, uuid::Uuid, Option<uuid::Uuid>), AppError> {
+fn expand_fields(r: &pb::ExpandRequest) -> Result<(EventId, EnvironmentId, Option<EndpointId>), AppError> {
     let event_id = parse_id("event_id", &r.event_id)?;
     let environment_id = parse_id("environment_id", &r.environment_id)?;
     crate::app::endpoints::check_event_type(&r.r#type)?;

@@ -47,12 +47,12 @@ pub fn ts(t: Timestamp) -> prost_types::Timestamp {
     prost_types::Timestamp { seconds: t.timestamp(), nanos: t.timestamp_subsec_nanos() as i32 }
 }
 
-pub fn id(field: &'static str, raw: &str) -> Result<Uuid, Status> {
+pub fn id<Id: From<Uuid>>(field: &'static str, raw: &str) -> Result<Id, Status> {
     parse_id(field, raw).map_err(status)
 }
 
 /// An id field where empty means none.
-pub fn optional_id(field: &'static str, raw: &str) -> Result<Option<Uuid>, Status> {
+pub fn optional_id<Id: From<Uuid>>(field: &'static str, raw: &str) -> Result<Option<Id>, Status> {
     let raw = raw.trim();
     if raw.is_empty() { Ok(None) } else { id(field, raw).map(Some) }
 }

@@ -8,7 +8,7 @@ use relay_contracts::relay::tenant::v1::{
 use tonic::{Request, Response, Status};
 use tracing::{Instrument as _, field::Empty};
 
-use relay_domain::{Reason, delivery::DeliveryState, models::HeldDelivery};
+use relay_domain::{DeliveryId, EndpointId, Reason, delivery::DeliveryState, models::HeldDelivery};
 
 use super::{id, status, ts};
 use crate::{
@@ -59,7 +59,7 @@ fn shown(secret: Option<relay_signing::SigningSecret>) -> String {
     secret.map(|s| s.expose().to_owned()).unwrap_or_default()
 }
 
-fn held_delivery(endpoint_id: uuid::Uuid, h: HeldDelivery) -> pb::Delivery {
+fn held_delivery(endpoint_id: EndpointId, h: HeldDelivery) -> pb::Delivery {
     pb::Delivery {
         id: h.id.to_string(),
         event_id: h.event_id.to_string(),
@@ -80,13 +80,13 @@ fn held_cursor(h: &HeldDelivery) -> String {
     format!("{}_{}", h.next_attempt_at.timestamp_micros(), h.id)
 }
 
-fn parse_held_cursor(cursor: &str) -> Result<Option<(crate::app::Timestamp, uuid::Uuid)>, Status> {
+fn parse_held_cursor(cursor: &str) -> Result<Option<(crate::app::Timestamp, DeliveryId)>, Status> {
     if cursor.is_empty() {
         return Ok(None);
     }
     let parsed = cursor
         .split_once('_')
-        .and_then(|(micros, id)| Some((chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?, uuid::Uuid::parse_str(id).ok()?)))
+        .and_then(|(micros, id)| Some((chrono::DateTime::from_timestamp_micros(micros.parse().ok()?)?, DeliveryId::parse(id).ok()?)))
         .filter(|(at, _)| crate::app::check_time("cursor", *at).is_ok());
     match parsed {
         Some(c) => Ok(Some(c)),

@@ -9,8 +9,7 @@ use axum::{
     http::{HeaderMap, StatusCode},
     response::Response,
 };
-use relay_domain::EndpointId;
-use uuid::Uuid;
+use relay_domain::{EndpointId, EventId};
 
 use super::{Frame, Posted, Section, failed, html, not_found, outcome_text, path_id, redirect, session, when};
 use crate::app::App;
@@ -83,7 +82,7 @@ pub struct ReplayForm {
 pub async fn replay(State(app): State<App>, Path(id): Path<String>, Posted { session: s, form, .. }: Posted<ReplayForm>) -> Response {
     let Some(id) = path_id(&id) else { return not_found() };
     match app.replay_dead_letter(Some(s.tenant), id).await {
-        Ok(_) => match form.event_id.parse::<Uuid>() {
+        Ok(_) => match form.event_id.parse::<EventId>() {
             Ok(event) => redirect(&format!("/portal/events/{event}")),
             Err(_) => redirect("/portal/dead-letters"),
         },

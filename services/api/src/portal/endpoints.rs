@@ -8,8 +8,8 @@ use axum::{
     http::{HeaderMap, StatusCode},
     response::Response,
 };
+use relay_domain::EndpointId;
 use relay_signing::{Scheme, SigningSecret};
-use uuid::Uuid;
 
 use super::{
     Frame, Posted, Section, callers_mistake, chart, failed, html, not_found, outcome_text, path_id, query_param, redirect, session, when,
@@ -229,7 +229,13 @@ struct Show {
     notice: Option<&'static str>,
 }
 
-async fn show_page(app: &App, s: &PortalSession, id: Uuid, error: Option<(StatusCode, String)>, notice: Option<&'static str>) -> Response {
+async fn show_page(
+    app: &App,
+    s: &PortalSession,
+    id: EndpointId,
+    error: Option<(StatusCode, String)>,
+    notice: Option<&'static str>,
+) -> Response {
     let endpoint = match app.get_endpoint(s.tenant, id).await {
         Ok(e) => e,
         Err(e) => return failed(e),
@@ -274,7 +280,7 @@ pub async fn show(State(app): State<App>, headers: HeaderMap, Path(id): Path<Str
     show_page(&app, &s, id, None, notice).await
 }
 
-fn endpoint_url(id: Uuid, done: &str) -> String {
+fn endpoint_url(id: EndpointId, done: &str) -> String {
     format!("/portal/endpoints/{id}?done={done}")
 }
 

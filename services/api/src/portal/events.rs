@@ -10,12 +10,12 @@ use axum::{
     response::Response,
 };
 use chrono::{NaiveDateTime, TimeZone, Utc};
+use relay_domain::EventId;
 use relay_domain::{
     EndpointId,
     delivery::DeliveryState,
     models::{Attempt, Delivery, EventFilter},
 };
-use uuid::Uuid;
 
 use super::{Frame, Section, failed, html, message, not_found, outcome_text, path_id, redirect, session, when};
 use crate::app::{App, Timestamp, events::EVENT_PAGE};
@@ -119,7 +119,7 @@ pub async fn list(State(app): State<App>, headers: HeaderMap, RawQuery(query): R
     };
     // A search by id goes to the event's page.
     if !id.is_empty() {
-        return match id.parse::<Uuid>() {
+        return match id.parse::<EventId>() {
             Ok(uuid) => redirect(&format!("/portal/events/{uuid}")),
             Err(_) => {
                 let shown: String = id.chars().take(60).collect();

@@ -177,8 +177,8 @@ pub(super) fn signed_out() -> Response {
 
 /// An id from a path; anything but a UUID is a page that does not exist
 /// ([`not_found`]).
-pub fn path_id(raw: &str) -> Option<uuid::Uuid> {
-    raw.parse().ok()
+pub fn path_id<Id: From<uuid::Uuid>>(raw: &str) -> Option<Id> {
+    raw.parse::<uuid::Uuid>().ok().map(Id::from)
 }
 
 /// The same page for "never existed" and "another environment's".

@@ -11,8 +11,8 @@ use std::{
 use anyhow::{Context, Result};
 use async_nats::{HeaderMap, jetstream};
 use relay_contracts::{StreamNames, event_headers};
+use relay_domain::{EndpointId, EnvironmentId, EventId};
 use tokio::sync::watch;
-use uuid::Uuid;
 
 use crate::{
     app::App,
@@ -25,13 +25,13 @@ use crate::{
 /// other tenant's events wait behind.
 #[derive(serde::Serialize)]
 struct EventHead<'a> {
-    id: Uuid,
+    id: EventId,
     #[serde(rename = "type")]
     event_type: &'a str,
-    environment_id: Uuid,
+    environment_id: EnvironmentId,
     /// An operational event's one recipient (see `app::operational`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    target_endpoint_id: Option<Uuid>,
+    target_endpoint_id: Option<EndpointId>,
 }
 
 pub struct OutboxRelay {

@@ -37,7 +37,7 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use http_body_util::{BodyExt, Full};
 use prost::Message;
 use prost_reflect::{DynamicMessage, FieldDescriptor, Kind, ReflectMessage, SerializeOptions, Value};
-use relay_domain::Reason;
+use relay_domain::{EnvironmentId, Reason};
 use serde_json::value::RawValue;
 use tokio::sync::Semaphore;
 use tonic::{Code, Status, service::Routes};
@@ -85,7 +85,7 @@ struct Facade {
     /// Room for request bodies, in KiB.
     body_budget: Arc<Semaphore>,
     /// Each tenant's share of that room, in KiB, by environment.
-    tenant_budgets: std::sync::Mutex<std::collections::HashMap<uuid::Uuid, Arc<Semaphore>>>,
+    tenant_budgets: std::sync::Mutex<std::collections::HashMap<EnvironmentId, Arc<Semaphore>>>,
 }
 
 impl Facade {

@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use uuid::Uuid;
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId};
 
 use crate::{db::models::Timestamp, error::AppResult};
 
@@ -34,9 +34,9 @@ pub async fn earliest_due<'e>(db: impl sqlx::PgExecutor<'e>) -> AppResult<Option
 
 /// A row this pass locked and hands to the broker.
 pub struct Claimed {
-    pub id: Uuid,
-    pub environment_id: Uuid,
-    pub endpoint_id: Uuid,
+    pub id: DeliveryId,
+    pub environment_id: EnvironmentId,
+    pub endpoint_id: EndpointId,
     pub attempt: i32,
     pub generation: i32,
     pub trace_context: Option<String>,
@@ -57,7 +57,7 @@ pub struct Claimed {
 /// use handing a receiver that is timing out more work to time out on.
 /// Returns the rows' ids: each endpoint's rows are already within its free
 /// slots, so every one may be claimed.
-pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: i64) -> AppResult<Vec<Uuid>> {
+pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: i64) -> AppResult<Vec<DeliveryId>> {
     Ok(sqlx::query_scalar!(
         r#"WITH RECURSIVE walk AS (
            -- Each endpoint with unleased pending rows, with its earliest
@@ -111,14 +111,17 @@ pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: 
         cap,
     )
     .fetch_all(db)
-    .await?)
+    .await?
+    .into_iter()
+    .map(DeliveryId::from)
+    .collect())
 }
 
 /// Claims the chosen rows that are still due and unclaimed, and leases them
 /// for `lease`, in one statement: no row lock or transaction is held while
 /// the broker is asked. Committed without waiting for the disk: a claim lost
 /// to a Postgres crash is a re-publish the broker drops.
-pub async fn claim_and_lease<'e>(db: impl sqlx::PgExecutor<'e>, chosen: &[Uuid], lease: Duration) -> AppResult<Vec<Claimed>> {
+pub async fn claim_and_lease<'e>(db: impl sqlx::PgExecutor<'e>, chosen: &[DeliveryId], lease: Duration) -> AppResult<Vec<Claimed>> {
     let lease = crate::db::interval(lease)?;
     Ok(sqlx::query_as!(
         Claimed,
@@ -128,7 +131,7 @@ pub async fn claim_and_lease<'e>(db: impl sqlx::PgExecutor<'e>, chosen: &[Uuid],
                         WHERE id = ANY ($1) AND state = 'pending' AND next_attempt_at <= now()
                         ORDER BY id FOR UPDATE SKIP LOCKED)
          RETURNING d.id, d.environment_id, d.endpoint_id, d.attempt, d.generation, d.trace_context, d.dispatched_at AS "dispatched_at!""#,
-        chosen,
+        chosen as _,
         lease,
     )
     .fetch_all(db)
@@ -137,12 +140,12 @@ pub async fn claim_and_lease<'e>(db: impl sqlx::PgExecutor<'e>, chosen: &[Uuid],
 
 /// Releases rows the broker refused, where still under the claim made at
 /// `claimed_at` (compare-and-set on the claim's instant).
-pub async fn release_refused<'e>(db: impl sqlx::PgExecutor<'e>, ids: &[Uuid], claimed_at: &[Timestamp]) -> AppResult<u64> {
+pub async fn release_refused<'e>(db: impl sqlx::PgExecutor<'e>, ids: &[DeliveryId], claimed_at: &[Timestamp]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries d SET dispatched_at = NULL, next_attempt_at = now()
          FROM UNNEST($1::uuid[], $2::timestamptz[]) AS u(id, at)
          WHERE d.id = ANY ($1::uuid[]) AND d.id = u.id AND d.state = 'pending' AND d.dispatched_at = u.at",
-        ids,
+        ids as _,
         claimed_at,
     )
     .execute(db)

@@ -1,24 +1,24 @@
 //! An event's expansion into one delivery per subscriber, and giving back
 //! first attempts a dispatcher took in hand but could not send.
 
+use relay_domain::{DeliveryId, DispatcherId, EndpointId, EnvironmentId, EventId};
 use sqlx::{PgConnection, PgPool};
-use uuid::Uuid;
 
 use crate::{db::models::Timestamp, error::AppResult};
 
 /// Events to expand, column by column, in the order they were asked.
 pub struct ToExpand {
-    pub environment_id: Vec<Uuid>,
-    pub event_id: Vec<Uuid>,
+    pub environment_id: Vec<EnvironmentId>,
+    pub event_id: Vec<EventId>,
     pub event_type: Vec<String>,
     pub trace_context: Vec<Option<String>>,
     /// An operational event's one recipient (`None`: its subscribers).
-    pub target: Vec<Option<Uuid>>,
+    pub target: Vec<Option<EndpointId>>,
     /// How long the first attempts of each event written already leased are
     /// leased for, in ms.
     pub lease_ms: Vec<i64>,
     /// Who takes each event's leased first attempts in hand (`None`: the broker).
-    pub claimant: Vec<Option<Uuid>>,
+    pub claimant: Vec<Option<DispatcherId>>,
 }
 
 /// One row of an expansion's answer: an item as asked (by position, from 1)
@@ -31,8 +31,8 @@ pub struct ExpandedRow {
     /// This item claimed the event: it was the first mention of the event,
     /// with its type, and the event had not been expanded before.
     pub fresh: bool,
-    pub id: Option<Uuid>,
-    pub endpoint_id: Option<Uuid>,
+    pub id: Option<DeliveryId>,
+    pub endpoint_id: Option<EndpointId>,
     pub trace_context: Option<String>,
     /// Written already leased: this api hands it out itself…
     pub leased: bool,
@@ -153,8 +153,8 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                    INSERT INTO attempt_claims (delivery_id, attempt, generation, claimant, until)
                    SELECT id, 1, 0, claimant, now() + lease_ms * interval '1 millisecond' FROM handed WHERE in_hand)
           -- A row for each item as asked, then one for each delivery it created.
-          SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?",
-                 NULL::uuid AS "endpoint_id?", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
+          SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?: DeliveryId",
+                 NULL::uuid AS "endpoint_id?: EndpointId", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
                  NULL::text AS "url?", NULL::text AS "signature_scheme?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
                  NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
                  NULL::timestamptz AS "secret_rotated_at?", NULL::bytea AS "envelope?"
@@ -169,13 +169,13 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                    (SELECT v.envelope FROM events v WHERE v.environment_id = h.environment_id AND v.id = h.event_id) END
           FROM (SELECT *, row_number() OVER (PARTITION BY ord, in_hand ORDER BY id) AS nth FROM handed) h
           ORDER BY 1, 4 NULLS FIRST"#,
-        &events.environment_id,
-        &events.event_id,
+        &events.environment_id as _,
+        &events.event_id as _,
         &events.event_type,
         &events.trace_context as &[Option<String>],
-        &events.target as &[Option<Uuid>],
+        &events.target as _,
         &events.lease_ms,
-        &events.claimant as &[Option<Uuid>],
+        &events.claimant as _,
         cap,
         payload_budget,
     )
@@ -184,11 +184,11 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
 }
 
 /// First attempts the broker did not take: due now, unleased, for the relay.
-pub async fn release_unsent_first_attempts(db: &PgPool, ids: &[Uuid]) -> AppResult<u64> {
+pub async fn release_unsent_first_attempts(db: &PgPool, ids: &[DeliveryId]) -> AppResult<u64> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET dispatched_at = NULL, next_attempt_at = now()
          WHERE id = ANY ($1) AND state = 'pending' AND generation = 0 AND attempt = 1 AND dispatched_at IS NOT NULL",
-        ids,
+        ids as _,
     )
     .execute(db)
     .await?

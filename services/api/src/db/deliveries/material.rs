@@ -4,8 +4,8 @@
 
 use std::{collections::HashSet, time::Duration};
 
+use relay_domain::{DeliveryId, DispatcherId, EndpointId, EnvironmentId, EventId};
 use sqlx::PgPool;
-use uuid::Uuid;
 
 use crate::{
     db::models::{DeliveryState, DisabledReason, Timestamp},
@@ -18,10 +18,10 @@ pub struct MaterialRow {
     pub ord: i64,
     /// The attempt is current and its endpoint active: it will be sent.
     pub servable: bool,
-    pub id: Uuid,
-    pub environment_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub event_id: Uuid,
+    pub id: DeliveryId,
+    pub environment_id: EnvironmentId,
+    pub endpoint_id: EndpointId,
+    pub event_id: EventId,
     pub attempt: i32,
     pub generation: i32,
     pub state: DeliveryState,
@@ -44,7 +44,7 @@ pub struct MaterialRow {
 /// `payload_budget` bytes (the first servable row's always).
 pub async fn read_material(
     db: &PgPool,
-    ids: &[Uuid],
+    ids: &[DeliveryId],
     attempts: &[i32],
     generations: &[i32],
     payload_budget: i64,
@@ -77,7 +77,7 @@ pub async fn read_material(
                 secret_rotated_at AS "secret_rotated_at?",
                 CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS "envelope?"
          FROM sized"#,
-        ids,
+        ids as _,
         attempts,
         generations,
         payload_budget,
@@ -88,10 +88,10 @@ pub async fn read_material(
 
 /// A waiting delivery handed to a dispatcher whose outcome freed its slot.
 pub struct RefillRow {
-    pub id: Uuid,
-    pub environment_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub event_id: Uuid,
+    pub id: DeliveryId,
+    pub environment_id: EnvironmentId,
+    pub endpoint_id: EndpointId,
+    pub event_id: EventId,
     pub attempt: i32,
     pub generation: i32,
     pub trace_context: Option<String>,
@@ -115,9 +115,9 @@ pub struct RefillRow {
 /// see `relay`): lost, each is only a lease that runs out.
 pub async fn refill<'e>(
     db: impl sqlx::PgExecutor<'e>,
-    endpoints: &[Uuid],
+    endpoints: &[EndpointId],
     cap: i64,
-    claimant: Uuid,
+    claimant: DispatcherId,
     hold: Duration,
     payload_budget: i64,
 ) -> AppResult<Vec<RefillRow>> {
@@ -177,9 +177,9 @@ pub async fn refill<'e>(
          FROM leased l
          JOIN webhook_endpoints e ON e.id = l.endpoint_id
          JOIN events v ON v.environment_id = l.environment_id AND v.id = l.event_id"#,
-        endpoints,
+        endpoints as _,
         cap,
-        claimant,
+        claimant as _,
         hold_ms,
         payload_budget,
     )
@@ -190,16 +190,16 @@ pub async fn refill<'e>(
 /// Claims to take: one attempt each, for a claimant, for `hold_ms`.
 #[derive(Default)]
 pub struct ClaimsAsked {
-    pub delivery_id: Vec<Uuid>,
+    pub delivery_id: Vec<DeliveryId>,
     pub attempt: Vec<i32>,
     pub generation: Vec<i32>,
-    pub claimant: Vec<Uuid>,
+    pub claimant: Vec<DispatcherId>,
     pub hold_ms: Vec<i64>,
 }
 
 /// Takes the attempts nobody else holds (or whose holder's claim ran out),
 /// in one statement; returns the deliveries claimed.
-pub async fn claim_attempts<'e>(db: impl sqlx::PgExecutor<'e>, asked: &ClaimsAsked) -> AppResult<HashSet<Uuid>> {
+pub async fn claim_attempts<'e>(db: impl sqlx::PgExecutor<'e>, asked: &ClaimsAsked) -> AppResult<HashSet<DeliveryId>> {
     // A claim for an earlier attempt or generation of the delivery is
     // replaced; one for this attempt only by its own claimant, or once it
     // has run out.
@@ -212,15 +212,16 @@ pub async fn claim_attempts<'e>(db: impl sqlx::PgExecutor<'e>, asked: &ClaimsAsk
            WHERE c.claimant = excluded.claimant OR c.until < now()
               OR (c.generation, c.attempt) <> (excluded.generation, excluded.attempt)
          RETURNING delivery_id",
-        &asked.delivery_id,
+        &asked.delivery_id as _,
         &asked.attempt,
         &asked.generation,
-        &asked.claimant,
+        &asked.claimant as _,
         &asked.hold_ms,
     )
     .fetch_all(db)
     .await?
     .into_iter()
+    .map(DeliveryId::from)
     .collect())
 }
 

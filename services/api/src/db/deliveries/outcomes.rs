@@ -2,8 +2,8 @@
 //! reports for current attempts, the careful path's locked reads and
 //! rewrites, and a replay's reset.
 
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId, EventId};
 use sqlx::PgConnection;
-use uuid::Uuid;
 
 use crate::{
     db::models::{Circuit, DeliveryState, DisabledReason, Timestamp},
@@ -14,7 +14,7 @@ use crate::{
 /// column by column, with what the attempt log keeps of each.
 #[derive(Default)]
 pub struct CurrentOutcomes {
-    pub id: Vec<Uuid>,
+    pub id: Vec<DeliveryId>,
     pub generation: Vec<i32>,
     pub attempt: Vec<i32>,
     pub state: Vec<DeliveryState>,
@@ -32,10 +32,10 @@ pub struct CurrentOutcomes {
 /// A delivery an outcome applied to, with its endpoint's health as it
 /// stood before this statement.
 pub struct AppliedOutcome {
-    pub id: Uuid,
-    pub environment_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub event_id: Uuid,
+    pub id: DeliveryId,
+    pub environment_id: EnvironmentId,
+    pub endpoint_id: EndpointId,
+    pub event_id: EventId,
     pub circuit: Circuit,
     pub consecutive_failures: i32,
     pub last_success_at: Option<Timestamp>,
@@ -91,7 +91,7 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
                 e.disabled_reason AS "disabled_reason?: DisabledReason", h.window_ms AS "window_ms!", h.window_bucket AS "window_bucket!",
                 h.window_failures AS "window_failures!", h.previous_failures AS "previous_failures!"
          FROM applied a JOIN endpoint_health h ON h.endpoint_id = a.endpoint_id JOIN webhook_endpoints e ON e.id = a.endpoint_id"#,
-        &o.id,
+        &o.id as _,
         &o.generation,
         &o.attempt,
         &states as &[&str],
@@ -111,10 +111,10 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
 /// A delivery as the careful outcome path reads and rewrites it.
 #[derive(Clone)]
 pub struct OutcomeRow {
-    pub id: Uuid,
-    pub environment_id: Uuid,
-    pub endpoint_id: Uuid,
-    pub event_id: Uuid,
+    pub id: DeliveryId,
+    pub environment_id: EnvironmentId,
+    pub endpoint_id: EndpointId,
+    pub event_id: EventId,
     pub attempt: i32,
     pub generation: i32,
     pub state: DeliveryState,
@@ -125,13 +125,13 @@ pub struct OutcomeRow {
 
 /// The deliveries locked for update, in id order (so two batches that share
 /// a delivery lock in the same order).
-pub async fn lock_for_outcome(tx: &mut PgConnection, ids: &[Uuid]) -> AppResult<Vec<OutcomeRow>> {
+pub async fn lock_for_outcome(tx: &mut PgConnection, ids: &[DeliveryId]) -> AppResult<Vec<OutcomeRow>> {
     Ok(sqlx::query_as!(
         OutcomeRow,
         r#"SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state AS "state: DeliveryState", next_attempt_at,
                   last_status, last_error
          FROM webhook_deliveries WHERE id = ANY ($1) ORDER BY id FOR UPDATE"#,
-        ids,
+        ids as _,
     )
     .fetch_all(&mut *tx)
     .await?)
@@ -139,7 +139,7 @@ pub async fn lock_for_outcome(tx: &mut PgConnection, ids: &[Uuid]) -> AppResult<
 
 /// Writes back rows the careful path changed.
 pub async fn rewrite_after_outcome(tx: &mut PgConnection, rows: &[&OutcomeRow]) -> AppResult<()> {
-    let ids: Vec<Uuid> = rows.iter().map(|r| r.id).collect();
+    let ids: Vec<DeliveryId> = rows.iter().map(|r| r.id).collect();
     let states: Vec<&str> = rows.iter().map(|r| r.state.as_str()).collect();
     let attempts: Vec<i32> = rows.iter().map(|r| r.attempt).collect();
     let due: Vec<Timestamp> = rows.iter().map(|r| r.next_attempt_at).collect();
@@ -151,7 +151,7 @@ pub async fn rewrite_after_outcome(tx: &mut PgConnection, rows: &[&OutcomeRow]) 
          FROM UNNEST($1::uuid[], $2::text[], $3::int[], $4::timestamptz[], $5::int[], $6::text[])
            AS u(id, state, attempt, next_attempt_at, last_status, last_error)
          WHERE d.id = ANY ($1::uuid[]) AND d.id = u.id",
-        &ids,
+        &ids as _,
         &states as &[&str],
         &attempts,
         &due,
@@ -165,12 +165,12 @@ pub async fn rewrite_after_outcome(tx: &mut PgConnection, rows: &[&OutcomeRow]) 
 
 /// A dead delivery back at attempt 1, due now, in a new generation. False
 /// when it is no longer dead (already replayed).
-pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: Uuid) -> AppResult<bool> {
+pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: DeliveryId) -> AppResult<bool> {
     Ok(sqlx::query!(
         "UPDATE webhook_deliveries SET state = 'pending', attempt = 1, generation = generation + 1,
            next_attempt_at = now(), dispatched_at = NULL, updated_at = now()
          WHERE id = $1 AND state = 'dead'",
-        delivery_id,
+        delivery_id as _,
     )
     .execute(&mut *tx)
     .await?

@@ -3,6 +3,7 @@
 //! the claims on the attempts it ends are fenced and reported, so the caller
 //! can wait for the dispatchers that hold them.
 
+use relay_domain::{DeliveryId, DispatcherId, EndpointId};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -11,7 +12,7 @@ use crate::error::AppResult;
 /// Who holds claims an endpoint's switch-off must wait for: the claimant
 /// stored on the placeholders that fence the ended attempts (see
 /// [`end_pending_of_endpoint`]), never a dispatcher's.
-pub const SWITCHED_OFF: Uuid = Uuid::nil();
+pub const SWITCHED_OFF: DispatcherId = DispatcherId::from_uuid(Uuid::nil());
 
 /// How long a placeholder claim fences its attempt: far longer than a
 /// material call that read the attempt before the switch-off committed can
@@ -22,10 +23,10 @@ const FENCE_MS: i64 = 60_000;
 /// dispatcher may have the attempt queued, about to start, or on the wire.
 #[derive(Debug, Clone)]
 pub struct HeldClaim {
-    pub delivery_id: Uuid,
+    pub delivery_id: DeliveryId,
     pub attempt: i32,
     pub generation: i32,
-    pub claimant: Uuid,
+    pub claimant: DispatcherId,
     /// Until the claim runs out, by the database's clock; the dispatcher
     /// starts no attempt past its claim, nor has one on the wire then.
     pub remaining_ms: i64,
@@ -46,7 +47,7 @@ pub struct HeldClaim {
 /// and is returned here, or meets the placeholder, waits for this
 /// transaction and is refused; rows being leased and claimed by an outcome's
 /// refill are waited for by the update, and their claims returned.
-pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Uuid, reason: &str) -> AppResult<Vec<HeldClaim>> {
+pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: EndpointId, reason: &str) -> AppResult<Vec<HeldClaim>> {
     Ok(sqlx::query_as!(
         HeldClaim,
         r#"WITH ended AS (
@@ -72,9 +73,9 @@ pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Uuid, r
          SELECT delivery_id, attempt, generation, claimant,
                 ceil(extract(epoch FROM until - now()) * 1000)::bigint AS "remaining_ms!"
          FROM fenced WHERE claimant <> $3"#,
-        endpoint_id,
+        endpoint_id as _,
         reason,
-        SWITCHED_OFF,
+        SWITCHED_OFF as _,
         FENCE_MS,
     )
     .fetch_all(&mut *tx)
@@ -82,7 +83,7 @@ pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Uuid, r
 }
 
 /// The same ending for pending deliveries found by id (see `end_pending_of_endpoint`).
-pub async fn end_pending_by_id(db: &PgPool, ids: &[Uuid], reason: &str) -> AppResult<u64> {
+pub async fn end_pending_by_id(db: &PgPool, ids: &[DeliveryId], reason: &str) -> AppResult<u64> {
     Ok(sqlx::query!(
         "WITH ended AS (
            UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
@@ -90,7 +91,7 @@ pub async fn end_pending_by_id(db: &PgPool, ids: &[Uuid], reason: &str) -> AppRe
            RETURNING id, environment_id, endpoint_id, event_id, attempt, last_status)
          INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
          SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
-        ids,
+        ids as _,
         reason,
     )
     .execute(db)
