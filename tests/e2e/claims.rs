@@ -253,3 +253,43 @@ async fn published_events_are_marked_soon_after_the_last_one_without_waiting_for
     assert_eq!(unmarked, Some(0), "every delivered event is marked published within seconds, long before the next look");
     stack.stop().await
 }
+
+/// A backlog in the outbox is published in turns across environments: one
+/// environment's burst, written while the broker was away, does not go
+/// ahead of another's few events when the broker comes back (the relay
+/// keeps only `events_backlog` events in the stream, so what the outbox
+/// publishes first is what is expanded first).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backlog_in_the_outbox_goes_out_in_turns_across_environments() -> anyhow::Result<()> {
+    let mut nats = relay_tests::PrivateNats::start().await?;
+    let stack = Stack::start(Options { nats_url: nats.url(), events_backlog: 8, ..Options::default() }).await?;
+    let receiver = Receiver::start().await?;
+    let burst = Rest::new(&stack.rest_url, Some(&stack.tenant("burst").await?.api_key));
+    let steady = Rest::new(&stack.rest_url, Some(&stack.tenant("steady").await?.api_key));
+    burst.endpoint(&receiver.url("/burst"), &["b"]).await?;
+    steady.endpoint(&receiver.url("/steady"), &["s"]).await?;
+    burst.publish("b", json!({"warm": true})).await?;
+    steady.publish("s", json!({"warm": true})).await?;
+    assert_eq!(receiver.wait_for(2, Duration::from_secs(20)).await.len(), 2, "both environments deliver");
+
+    nats.stop().await?;
+    const BURST: usize = 300;
+    for n in 0..BURST {
+        burst.publish("b", json!({"n": n})).await?;
+    }
+    let mut few = HashSet::new();
+    for n in 0..3 {
+        few.insert(steady.publish("s", json!({"n": n})).await?);
+    }
+    nats.resume().await?;
+    let all = receiver.wait_for(2 + BURST + 3, Duration::from_secs(120)).await;
+    assert_eq!(all.len(), 2 + BURST + 3, "everything arrives once the broker is back");
+    // Arrival order after the outage: the steady environment's events were
+    // written last, and still come within the first turns.
+    let after = &all[2..];
+    let last_steady = after.iter().rposition(|r| few.contains(&r.header("relay-webhook-id"))).expect("the steady events arrived");
+    let burst_before = after[..last_steady].iter().filter(|r| r.path == "/burst").count();
+    assert!(burst_before < BURST / 4, "the steady environment's 3 events waited behind {burst_before} of the burst's {BURST}");
+    stack.stop().await?;
+    nats.stop().await
+}

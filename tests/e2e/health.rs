@@ -28,7 +28,7 @@ async fn endpoint_where(rest: &Rest, id: &str, within: Duration, what: &str, ok:
 }
 
 /// An endpoint's deliveries, in one snapshot: pending, held, and all of them.
-async fn counts(pg: &sqlx::PgPool, endpoint: &str) -> anyhow::Result<(i64, i64, i64)> {
+pub(crate) async fn counts(pg: &sqlx::PgPool, endpoint: &str) -> anyhow::Result<(i64, i64, i64)> {
     Ok(sqlx::query_as(
         "SELECT count(*) FILTER (WHERE state = 'pending'), count(*) FILTER (WHERE state = 'held'), count(*)
          FROM webhook_deliveries WHERE endpoint_id = $1::uuid",
@@ -40,7 +40,7 @@ async fn counts(pg: &sqlx::PgPool, endpoint: &str) -> anyhow::Result<(i64, i64, 
 
 /// Publishes one event every 50 ms until `done` says the endpoint is as
 /// wanted (at most `within`); returns the events and the endpoint as read.
-async fn publish_until(rest: &Rest, id: &str, within: Duration, done: impl Fn(&Value) -> bool) -> (Vec<String>, Value) {
+pub(crate) async fn publish_until(rest: &Rest, id: &str, within: Duration, done: impl Fn(&Value) -> bool) -> (Vec<String>, Value) {
     let deadline = std::time::Instant::now() + within;
     let mut events = Vec::new();
     loop {

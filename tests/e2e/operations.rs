@@ -241,3 +241,118 @@ async fn dead_letters_are_announced_together_and_an_operations_endpoint_never_he
     assert_eq!(receiver.at("/ops").len(), 7, "the operations endpoint heard nothing about itself");
     stack.stop().await
 }
+
+/// Recovery takes held deliveries as well as dead ones: with the circuit
+/// open and its probe minutes away, the tenant's recovery sends what is held
+/// at once, each delivery once. It refuses another tenant's endpoint (404)
+/// and a disabled one (nothing would receive what it sends).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovering_a_range_sends_held_deliveries_at_once_and_refuses_a_foreign_or_disabled_endpoint() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default().probes(Duration::from_secs(300), Duration::from_secs(600))).await?;
+    let tenant = stack.tenant("recover-held").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/down", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (endpoint, _) = rest.endpoint(&receiver.url("/down"), &["t"]).await?;
+    let since = chrono::Utc::now() - chrono::TimeDelta::seconds(1);
+    let (mut events, _) = crate::health::publish_until(&rest, &endpoint, Duration::from_secs(20), |e| e["health"]["state"] == "open").await;
+    for n in 0..5 {
+        events.push(rest.publish("t", json!({"held": n})).await?);
+    }
+    let pg = stack.pg().await?;
+    // Settled: every event has its delivery and none is pending (held, or
+    // dead if its seven attempts ran out before the circuit opened).
+    let (held, dead) = eventually(Duration::from_secs(10), || async {
+        let (pending, held, all) = crate::health::counts(&pg, &endpoint).await.ok()?;
+        (all == events.len() as i64 && pending == 0 && held >= 5).then_some((held, all - held))
+    })
+    .await
+    .expect("everything held or dead, nothing pending");
+    let sent_before = receiver.at("/down").len();
+    let until = chrono::Utc::now() + chrono::TimeDelta::seconds(1);
+    let range = |dry: bool| json!({"since": since.to_rfc3339(), "until": until.to_rfc3339(), "dry_run": dry});
+    let path = format!("/v1/webhooks/{endpoint}/recover");
+    let (status, body) = rest.post(&path, range(true)).await?;
+    assert_eq!((status, body["would_recover"].as_i64()), (200, Some(held + dead)), "held and dead alike: {body}");
+
+    let other = Rest::new(&stack.rest_url, Some(&stack.tenant("recover-other").await?.api_key));
+    let (status, body) = other.post(&path, range(false)).await?;
+    assert_eq!((status, body["reason"].as_str()), (404, Some("not_found")), "another tenant's endpoint: {body}");
+    let (off, _) = rest.endpoint(&receiver.url("/off"), &["t"]).await?;
+    assert_eq!(rest.post(&format!("/v1/webhooks/{off}/disable"), json!({})).await?.0, 200);
+    let (status, body) = rest.post(&format!("/v1/webhooks/{off}/recover"), range(false)).await?;
+    assert_eq!((status, body["reason"].as_str()), (400, Some("endpoint_inactive")), "a disabled endpoint: {body}");
+    assert_eq!(receiver.at("/down").len(), sent_before, "refusals send nothing, and no probe came");
+
+    receiver.reply("/down", Reply::Status(204));
+    let (status, body) = rest.post(&path, range(false)).await?;
+    assert_eq!(status, 202, "{body}");
+    let op = body["operation_id"].as_str().expect("an operation id").to_owned();
+    let done = eventually(Duration::from_secs(30), || async {
+        let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
+        (o["state"] == "done").then_some(o)
+    })
+    .await
+    .expect("the recovery finishes");
+    assert_eq!(num(&done["completed"]) as i64, held + dead, "{done}");
+    let all_delivered = eventually(Duration::from_secs(20), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE endpoint_id = $1::uuid AND state = 'delivered'")
+            .bind(&endpoint)
+            .fetch_one(&pg)
+            .await
+            .ok()?;
+        (n == events.len() as i64).then_some(())
+    })
+    .await;
+    assert!(all_delivered.is_some(), "every held and dead delivery delivered");
+    let mut after: Vec<String> = receiver.at("/down")[sent_before..].iter().map(|r| r.header("relay-webhook-id")).collect();
+    after.sort();
+    let mut want = events.clone();
+    want.sort();
+    assert_eq!(after, want, "each event once, long before any probe");
+    pg.close().await;
+    stack.stop().await
+}
+
+/// `delivery.dead_lettered` comes at most once a minute per endpoint: dead
+/// letters after an announcement wait out the minute and come counted in
+/// the next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_after_an_announcement_wait_out_the_minute_and_come_counted_together() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default().tiers("0,10,10,10,10,10,10").circuit_off()).await?;
+    let tenant = stack.tenant("ops-minute").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/dead", Reply::Status(500));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let (ops, _) = rest.endpoint(&receiver.url("/ops"), &["nothing.here"]).await?;
+    let (dead, _) = rest.endpoint(&receiver.url("/dead"), &["t"]).await?;
+    assert_eq!(rest.call(reqwest::Method::PUT, "/v1/operations-endpoint", Some(json!({"endpoint_id": ops}))).await?.0, 200);
+    for n in 0..2 {
+        rest.publish("t", json!({"first": n})).await?;
+    }
+    let first = receiver.wait_at("/ops", 1, Duration::from_secs(20)).await;
+    assert_eq!(first.len(), 1, "the first announcement");
+    let first_at = first[0].at;
+    assert_eq!(first[0].json()["payload"]["count"], 2, "{}", first[0].json());
+
+    for n in 0..3 {
+        rest.publish("t", json!({"second": n})).await?;
+    }
+    // Dead well inside the minute, and not announced yet.
+    let five = eventually(Duration::from_secs(10), || async {
+        let letters = rest.get("/v1/dead-letters").await.ok()?;
+        (letters["dead_letters"].as_array()?.len() == 5).then_some(())
+    })
+    .await;
+    assert!(five.is_some(), "five dead letters");
+    assert!(first_at.elapsed() < Duration::from_secs(50), "the second batch died inside the minute");
+    assert_eq!(receiver.at("/ops").len(), 1, "nothing more announced inside the minute");
+
+    let both = receiver.wait_at("/ops", 2, Duration::from_secs(90)).await;
+    assert_eq!(both.len(), 2, "the second announcement, once the minute is out");
+    let gap = both[1].at.duration_since(first_at);
+    assert!(gap >= Duration::from_secs(58), "announced {gap:?} after the first");
+    let payload = both[1].json()["payload"].clone();
+    assert_eq!((payload["endpoint_id"].as_str(), &payload["count"]), (Some(dead.as_str()), &json!(3)), "{payload}");
+    stack.stop().await
+}

@@ -46,6 +46,9 @@ pub struct Options {
     pub tenant_work_deadline: Duration,
     /// Deliveries a bulk recovery sends again per second per endpoint.
     pub recover_per_second: u32,
+    /// Events in `EVENTS` not yet taken for expansion, at most
+    /// (`RELAY_EVENTS_BACKLOG`); the rest wait in the outbox.
+    pub events_backlog: u64,
 }
 
 /// The production circuit rule at the tests' scale: a 2 s window, at least
@@ -90,6 +93,7 @@ impl Default for Options {
             circuit: test_circuit(),
             tenant_work_deadline: relay_api::detach::TENANT_WORK_DEADLINE,
             recover_per_second: 1000,
+            events_backlog: 256,
         }
     }
 }

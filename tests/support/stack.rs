@@ -94,7 +94,7 @@ impl Stack {
                 stream_replicas: opts.stream_replicas,
                 allow_fewer_stream_replicas: false,
                 stream_prefix: prefix.clone(),
-                events_backlog: 256,
+                events_backlog: opts.events_backlog,
             },
             internal_tls: relay_api::config::InternalTls {
                 client_ca: certs.join("ca.pem"),
