@@ -57,7 +57,12 @@ async fn seven_attempts_on_the_tiers_then_a_dead_letter_then_replay_delivers_the
         assert!(a["latency_ms"].as_u64().is_some());
     }
     assert!(attempts[6]["next_attempt_at"].is_null(), "the last attempt schedules nothing");
-    tokio::time::sleep(Duration::from_millis(800)).await;
+    // A full retry cycle after the dead letter (a witness refused once, then
+    // retried): an eighth request, had one been scheduled, came first.
+    receiver.reply("/witness", Reply::Flaky(relay_tests::flaky::Flaky::new(relay_tests::flaky::Behaviour::FailFirst(503))));
+    rest.endpoint(&receiver.url("/witness"), &["witness"]).await?;
+    rest.publish("witness", json!({})).await?;
+    assert_eq!(receiver.wait_at("/witness", 2, Duration::from_secs(20)).await.len(), 2, "the witness is retried");
     assert_eq!(receiver.at("/fail").len(), 7, "no eighth request");
 
     let list = rest.get("/v1/dead-letters").await?;
@@ -139,8 +144,12 @@ async fn outcomes_are_idempotent_and_a_late_dispatcher_drains_the_backlog() -> a
     assert_eq!(receiver.wait_for(1, Duration::from_secs(20)).await.len(), 1);
     let done = delivery_state(&rest, &event_id, "DELIVERY_STATE_DELIVERED", Duration::from_secs(5)).await;
     assert_eq!(done["attempt"], 2);
-    tokio::time::sleep(Duration::from_millis(1000)).await;
-    assert_eq!(receiver.received().len(), 1, "exactly one request for the backlog");
+    // The next event comes after the backlog's EVENTS message in the stream:
+    // once it has arrived, that message was taken, and sent nothing more.
+    let next = rest.publish("a", json!({"after": true})).await?;
+    let got = receiver.wait_for(2, Duration::from_secs(20)).await;
+    let ids: Vec<String> = got.iter().map(|r| r.header("relay-webhook-id")).collect();
+    assert_eq!(ids, vec![event_id.clone(), next], "exactly one request for the backlog, then the next event");
     stack.stop().await
 }
 
@@ -320,9 +329,24 @@ async fn dead_letters_are_kept_seven_days_and_pruned_after() -> anyhow::Result<(
     .await
     .expect("the day-8 dead letter is pruned by the api's timer");
     assert_eq!(left, vec![recent.clone()], "day 6 is kept, day 8 is gone");
-    // And it stays so across further prune passes.
-    tokio::time::sleep(Duration::from_millis(600)).await;
-    assert_eq!(rest.get("/v1/dead-letters").await?["dead_letters"].as_array().unwrap().len(), 1);
+    // And it stays so across further prune passes: a witness aged past the
+    // window afterwards is pruned by a later pass, which keeps day 6.
+    let witness = rest.publish("x", json!(3)).await?;
+    let dead_witness = eventually(Duration::from_secs(20), || async {
+        let l = rest.get("/v1/dead-letters").await.ok()?;
+        (l["dead_letters"].as_array()?.len() == 2).then_some(())
+    })
+    .await;
+    assert!(dead_witness.is_some(), "the witness is dead-lettered");
+    age(&witness, 9).execute(&pg).await?;
+    let after = eventually(Duration::from_secs(5), || async {
+        let l = rest.get("/v1/dead-letters").await.ok()?;
+        let ids: Vec<String> = l["dead_letters"].as_array()?.iter().map(|d| d["event_id"].as_str().unwrap().to_owned()).collect();
+        (!ids.contains(&witness)).then_some(ids)
+    })
+    .await
+    .expect("a later pass prunes the witness");
+    assert_eq!(after, vec![recent.clone()], "day 6 is still kept");
     stack.stop().await
 }
 
@@ -379,6 +403,10 @@ async fn disabled_and_deleted_endpoints_get_nothing_more_and_their_deliveries_en
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let (paused, _) = rest.endpoint(&receiver.url("/paused"), &["p"]).await?;
     let (gone, _) = rest.endpoint(&receiver.url("/gone"), &["p"]).await?;
+    // Refused every time: its retries of the same event fall due beside the
+    // ones the switched-off endpoints would have had.
+    receiver.reply("/retried", Reply::Status(500));
+    let (retried, _) = rest.endpoint(&receiver.url("/retried"), &["p"]).await?;
     let event_id = rest.publish("p", json!({})).await?;
     receiver.wait_at("/paused", 1, Duration::from_secs(20)).await;
     receiver.wait_at("/gone", 1, Duration::from_secs(20)).await;
@@ -388,12 +416,15 @@ async fn disabled_and_deleted_endpoints_get_nothing_more_and_their_deliveries_en
     let (status, _) = rest.call(reqwest::Method::DELETE, &format!("/v1/webhooks/{gone}"), None).await?;
     assert_eq!(status, 204);
     let (paused_before, gone_before) = (receiver.at("/paused").len(), receiver.at("/gone").len());
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let retried_before = receiver.at("/retried").len();
+    let two_more = receiver.wait_at("/retried", retried_before + 2, Duration::from_secs(20)).await.len();
+    assert_eq!(two_more, retried_before + 2, "the live endpoint's next two retries came");
+    assert_eq!(rest.call(reqwest::Method::DELETE, &format!("/v1/webhooks/{retried}"), None).await?.0, 204);
     assert_eq!(receiver.at("/paused").len(), paused_before, "a disabled endpoint gets no scheduled retry");
     assert_eq!(receiver.at("/gone").len(), gone_before, "a deleted endpoint gets no scheduled retry");
 
     let deliveries = rest.deliveries(&event_id).await?;
-    assert!(deliveries.iter().all(|d| d["state"] == "DELIVERY_STATE_DEAD"), "{deliveries:?}");
+    assert!(deliveries.len() == 3 && deliveries.iter().all(|d| d["state"] == "DELIVERY_STATE_DEAD"), "{deliveries:?}");
     let letters = rest.get("/v1/dead-letters").await?;
     let reason_of = |endpoint: &str| {
         letters["dead_letters"]

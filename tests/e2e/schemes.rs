@@ -203,6 +203,7 @@ async fn a_scheme_change_signs_the_next_attempt_and_crossing_to_a_key_pair_and_b
         capture("back to hmac", "standard-webhooks", &signed_back, &[&minted], &[], 1),
     ])?;
     assert!(said.contains("python verifiers: 20 of 20 checks passed"), "{said}");
+    assert!(said.contains("node verifiers: 6 of 6 checks passed"), "two hmac captures, three checks each: {said}");
     stack.stop().await
 }
 
@@ -240,5 +241,6 @@ async fn a_secret_minted_before_standard_webhooks_must_be_rotated_before_the_swi
     let r = receiver.wait_at("/r", 1, Duration::from_secs(20)).await.remove(0);
     let said = verify_with_other_libraries(vec![capture("legacy left out", "standard-webhooks", &r, &[&new_secret], &[], 1)])?;
     assert!(said.contains("python verifiers: 7 of 7 checks passed"), "{said}");
+    assert!(said.contains("node verifiers: 3 of 3 checks passed"), "{said}");
     stack.stop().await
 }
