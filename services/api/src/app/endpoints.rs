@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::Context;
 use relay_contracts::relay::queue::v1::{DeliveryJob, SwitchedOff};
-use relay_domain::{DispatcherId, EndpointId, Reason};
+use relay_domain::{DispatcherId, EndpointId, Reason, delivery::DeadLetterReason};
 use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;
@@ -303,7 +303,7 @@ impl App {
             }
             (db::health::holds_any(&mut tx, id).await?, Vec::new())
         } else {
-            (false, end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DISABLED).await?)
+            (false, end_pending_of_endpoint(&mut tx, id, DeadLetterReason::EndpointDisabled).await?)
         };
         db::health::reset(&mut tx, id, recovering).await?;
         let endpoint =
@@ -330,7 +330,7 @@ impl App {
         if !db::endpoints::soft_delete(&mut tx, tenant.environment_id, id).await? {
             return Err(AppError::not_found("webhook endpoint"));
         }
-        let held = end_pending_of_endpoint(&mut tx, id, db::dead_letters::ENDPOINT_DELETED).await?;
+        let held = end_pending_of_endpoint(&mut tx, id, DeadLetterReason::EndpointDeleted).await?;
         db::environments::forget_operations_endpoint(&mut tx, id).await?;
         tx.commit().await.context("committing an endpoint deletion")?;
         Ok(held)

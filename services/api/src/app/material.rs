@@ -5,7 +5,11 @@ use std::collections::{HashMap, HashSet};
 
 use anyhow::Context;
 
-use relay_domain::{DeliveryId, EndpointId, Reason, delivery::DeliveryState, health::DisabledReason};
+use relay_domain::{
+    DeliveryId, EndpointId, Reason,
+    delivery::{DeadLetterReason, DeliveryState},
+    health::DisabledReason,
+};
 
 use super::{App, Timestamp, deliveries::*};
 use crate::{
@@ -44,7 +48,7 @@ impl App {
         let mut secrets_of = SecretsByEndpoint::new();
         let now = self.clock.now();
         let mut out = Vec::with_capacity(wanted.len());
-        let mut switched_off: Vec<(DeliveryId, &'static str)> = Vec::new();
+        let mut switched_off: Vec<(DeliveryId, DeadLetterReason)> = Vec::new();
         let mut to_hold: Vec<DeliveryId> = Vec::new();
         for (ord, w) in (1..).zip(wanted) {
             let row = match by_ord.get(&ord) {
@@ -72,9 +76,9 @@ impl App {
             }
             if row.state == DeliveryState::Pending && !accepts_attempts(row) {
                 match (row.deleted, row.disabled_reason) {
-                    (true, _) => switched_off.push((row.id, db::dead_letters::ENDPOINT_DELETED)),
+                    (true, _) => switched_off.push((row.id, DeadLetterReason::EndpointDeleted)),
                     (false, Some(reason)) if reason.holds() => to_hold.push(row.id),
-                    _ => switched_off.push((row.id, db::dead_letters::ENDPOINT_DISABLED)),
+                    _ => switched_off.push((row.id, DeadLetterReason::EndpointDisabled)),
                 }
             }
             out.push(self.material_from(row, w, now, &mut secrets_of));
@@ -83,11 +87,15 @@ impl App {
         // same transaction, and expansion cannot write new ones behind it, so
         // none should get here; if one ever does, it ends now rather than
         // waiting on a lease for an attempt that will never be made.
-        for reason in [db::dead_letters::ENDPOINT_DISABLED, db::dead_letters::ENDPOINT_DELETED] {
+        for reason in [DeadLetterReason::EndpointDisabled, DeadLetterReason::EndpointDeleted] {
             let ids: Vec<DeliveryId> = switched_off.iter().filter(|(_, r)| *r == reason).map(|(id, _)| *id).collect();
             if !ids.is_empty() {
                 let ended = db::deliveries::end_pending_by_id(&self.db, &ids, reason).await?;
-                tracing::warn!(ended, reason, "pending deliveries of an inactive endpoint found at material time; dead-lettered");
+                tracing::warn!(
+                    ended,
+                    reason = reason.as_str(),
+                    "pending deliveries of an inactive endpoint found at material time; dead-lettered"
+                );
             }
         }
         // A receiver's 410 holds its endpoint's pending deliveries in the

@@ -10,15 +10,6 @@ use relay_domain::{DeadLetterId, DeliveryId, EndpointId, EnvironmentId, EventId,
 pub use super::models::DeadLetter;
 use crate::error::AppResult;
 
-/// The reasons a switched-off endpoint gives its pending deliveries; such a
-/// dead letter is provisional while the attempt in flight at the switch-off
-/// may still report.
-pub const ENDPOINT_DISABLED: &str = "endpoint_disabled";
-pub const ENDPOINT_DELETED: &str = "endpoint_deleted";
-/// A delivery held longer than its environment allows (its endpoint's
-/// circuit open, or disabled by Relay, all that time).
-pub const ENDPOINT_FAILING: &str = "endpoint_failing";
-
 /// Dead letters of one outcome batch, column by column for one `UNNEST` insert.
 #[derive(Default)]
 pub struct DeadLetterRows {

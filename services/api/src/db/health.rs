@@ -8,7 +8,7 @@
 //! health lock after this transaction and applies the circuit it finds, so
 //! nothing is left pending behind an open circuit or held behind a closed one.
 
-use relay_domain::{DeliveryId, EndpointId, EnvironmentId};
+use relay_domain::{DeliveryId, EndpointId, EnvironmentId, delivery::DeadLetterReason};
 use sqlx::PgConnection;
 
 use super::models::{Circuit, DisabledReason, EndpointHealth, FailureWindow, HeldDelivery, Timestamp};
@@ -389,7 +389,7 @@ pub async fn expire_held(db: &sqlx::PgPool, limit: i64) -> AppResult<u64> {
            RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.last_status)
          INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
          SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $1, $1 FROM ended",
-        super::dead_letters::ENDPOINT_FAILING,
+        DeadLetterReason::EndpointFailing.as_str(),
         limit,
     )
     .execute(db)

@@ -3,7 +3,7 @@
 //! the claims on the attempts it ends are fenced and reported, so the caller
 //! can wait for the dispatchers that hold them.
 
-use relay_domain::{DeliveryId, DispatcherId, EndpointId};
+use relay_domain::{DeliveryId, DispatcherId, EndpointId, delivery::DeadLetterReason};
 use sqlx::{PgConnection, PgPool};
 use uuid::Uuid;
 
@@ -47,7 +47,11 @@ pub struct HeldClaim {
 /// and is returned here, or meets the placeholder, waits for this
 /// transaction and is refused; rows being leased and claimed by an outcome's
 /// refill are waited for by the update, and their claims returned.
-pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: EndpointId, reason: &str) -> AppResult<Vec<HeldClaim>> {
+pub async fn end_pending_of_endpoint(
+    tx: &mut PgConnection,
+    endpoint_id: EndpointId,
+    reason: DeadLetterReason,
+) -> AppResult<Vec<HeldClaim>> {
     Ok(sqlx::query_as!(
         HeldClaim,
         r#"WITH ended AS (
@@ -74,7 +78,7 @@ pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Endpoin
                 ceil(extract(epoch FROM until - now()) * 1000)::bigint AS "remaining_ms!"
          FROM fenced WHERE claimant <> $3"#,
         endpoint_id as _,
-        reason,
+        reason.as_str(),
         SWITCHED_OFF as _,
         FENCE_MS,
     )
@@ -83,7 +87,7 @@ pub async fn end_pending_of_endpoint(tx: &mut PgConnection, endpoint_id: Endpoin
 }
 
 /// The same ending for pending deliveries found by id (see `end_pending_of_endpoint`).
-pub async fn end_pending_by_id(db: &PgPool, ids: &[DeliveryId], reason: &str) -> AppResult<u64> {
+pub async fn end_pending_by_id(db: &PgPool, ids: &[DeliveryId], reason: DeadLetterReason) -> AppResult<u64> {
     Ok(sqlx::query!(
         "WITH ended AS (
            UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
@@ -92,7 +96,7 @@ pub async fn end_pending_by_id(db: &PgPool, ids: &[DeliveryId], reason: &str) ->
          INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)
          SELECT relay_uuid_v7(), environment_id, id, endpoint_id, event_id, attempt - 1, last_status, $2, $2 FROM ended",
         ids as _,
-        reason,
+        reason.as_str(),
     )
     .execute(db)
     .await?
