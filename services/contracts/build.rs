@@ -6,6 +6,8 @@ use std::{env, path::PathBuf};
 /// Messages that carry a secret in clear: their `Debug` is written by hand in
 /// `lib.rs` so that a stray `{:?}` can never print one.
 const SECRET_BEARING: &[&str] = &[
+    ".relay.tenant.v1.CreateWebhookEndpointRequest",
+    ".relay.tenant.v1.UpdateWebhookEndpointRequest",
     ".relay.tenant.v1.CreateWebhookEndpointResponse",
     ".relay.tenant.v1.RotateWebhookEndpointSecretResponse",
     ".relay.tenant.v1.CreatePortalSessionResponse",

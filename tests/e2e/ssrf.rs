@@ -152,6 +152,9 @@ async fn secrets_at_rest_survive_key_rotation_and_rewrap_to_the_active_key() -> 
     let receiver = Receiver::start().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let (endpoint_id, secret) = rest.endpoint(&receiver.url("/k"), &["k"]).await?;
+    // Custom headers are sealed under the same keys, and move with them.
+    let with_headers = json!({"url": receiver.url("/kh"), "event_types": ["k"], "headers": {"X-Kept": "through-every-key"}});
+    assert_eq!(rest.post("/v1/webhooks", with_headers).await?.0, 201);
     let pg = stack.pg().await?;
     let stored = || async {
         let (key_id, ct): (String, Vec<u8>) =
@@ -179,8 +182,11 @@ async fn secrets_at_rest_survive_key_rotation_and_rewrap_to_the_active_key() -> 
     receiver.wait_at("/k", 1, Duration::from_secs(20)).await;
     assert!(verified(0), "signed with the secret stored under the old key");
     let rewrapped = stack.admin().await?.rewrap_secrets(RewrapSecretsRequest {}).await?.into_inner();
-    assert_eq!((rewrapped.rewrapped, rewrapped.active_key_id.as_str()), (1, "k2"));
+    assert_eq!((rewrapped.rewrapped, rewrapped.active_key_id.as_str()), (2, "k2"), "both endpoints");
     assert_eq!(stored().await?.0, "k2");
+    let header_keys: Vec<Option<String>> =
+        sqlx::query_scalar("SELECT headers_key_id FROM webhook_endpoints WHERE headers_key_id IS NOT NULL").fetch_all(&pg).await?;
+    assert_eq!(header_keys, vec![Some("k2".to_owned())], "the headers moved to the active key too");
 
     // The old key retired: everything still signs.
     stack.stop_api().await?;
@@ -189,6 +195,8 @@ async fn secrets_at_rest_survive_key_rotation_and_rewrap_to_the_active_key() -> 
     rest.publish("k", json!(2)).await?;
     receiver.wait_at("/k", 2, Duration::from_secs(20)).await;
     assert!(verified(1), "signed after the old key was retired");
+    let kept = receiver.wait_at("/kh", 2, Duration::from_secs(20)).await;
+    assert!(kept.len() == 2 && kept.iter().all(|r| r.header("x-kept") == "through-every-key"), "headers sent under every key");
     pg.close().await;
     stack.stop().await
 }

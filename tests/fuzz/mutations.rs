@@ -346,12 +346,31 @@ pub(crate) const TYPE_VALUES: &[&str] = &[
     r#""..""#,
 ];
 
+/// Custom headers (issue 27): refused names, injected lines, sizes and
+/// shapes; a few acceptable ones so later mutations start from them.
+pub(crate) const HEADER_VALUES: &[&str] = &[
+    r#"{"X-Ok":"v"}"#,
+    r#"{"Host":"evil"}"#,
+    r#"{"relay-webhook-signature":"v1=x"}"#,
+    r#"{"X-A":"a\r\nX-B: 1"}"#,
+    r#"{"X-A":"\u0000"}"#,
+    r#"{"X A":"v"}"#,
+    r#"{"":"v"}"#,
+    r#"{"X-A":""}"#,
+    r#"{"X-A":1}"#,
+    r#"{"X-A":{"nested":"v"}}"#,
+    r#"{"X-A":"caf\u00e9"}"#,
+    r#"{"x-a":"1","X-A":"2"}"#,
+    r#"["X-A","v"]"#,
+];
+
 pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
     let ms = members(req);
     let i = some_member(rng, ms, false);
     let list = match ms[i].0.as_str() {
         "url" if rng.chance(60) => URL_VALUES,
         "event_types" | "type" if rng.chance(60) => TYPE_VALUES,
+        "headers" if rng.chance(60) => HEADER_VALUES,
         _ => WRONG_VALUES,
     };
     ms[i].1 = rng.pick(list).to_string();

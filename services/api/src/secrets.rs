@@ -79,24 +79,33 @@ impl Keyring {
 
     /// Returns (key id, nonce || ciphertext || tag).
     pub fn encrypt(&self, secret: &SigningSecret) -> (String, Vec<u8>) {
+        self.seal(secret.expose().as_bytes())
+    }
+
+    pub fn decrypt(&self, key_id: &str, stored: &[u8]) -> Result<SigningSecret, SecretError> {
+        String::from_utf8(self.open(key_id, stored)?).map(SigningSecret::new).map_err(|_| SecretError::Tampered)
+    }
+
+    /// Any bytes kept as secretly as a signing secret (custom headers):
+    /// (key id, nonce || ciphertext || tag) under the active key.
+    pub fn seal(&self, plain: &[u8]) -> (String, Vec<u8>) {
         let cipher = &self.keys[&self.active];
         // A fresh nonce each time: equal secrets never give equal ciphertexts.
         let nonce = Aes256Gcm::generate_nonce(&mut OsRng);
-        let sealed = cipher.encrypt(&nonce, secret.expose().as_bytes()).expect("AES-GCM encryption does not fail on a short input");
+        let sealed = cipher.encrypt(&nonce, plain).expect("AES-GCM encryption does not fail on a short input");
         let mut out = Vec::with_capacity(NONCE_LEN + sealed.len());
         out.extend_from_slice(&nonce);
         out.extend_from_slice(&sealed);
         (self.active.clone(), out)
     }
 
-    pub fn decrypt(&self, key_id: &str, stored: &[u8]) -> Result<SigningSecret, SecretError> {
+    pub fn open(&self, key_id: &str, stored: &[u8]) -> Result<Vec<u8>, SecretError> {
         let cipher = self.keys.get(key_id).ok_or_else(|| SecretError::UnknownKey(key_id.to_owned()))?;
         if stored.len() <= NONCE_LEN {
             return Err(SecretError::Tampered);
         }
         let (nonce, sealed) = stored.split_at(NONCE_LEN);
-        let plain = cipher.decrypt(Nonce::from_slice(nonce), sealed).map_err(|_| SecretError::Tampered)?;
-        String::from_utf8(plain).map(SigningSecret::new).map_err(|_| SecretError::Tampered)
+        cipher.decrypt(Nonce::from_slice(nonce), sealed).map_err(|_| SecretError::Tampered)
     }
 }
 

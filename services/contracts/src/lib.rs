@@ -36,6 +36,37 @@ pub const SEAM_MATERIAL_REPLY_BUDGET_BYTES: usize = 4 * 1024 * 1024;
 
 const REDACTED: &str = "[redacted]";
 
+/// Custom header values are often credentials: names only.
+fn header_names(headers: &std::collections::HashMap<String, String>) -> Vec<&str> {
+    let mut names: Vec<&str> = headers.keys().map(String::as_str).collect();
+    names.sort_unstable();
+    names
+}
+
+impl fmt::Debug for relay::tenant::v1::CreateWebhookEndpointRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CreateWebhookEndpointRequest")
+            .field("url", &self.url)
+            .field("event_types", &self.event_types)
+            .field("signature_scheme", &self.signature_scheme)
+            .field("headers", &header_names(&self.headers))
+            .finish()
+    }
+}
+
+impl fmt::Debug for relay::tenant::v1::UpdateWebhookEndpointRequest {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpdateWebhookEndpointRequest")
+            .field("id", &self.id)
+            .field("url", &self.url)
+            .field("event_types", &self.event_types)
+            .field("signature_scheme", &self.signature_scheme)
+            .field("headers", &header_names(&self.headers))
+            .field("clear_headers", &self.clear_headers)
+            .finish()
+    }
+}
+
 impl fmt::Debug for relay::tenant::v1::CreateWebhookEndpointResponse {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CreateWebhookEndpointResponse").field("endpoint", &self.endpoint).field("secret", &REDACTED).finish()
@@ -71,6 +102,7 @@ impl fmt::Debug for relay::dispatch::v1::MaterialResponse {
             .field("url", &self.url)
             .field("attempt", &self.attempt)
             .field("secrets", &format_args!("[{} redacted]", self.secrets.len()))
+            .field("headers", &header_names(&self.headers))
             .field("payload_len", &self.payload.len())
             .finish()
     }

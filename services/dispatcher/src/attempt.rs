@@ -101,9 +101,16 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
     let [id, ts, signature] = signed_headers(scheme, &secrets, &m.event_id, &timestamp, &m.payload)
         .map_err(|e| format!("signing: the endpoint's {scheme} key cannot sign: {e}"))?;
     drop(secrets);
-    let response = sender
-        .client
-        .post(url)
+    let mut request = sender.client.post(url);
+    // The endpoint's own headers; the api refused any name Relay sets below
+    // (or the connection frames), so none doubles a signature header.
+    for (name, value) in &m.headers {
+        let name =
+            reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("headers: {name:?} is not a header name"))?;
+        let value = reqwest::header::HeaderValue::from_str(value).map_err(|_| format!("headers: the value of {name} is not sendable"))?;
+        request = request.header(name, value);
+    }
+    let response = request
         .header("content-type", "application/json")
         .header(id.0, id.1)
         .header(ts.0, ts.1)

@@ -80,6 +80,9 @@ pub struct Endpoint {
     pub recent: (u32, u32),
     /// Deliveries held for this endpoint's recovery.
     pub held: i64,
+    /// Custom headers sent with every delivery, values masked
+    /// (`headers::mask`).
+    pub headers: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone)]

@@ -125,6 +125,9 @@ catalogue! {
     EndpointQuotaExceeded = "endpoint_quota_exceeded",
     /// A signature scheme name that is not one of Relay's.
     InvalidSignatureScheme = "invalid_signature_scheme",
+    /// Custom headers outside the rules (a name that is not a token or that
+    /// Relay sets, a value that is not printable, too many or too large).
+    InvalidHeaders = "invalid_headers",
     /// A secret that Standard Webhooks cannot use (its scheme needs `whsec_`).
     SecretNotStandardWebhooks = "secret_not_standard_webhooks",
     /// A destructive operation asked without `confirm`.

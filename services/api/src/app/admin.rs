@@ -182,11 +182,19 @@ impl App {
                     }
                     _ => None,
                 };
+                let headers = match (row.headers_key_id, row.headers_ciphertext) {
+                    (Some(k), Some(c)) => {
+                        let plain = self.keyring.open(&k, &c).context("decrypting stored custom headers")?;
+                        Some(self.keyring.seal(&plain))
+                    }
+                    _ => None,
+                };
                 db::endpoints::store_secrets(
                     &mut tx,
                     row.id,
                     (&key_id, &ciphertext),
                     previous.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
+                    headers.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
                 )
                 .await?;
                 rewrapped += 1;

@@ -49,6 +49,8 @@ pub struct Material {
     /// How `secrets` sign (the endpoint's scheme when the material was read).
     pub scheme: Scheme,
     pub secrets: Vec<SigningSecret>,
+    /// The endpoint's custom headers (their `Debug` shows names only).
+    pub headers: relay_domain::headers::CustomHeaders,
     pub payload: Vec<u8>,
     /// The trace the delivery's attempts continue, for an attempt handed
     /// over in a reply rather than asked for.

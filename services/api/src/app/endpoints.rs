@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::Context;
 use relay_contracts::relay::queue::v1::{DeliveryJob, SwitchedOff};
-use relay_domain::{DispatcherId, EndpointId, Reason, delivery::DeadLetterReason};
+use relay_domain::{DispatcherId, EndpointId, Reason, delivery::DeadLetterReason, headers::CustomHeaders};
 use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;
@@ -20,7 +20,7 @@ pub use crate::db::models::{DisabledReason, Endpoint};
 use crate::db::{
     self,
     deliveries::{HeldClaim, end_pending_of_endpoint},
-    endpoints::{EndpointUpdate, NewSigningMaterial},
+    endpoints::{EndpointUpdate, NewSigningMaterial, SealedHeaders},
 };
 use crate::{
     error::{AppError, AppResult},
@@ -36,11 +36,40 @@ fn rejection(e: Rejection) -> AppError {
 }
 
 /// What an update asks for; empty or `None` fields stay as they are.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct EndpointChange {
     pub url: Option<String>,
     pub event_types: Vec<String>,
     pub signature_scheme: Option<String>,
+    /// New custom headers, replacing all of them; `Some` of none removes them.
+    pub headers: Option<Vec<(String, String)>>,
+}
+
+impl std::fmt::Debug for EndpointChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Header values are often credentials: names only.
+        let headers = self.headers.as_ref().map(|h| h.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>());
+        f.debug_struct("EndpointChange")
+            .field("url", &self.url)
+            .field("event_types", &self.event_types)
+            .field("signature_scheme", &self.signature_scheme)
+            .field("headers", &headers)
+            .finish()
+    }
+}
+
+/// Custom headers checked and sealed for storage: encrypted under the key
+/// ring like a secret, with the masked form reads show.
+struct SealedPairs {
+    key_id: String,
+    ciphertext: Vec<u8>,
+    shown: serde_json::Value,
+}
+
+impl SealedPairs {
+    fn as_stored(&self) -> SealedHeaders<'_> {
+        SealedHeaders { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
+    }
 }
 
 fn parse_scheme(name: &str) -> AppResult<Scheme> {
@@ -119,6 +148,18 @@ fn normalise_event_types(types: &[String]) -> AppResult<Vec<String>> {
 }
 
 impl App {
+    /// Checks custom headers and seals them; none at all is `None`.
+    fn seal_headers(&self, pairs: Vec<(String, String)>) -> AppResult<Option<SealedPairs>> {
+        let headers = CustomHeaders::parse(pairs).map_err(|e| AppError::invalid(Reason::InvalidHeaders, e.0))?;
+        if headers.is_empty() {
+            return Ok(None);
+        }
+        let plain = serde_json::to_vec(headers.pairs()).context("encoding custom headers")?;
+        let (key_id, ciphertext) = self.keyring.seal(&plain);
+        let shown = serde_json::to_value(headers.masked()).context("encoding masked custom headers")?;
+        Ok(Some(SealedPairs { key_id, ciphertext, shown }))
+    }
+
     /// The URL rules, including the addresses a host name resolves to now.
     /// The dispatcher checks again at send time, since DNS can change.
     async fn check_endpoint_url(&self, raw: &str) -> AppResult<String> {
@@ -144,11 +185,13 @@ impl App {
         url: &str,
         event_types: &[String],
         scheme: &str,
+        headers: Vec<(String, String)>,
     ) -> AppResult<(Endpoint, Option<SigningSecret>)> {
         require_nonempty("url", url)?;
         let url = self.check_endpoint_url(url).await?;
         let event_types = normalise_event_types(event_types)?;
         let scheme = if scheme.is_empty() { Scheme::default() } else { parse_scheme(scheme)? };
+        let headers = self.seal_headers(headers)?;
 
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
@@ -164,7 +207,16 @@ impl App {
         let minted = Minted::for_scheme(scheme);
         let (key_id, ciphertext) = self.keyring.encrypt(&minted.stored);
         let material = NewSigningMaterial { key_id: &key_id, ciphertext: &ciphertext, public_key: minted.public_key.as_deref() };
-        let id = db::endpoints::insert(&mut tx, tenant.environment_id, &url, &event_types, scheme, material).await?;
+        let id = db::endpoints::insert(
+            &mut tx,
+            tenant.environment_id,
+            &url,
+            &event_types,
+            scheme,
+            material,
+            headers.as_ref().map(SealedPairs::as_stored),
+        )
+        .await?;
         db::health::insert(&mut tx, id).await?;
         let endpoint =
             db::endpoints::get(&mut tx, tenant.environment_id, id, self.clock.now()).await?.context("reading back a new endpoint")?;
@@ -196,6 +248,7 @@ impl App {
         };
         let event_types = if change.event_types.is_empty() { None } else { Some(normalise_event_types(&change.event_types)?) };
         let scheme = change.signature_scheme.as_deref().map(parse_scheme).transpose()?;
+        let headers = change.headers.map(|pairs| self.seal_headers(pairs)).transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locked: an expansion share-locks the endpoint, so it reads the row
@@ -228,7 +281,13 @@ impl App {
             ciphertext,
             public_key: m.public_key.as_deref(),
         });
-        let update = EndpointUpdate { url: url.as_deref(), event_types: event_types.as_deref(), scheme, material };
+        let update = EndpointUpdate {
+            url: url.as_deref(),
+            event_types: event_types.as_deref(),
+            scheme,
+            material,
+            headers: headers.as_ref().map(|h| h.as_ref().map(SealedPairs::as_stored)),
+        };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =
             db::endpoints::get(&mut tx, tenant.environment_id, id, self.clock.now()).await?.context("reading back an updated endpoint")?;

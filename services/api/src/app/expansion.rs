@@ -177,8 +177,9 @@ impl App {
             &row.previous_secret_key_id,
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
+            (&row.headers_key_id, &row.headers_ciphertext),
         );
-        let (scheme, secrets) = self.signing_secrets(secrets_of, endpoint_id, stored, now)?;
+        let sending = self.signing_secrets(secrets_of, endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
             endpoint_id,
@@ -187,8 +188,9 @@ impl App {
             url: row.url.clone().context("an attempt in hand carries its endpoint's URL")?,
             attempt: 1,
             generation: 0,
-            scheme,
-            secrets,
+            scheme: sending.scheme,
+            secrets: sending.secrets,
+            headers: sending.headers,
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
         })

@@ -8,6 +8,7 @@ use anyhow::Context;
 use relay_domain::{
     DeliveryId, EndpointId, Reason,
     delivery::{DeadLetterReason, DeliveryState},
+    headers::CustomHeaders,
     health::DisabledReason,
 };
 
@@ -169,8 +170,9 @@ impl App {
             &row.previous_secret_key_id,
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
+            (&row.headers_key_id, &row.headers_ciphertext),
         );
-        let (scheme, secrets) = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
+        let sending = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
             endpoint_id: row.endpoint_id,
@@ -179,8 +181,9 @@ impl App {
             url: row.url.clone(),
             attempt,
             generation,
-            scheme,
-            secrets,
+            scheme: sending.scheme,
+            secrets: sending.secrets,
+            headers: sending.headers,
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
             traceparent: None,
         })
@@ -194,6 +197,7 @@ pub(crate) struct StoredSecrets<'a> {
     current: (&'a str, &'a [u8]),
     previous: Option<(&'a str, &'a [u8])>,
     rotated_at: Option<Timestamp>,
+    headers: Option<(&'a str, &'a [u8])>,
 }
 
 impl<'a> StoredSecrets<'a> {
@@ -204,18 +208,34 @@ impl<'a> StoredSecrets<'a> {
         previous_key_id: &'a Option<String>,
         previous_ciphertext: &'a Option<Vec<u8>>,
         rotated_at: Option<Timestamp>,
+        headers: (&'a Option<String>, &'a Option<Vec<u8>>),
     ) -> Self {
-        let previous = match (previous_key_id, previous_ciphertext) {
+        let sealed = |k: &'a Option<String>, c: &'a Option<Vec<u8>>| match (k, c) {
             (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
             _ => None,
         };
-        Self { scheme, current: (key_id, ciphertext), previous, rotated_at }
+        Self {
+            scheme,
+            current: (key_id, ciphertext),
+            previous: sealed(previous_key_id, previous_ciphertext),
+            rotated_at,
+            headers: sealed(headers.0, headers.1),
+        }
     }
+}
+
+/// What sending to an endpoint needs besides the delivery: how to sign,
+/// with what, and its custom headers.
+#[derive(Clone)]
+pub(crate) struct Sending {
+    pub scheme: Scheme,
+    pub secrets: Vec<SigningSecret>,
+    pub headers: CustomHeaders,
 }
 
 /// Signing secrets decrypted in one batch, by endpoint: each endpoint's
 /// once, however many of its attempts the batch hands out.
-pub(crate) type SecretsByEndpoint = HashMap<EndpointId, (Scheme, Vec<SigningSecret>)>;
+pub(crate) type SecretsByEndpoint = HashMap<EndpointId, Sending>;
 
 impl App {
     /// An endpoint's scheme and signing secrets, decrypted (once per batch):
@@ -227,7 +247,7 @@ impl App {
         endpoint_id: EndpointId,
         stored: StoredSecrets<'_>,
         now: Timestamp,
-    ) -> AppResult<(Scheme, Vec<SigningSecret>)> {
+    ) -> AppResult<Sending> {
         if let Some(s) = decrypted.get(&endpoint_id) {
             return Ok(s.clone());
         }
@@ -237,8 +257,18 @@ impl App {
         if let Some((key_id, ct)) = stored.previous.filter(|_| relay_domain::signing::previous_still_signs(stored.rotated_at, now)) {
             secrets.push(self.keyring.decrypt(key_id, ct).context("decrypting a previous signing secret")?);
         }
-        decrypted.insert(endpoint_id, (scheme, secrets.clone()));
-        Ok((scheme, secrets))
+        let headers = match stored.headers {
+            Some((key_id, ct)) => {
+                let plain = self.keyring.open(key_id, ct).context("decrypting custom headers")?;
+                let pairs: Vec<(String, String)> = serde_json::from_slice(&plain).context("reading decrypted custom headers")?;
+                CustomHeaders::parse(pairs)
+                    .map_err(|e| anyhow::anyhow!("endpoint {endpoint_id} has stored headers that no longer pass: {e}"))?
+            }
+            None => CustomHeaders::default(),
+        };
+        let sending = Sending { scheme, secrets, headers };
+        decrypted.insert(endpoint_id, sending.clone());
+        Ok(sending)
     }
 }
 

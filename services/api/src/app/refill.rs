@@ -85,8 +85,9 @@ impl App {
             &row.previous_secret_key_id,
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
+            (&row.headers_key_id, &row.headers_ciphertext),
         );
-        let (scheme, secrets) = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
+        let sending = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id: row.id,
             endpoint_id: row.endpoint_id,
@@ -95,8 +96,9 @@ impl App {
             url: row.url,
             attempt: row.attempt as u32,
             generation: row.generation as u32,
-            scheme,
-            secrets,
+            scheme: sending.scheme,
+            secrets: sending.secrets,
+            headers: sending.headers,
             payload: row.envelope,
             traceparent: row.trace_context,
         })

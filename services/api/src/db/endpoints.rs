@@ -56,6 +56,7 @@ struct EndpointRow {
     failed_retries: i32,
     one_at_a_time: bool,
     held: i64,
+    headers_shown: serde_json::Value,
 }
 
 impl EndpointRow {
@@ -64,6 +65,8 @@ impl EndpointRow {
     fn read_at(self, now: Timestamp) -> anyhow::Result<Endpoint> {
         let r = self;
         let signature_scheme = super::models::stored_scheme(r.id, &r.signature_scheme)?;
+        let headers: Vec<(String, String)> = serde_json::from_value(r.headers_shown)
+            .map_err(|e| anyhow::anyhow!("endpoint {} has shown headers this api cannot read: {e}", r.id))?;
         let previous_public_key = r.previous_public_key.filter(|_| relay_domain::signing::previous_still_signs(r.secret_rotated_at, now));
         let window = FailureWindow {
             length_ms: r.window_ms,
@@ -99,6 +102,7 @@ impl EndpointRow {
             },
             recent: window.recent(now),
             held: r.held,
+            headers,
         })
     }
 }
@@ -111,6 +115,14 @@ pub struct NewSigningMaterial<'a> {
     pub public_key: Option<&'a str>,
 }
 
+/// Custom headers as stored: the pairs encrypted under a key id, and the
+/// names with masked values that reads show.
+pub struct SealedHeaders<'a> {
+    pub key_id: &'a str,
+    pub ciphertext: &'a [u8],
+    pub shown: serde_json::Value,
+}
+
 /// The new endpoint's id.
 pub async fn insert(
     tx: &mut PgConnection,
@@ -119,10 +131,12 @@ pub async fn insert(
     event_types: &[String],
     scheme: Scheme,
     material: NewSigningMaterial<'_>,
+    headers: Option<SealedHeaders<'_>>,
 ) -> AppResult<EndpointId> {
     Ok(sqlx::query_scalar!(
-        r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8) RETURNING id AS "id: EndpointId""#,
+        r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key,
+                                        headers_key_id, headers_ciphertext, headers_shown)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb)) RETURNING id AS "id: EndpointId""#,
         EndpointId::mint() as _,
         environment_id as _,
         url,
@@ -131,6 +145,9 @@ pub async fn insert(
         material.key_id,
         material.ciphertext,
         material.public_key,
+        headers.as_ref().map(|h| h.key_id),
+        headers.as_ref().map(|h| h.ciphertext),
+        headers.as_ref().map(|h| &h.shown),
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -151,7 +168,8 @@ async fn select(
                   h.circuit AS "circuit: Circuit", h.consecutive_failures, h.failing_since, h.last_success_at,
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts,
                   h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
-                  (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!"
+                  (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!",
+                  e.headers_shown
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
@@ -222,11 +240,14 @@ pub struct EndpointUpdate<'a> {
     /// material outright (no rotation window: the old material cannot sign
     /// under the new scheme).
     pub material: Option<NewSigningMaterial<'a>>,
+    /// New custom headers: `Some(None)` removes them all.
+    pub headers: Option<Option<SealedHeaders<'a>>>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
 pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdate<'_>) -> AppResult<()> {
     let material = change.material.as_ref();
+    let headers = change.headers.as_ref().and_then(Option::as_ref);
     sqlx::query!(
         "UPDATE webhook_endpoints SET
            url = COALESCE($2, url),
@@ -239,7 +260,10 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
            previous_secret_key_id = CASE WHEN $5::text IS NULL THEN previous_secret_key_id END,
            previous_secret_ciphertext = CASE WHEN $5::text IS NULL THEN previous_secret_ciphertext END,
            previous_public_key = CASE WHEN $5::text IS NULL THEN previous_public_key END,
-           secret_rotated_at = CASE WHEN $5::text IS NULL THEN secret_rotated_at END
+           secret_rotated_at = CASE WHEN $5::text IS NULL THEN secret_rotated_at END,
+           headers_key_id = CASE WHEN $8 THEN $9 ELSE headers_key_id END,
+           headers_ciphertext = CASE WHEN $8 THEN $10 ELSE headers_ciphertext END,
+           headers_shown = CASE WHEN $8 THEN COALESCE($11, '[]'::jsonb) ELSE headers_shown END
          WHERE id = $1",
         id as _,
         change.url,
@@ -248,6 +272,10 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         material.map(|m| m.key_id),
         material.map(|m| m.ciphertext),
         material.and_then(|m| m.public_key),
+        change.headers.is_some(),
+        headers.map(|h| h.key_id),
+        headers.map(|h| h.ciphertext),
+        headers.map(|h| &h.shown),
     )
     .execute(&mut *tx)
     .await?;
@@ -309,15 +337,19 @@ pub struct StoredSecrets {
     pub secret_ciphertext: Vec<u8>,
     pub previous_secret_key_id: Option<String>,
     pub previous_secret_ciphertext: Option<Vec<u8>>,
+    pub headers_key_id: Option<String>,
+    pub headers_ciphertext: Option<Vec<u8>>,
 }
 
-/// Up to 100 endpoints with a secret not under `active_key_id`, locked.
+/// Up to 100 endpoints with a secret or custom headers not under
+/// `active_key_id`, locked.
 pub async fn lock_not_under_key(tx: &mut PgConnection, active_key_id: &str) -> AppResult<Vec<StoredSecrets>> {
     Ok(sqlx::query_as!(
         StoredSecrets,
-        "SELECT id, secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext
+        "SELECT id, secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, headers_key_id, headers_ciphertext
          FROM webhook_endpoints
          WHERE secret_key_id <> $1 OR (previous_secret_key_id IS NOT NULL AND previous_secret_key_id <> $1)
+            OR (headers_key_id IS NOT NULL AND headers_key_id <> $1)
          ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED",
         active_key_id,
     )
@@ -330,15 +362,18 @@ pub async fn store_secrets(
     id: EndpointId,
     current: (&str, &[u8]),
     previous: Option<(&str, &[u8])>,
+    headers: Option<(&str, &[u8])>,
 ) -> AppResult<()> {
     sqlx::query!(
         "UPDATE webhook_endpoints SET secret_key_id = $2, secret_ciphertext = $3,
-           previous_secret_key_id = $4, previous_secret_ciphertext = $5 WHERE id = $1",
+           previous_secret_key_id = $4, previous_secret_ciphertext = $5, headers_key_id = $6, headers_ciphertext = $7 WHERE id = $1",
         id as _,
         current.0,
         current.1,
         previous.map(|p| p.0),
         previous.map(|p| p.1),
+        headers.map(|h| h.0),
+        headers.map(|h| h.1),
     )
     .execute(&mut *tx)
     .await?;

@@ -47,6 +47,7 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         payload: m.payload,
         traceparent: m.traceparent.unwrap_or_default(),
         signature_scheme: scheme_message(m.scheme) as i32,
+        headers: m.headers.pairs().iter().cloned().collect(),
     }
 }
 

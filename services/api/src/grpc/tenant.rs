@@ -50,7 +50,15 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         public_key: e.public_key,
         previous_public_key: e.previous_public_key,
         signature_scheme_changed_at: e.signature_scheme_changed_at.map(ts),
+        headers: e.headers.into_iter().collect(),
     }
+}
+
+/// Custom headers as the app takes them, in name order (a proto map has none).
+fn header_pairs(headers: std::collections::HashMap<String, String>) -> Vec<(String, String)> {
+    let mut pairs: Vec<(String, String)> = headers.into_iter().collect();
+    pairs.sort_unstable();
+    pairs
 }
 
 /// The one response field that shows a secret: empty when none was minted
@@ -152,7 +160,8 @@ impl WebhookEndpointService for TenantApi {
     ) -> Result<Response<pb::CreateWebhookEndpointResponse>, Status> {
         let tenant = auth::tenant(&self.app, &req).await?;
         let r = req.into_inner();
-        let (e, secret) = self.app.create_endpoint(tenant, &r.url, &r.event_types, &r.signature_scheme).await.map_err(status)?;
+        let (e, secret) =
+            self.app.create_endpoint(tenant, &r.url, &r.event_types, &r.signature_scheme, header_pairs(r.headers)).await.map_err(status)?;
         Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
     }
 
@@ -163,7 +172,18 @@ impl WebhookEndpointService for TenantApi {
         let tenant = auth::tenant(&self.app, &req).await?;
         let endpoint_id = id("id", &req.get_ref().id)?;
         let r = req.into_inner();
-        let change = EndpointChange { url: r.url, event_types: r.event_types, signature_scheme: r.signature_scheme };
+        let headers = match (r.clear_headers, r.headers.is_empty()) {
+            (true, false) => {
+                return Err(status(crate::error::AppError::invalid(
+                    Reason::InvalidHeaders,
+                    "clear_headers removes every header; it cannot come with new headers",
+                )));
+            }
+            (true, true) => Some(Vec::new()),
+            (false, false) => Some(header_pairs(r.headers)),
+            (false, true) => None,
+        };
+        let change = EndpointChange { url: r.url, event_types: r.event_types, signature_scheme: r.signature_scheme, headers };
         let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
         Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
     }

@@ -43,6 +43,8 @@ pub struct EndpointView {
     pub failing_since: Option<String>,
     /// Attempts and failures over the circuit's window, once any failed.
     pub recent: Option<String>,
+    /// Custom headers, values masked as every read shows them.
+    pub headers: Vec<(String, String)>,
 }
 
 impl From<Endpoint> for EndpointView {
@@ -80,6 +82,7 @@ impl From<Endpoint> for EndpointView {
             // retries get through is not an endpoint failing.
             failing_since: e.health.failing_since.filter(|_| e.health.circuit.holds()).map(when),
             recent: (recent_attempts > 0).then(|| format!("{recent_failures} of {recent_attempts} failed in the last 2 minutes")),
+            headers: e.headers,
         }
     }
 }
@@ -181,7 +184,7 @@ fn secret_page(s: &PortalSession, heading: &'static str, endpoint: Endpoint, sec
 
 pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Response {
     let Posted { session: s, form, .. } = posted;
-    match app.create_endpoint(s.tenant, form.url.trim(), &split_types(&form.event_types), &form.signature_scheme).await {
+    match app.create_endpoint(s.tenant, form.url.trim(), &split_types(&form.event_types), &form.signature_scheme, Vec::new()).await {
         Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
         Err(e) if callers_mistake(&e) => html(
             StatusCode::BAD_REQUEST,
@@ -295,6 +298,8 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
         url: Some(form.url.trim().to_owned()),
         event_types: types,
         signature_scheme: (!form.signature_scheme.is_empty()).then(|| form.signature_scheme.clone()),
+        // The portal does not edit custom headers yet: they stay as they are.
+        headers: None,
     };
     match app.update_endpoint(s.tenant, id, change).await {
         // A change of scheme may mint new material: shown once, like a rotation's.

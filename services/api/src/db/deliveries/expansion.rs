@@ -48,6 +48,8 @@ pub struct ExpandedRow {
     pub previous_secret_key_id: Option<String>,
     pub previous_secret_ciphertext: Option<Vec<u8>>,
     pub secret_rotated_at: Option<Timestamp>,
+    pub headers_key_id: Option<String>,
+    pub headers_ciphertext: Option<Vec<u8>>,
     /// …and its body, on the first such row of each event.
     pub envelope: Option<Vec<u8>>,
 }
@@ -94,7 +96,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- delivery of an inactive endpoint is ever committed.
                  live AS (
                    SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
-                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
+                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
                           h.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding,
                           CASE WHEN h.one_at_a_time THEN 1 ELSE $8::bigint END AS cap
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
@@ -123,7 +125,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  marked AS MATERIALIZED (
                    SELECT relay_uuid_v7() AS id, c.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, c.lease_ms,
                           c.claimant, c.ord, c.size, e.holding, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
-                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at,
+                          e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
                           NOT e.holding AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
                    FROM fresh c
                    JOIN counted e ON e.environment_id = c.environment_id
@@ -157,13 +159,15 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  NULL::uuid AS "endpoint_id?: EndpointId", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
                  NULL::text AS "url?", NULL::text AS "signature_scheme?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
                  NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
-                 NULL::timestamptz AS "secret_rotated_at?", NULL::bytea AS "envelope?"
+                 NULL::timestamptz AS "secret_rotated_at?", NULL::text AS "headers_key_id?", NULL::bytea AS "headers_ciphertext?",
+                 NULL::bytea AS "envelope?"
           FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
           UNION ALL
           SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding,
                  CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.signature_scheme END, CASE WHEN h.in_hand THEN h.secret_key_id END,
                  CASE WHEN h.in_hand THEN h.secret_ciphertext END, CASE WHEN h.in_hand THEN h.previous_secret_key_id END,
                  CASE WHEN h.in_hand THEN h.previous_secret_ciphertext END, CASE WHEN h.in_hand THEN h.secret_rotated_at END,
+                 CASE WHEN h.in_hand THEN h.headers_key_id END, CASE WHEN h.in_hand THEN h.headers_ciphertext END,
                  -- The body once per event, on its first row in hand.
                  CASE WHEN h.in_hand AND h.nth = 1 THEN
                    (SELECT v.envelope FROM events v WHERE v.environment_id = h.environment_id AND v.id = h.event_id) END

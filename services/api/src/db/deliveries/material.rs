@@ -35,6 +35,8 @@ pub struct MaterialRow {
     pub previous_secret_key_id: Option<String>,
     pub previous_secret_ciphertext: Option<Vec<u8>>,
     pub secret_rotated_at: Option<Timestamp>,
+    pub headers_key_id: Option<String>,
+    pub headers_ciphertext: Option<Vec<u8>>,
     /// Absent when the reply's payload budget was spent on earlier items.
     pub envelope: Option<Vec<u8>>,
 }
@@ -55,7 +57,7 @@ pub async fn read_material(
            SELECT w.ord, d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.state,
                   e.url, e.enabled, e.disabled_reason, e.deleted_at IS NOT NULL AS deleted,
                   e.signature_scheme, e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
-                  e.secret_rotated_at, v.envelope,
+                  e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext, v.envelope,
                   d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
                     AND (e.enabled OR e.disabled_reason = 'failing') AND e.deleted_at IS NULL AS servable
            FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
@@ -74,7 +76,7 @@ pub async fn read_material(
                 disabled_reason AS "disabled_reason?: DisabledReason", deleted AS "deleted!",
                 signature_scheme AS "signature_scheme!", secret_key_id AS "secret_key_id!", secret_ciphertext AS "secret_ciphertext!",
                 previous_secret_key_id AS "previous_secret_key_id?", previous_secret_ciphertext AS "previous_secret_ciphertext?",
-                secret_rotated_at AS "secret_rotated_at?",
+                secret_rotated_at AS "secret_rotated_at?", headers_key_id AS "headers_key_id?", headers_ciphertext AS "headers_ciphertext?",
                 CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS "envelope?"
          FROM sized"#,
         ids as _,
@@ -102,6 +104,8 @@ pub struct RefillRow {
     pub previous_secret_key_id: Option<String>,
     pub previous_secret_ciphertext: Option<Vec<u8>>,
     pub secret_rotated_at: Option<Timestamp>,
+    pub headers_key_id: Option<String>,
+    pub headers_ciphertext: Option<Vec<u8>>,
     pub envelope: Vec<u8>,
 }
 
@@ -173,7 +177,8 @@ pub async fn refill<'e>(
          SELECT l.id AS "id!", l.environment_id AS "environment_id!", l.endpoint_id AS "endpoint_id!", l.event_id AS "event_id!",
                 l.attempt AS "attempt!", l.generation AS "generation!", l.trace_context, e.url, e.signature_scheme, e.secret_key_id,
                 e.secret_ciphertext,
-                e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, v.envelope
+                e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
+                v.envelope
          FROM leased l
          JOIN webhook_endpoints e ON e.id = l.endpoint_id
          JOIN events v ON v.environment_id = l.environment_id AND v.id = l.event_id"#,
