@@ -10,6 +10,7 @@ mod edges;
 mod failover;
 mod faults;
 mod health;
+mod in_flight;
 mod operations;
 mod pipeline_edges;
 mod portal;

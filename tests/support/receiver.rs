@@ -47,6 +47,35 @@ pub struct Receiver {
     pub addr: SocketAddr,
     pub got: Arc<Mutex<Vec<Received>>>,
     replies: Arc<Mutex<std::collections::HashMap<String, Reply>>>,
+    concurrency: Concurrency,
+}
+
+/// Requests being answered now and the most ever at once, by path.
+type Concurrency = Arc<Mutex<std::collections::HashMap<String, (usize, usize)>>>;
+
+/// One request being answered: counted from arrival until its answer is
+/// ready (or the sender went away and its future was dropped).
+struct Answering {
+    table: Concurrency,
+    path: String,
+}
+
+impl Answering {
+    fn start(table: &Concurrency, path: &str) -> Self {
+        let mut t = table.lock().expect("not poisoned");
+        let (now, most) = t.entry(path.to_owned()).or_default();
+        *now += 1;
+        *most = (*most).max(*now);
+        Self { table: table.clone(), path: path.to_owned() }
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        if let Some((now, _)) = self.table.lock().expect("not poisoned").get_mut(&self.path) {
+            *now -= 1;
+        }
+    }
 }
 
 impl Receiver {
@@ -55,12 +84,14 @@ impl Receiver {
         let addr = listener.local_addr()?;
         let got: Arc<Mutex<Vec<Received>>> = Default::default();
         let replies: Arc<Mutex<std::collections::HashMap<String, Reply>>> = Default::default();
-        let (sink, table) = (got.clone(), replies.clone());
+        let concurrency: Concurrency = Default::default();
+        let (sink, table, counting) = (got.clone(), replies.clone(), concurrency.clone());
         let app = Router::new().fallback(
             move |peer: axum::extract::ConnectInfo<SocketAddr>, uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
-                let (sink, table) = (sink.clone(), table.clone());
+                let (sink, table, counting) = (sink.clone(), table.clone(), counting.clone());
                 async move {
                     let path = uri.path().to_owned();
+                    let _answering = Answering::start(&counting, &path);
                     let (headers_seen, body_seen) = (headers.clone(), body.clone());
                     sink.lock().expect("not poisoned").push(Received {
                         path: path.clone(),
@@ -98,7 +129,12 @@ impl Receiver {
             },
         );
         tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
-        Ok(Self { addr, got, replies })
+        Ok(Self { addr, got, replies, concurrency })
+    }
+
+    /// The most requests to `path` ever being answered at once.
+    pub fn most_at_once(&self, path: &str) -> usize {
+        self.concurrency.lock().expect("not poisoned").get(path).map_or(0, |&(_, most)| most)
     }
 
     /// Sets how requests to `path` are answered from now on.

@@ -115,7 +115,7 @@ pub const KNOBS: &[Knob] = &[
         "RELAY_ENDPOINT_IN_FLIGHT_CAP",
         Api,
         "64",
-        "attempts one endpoint may have handed out and unreported (1–10000; an endpoint's throughput is at most this over the claim-to-outcome round trip)",
+        "attempts one endpoint may have handed out and unreported, unless its own max_in_flight is lower (1–10000; an endpoint's throughput is at most this over the claim-to-outcome round trip)",
     ),
     knob("RELAY_RELAY_BATCH", Api, "500", "rows one relay pass claims (1–10000)"),
     knob(

@@ -83,6 +83,8 @@ pub struct Endpoint {
     /// Custom headers sent with every delivery, values masked
     /// (`headers::mask`).
     pub headers: Vec<(String, String)>,
+    /// The most attempts it may have out at once; `None`: the platform's cap.
+    pub max_in_flight: Option<u32>,
 }
 
 #[derive(Debug, Clone)]

@@ -128,6 +128,8 @@ catalogue! {
     /// Custom headers outside the rules (a name that is not a token or that
     /// Relay sets, a value that is not printable, too many or too large).
     InvalidHeaders = "invalid_headers",
+    /// An endpoint's `max_in_flight` outside 1–1000.
+    MaxInFlightOutOfRange = "max_in_flight_out_of_range",
     /// A secret that Standard Webhooks cannot use (its scheme needs `whsec_`).
     SecretNotStandardWebhooks = "secret_not_standard_webhooks",
     /// A destructive operation asked without `confirm`.

@@ -20,7 +20,7 @@ pub use crate::db::models::{DisabledReason, Endpoint};
 use crate::db::{
     self,
     deliveries::{HeldClaim, end_pending_of_endpoint},
-    endpoints::{EndpointUpdate, NewSigningMaterial, SealedHeaders},
+    endpoints::{EndpointUpdate, NewEndpointRow, NewSigningMaterial, SealedHeaders},
 };
 use crate::{
     error::{AppError, AppResult},
@@ -35,6 +35,41 @@ fn rejection(e: Rejection) -> AppError {
     AppError::invalid(Reason::EndpointUrlRejected, e.to_string())
 }
 
+/// A new endpoint as asked for.
+#[derive(Default)]
+pub struct NewEndpoint {
+    pub url: String,
+    pub event_types: Vec<String>,
+    /// Empty: relay-v1.
+    pub signature_scheme: String,
+    pub headers: Vec<(String, String)>,
+    /// `None`: the platform's cap.
+    pub max_in_flight: Option<u32>,
+}
+
+impl std::fmt::Debug for NewEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Header values are often credentials: names only.
+        f.debug_struct("NewEndpoint")
+            .field("url", &self.url)
+            .field("event_types", &self.event_types)
+            .field("signature_scheme", &self.signature_scheme)
+            .field("headers", &self.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>())
+            .field("max_in_flight", &self.max_in_flight)
+            .finish()
+    }
+}
+
+/// The most attempts out at once an endpoint may ask for.
+const MAX_IN_FLIGHT: u32 = 1000;
+
+fn check_max_in_flight(n: u32) -> AppResult<i32> {
+    if !(1..=MAX_IN_FLIGHT).contains(&n) {
+        return Err(AppError::invalid(Reason::MaxInFlightOutOfRange, format!("max_in_flight must be 1–{MAX_IN_FLIGHT}, got {n}")));
+    }
+    Ok(n as i32)
+}
+
 /// What an update asks for; empty or `None` fields stay as they are.
 #[derive(Default)]
 pub struct EndpointChange {
@@ -43,6 +78,8 @@ pub struct EndpointChange {
     pub signature_scheme: Option<String>,
     /// New custom headers, replacing all of them; `Some` of none removes them.
     pub headers: Option<Vec<(String, String)>>,
+    /// A new in-flight cap; `Some(None)` returns to the platform's.
+    pub max_in_flight: Option<Option<u32>>,
 }
 
 impl std::fmt::Debug for EndpointChange {
@@ -54,6 +91,7 @@ impl std::fmt::Debug for EndpointChange {
             .field("event_types", &self.event_types)
             .field("signature_scheme", &self.signature_scheme)
             .field("headers", &headers)
+            .field("max_in_flight", &self.max_in_flight)
             .finish()
     }
 }
@@ -179,19 +217,13 @@ impl App {
 
     /// Registers an endpoint; returns it and its secret (none under the
     /// ed25519 scheme: receivers verify with its public key).
-    pub async fn create_endpoint(
-        &self,
-        tenant: Tenant,
-        url: &str,
-        event_types: &[String],
-        scheme: &str,
-        headers: Vec<(String, String)>,
-    ) -> AppResult<(Endpoint, Option<SigningSecret>)> {
-        require_nonempty("url", url)?;
-        let url = self.check_endpoint_url(url).await?;
-        let event_types = normalise_event_types(event_types)?;
-        let scheme = if scheme.is_empty() { Scheme::default() } else { parse_scheme(scheme)? };
-        let headers = self.seal_headers(headers)?;
+    pub async fn create_endpoint(&self, tenant: Tenant, new: NewEndpoint) -> AppResult<(Endpoint, Option<SigningSecret>)> {
+        require_nonempty("url", &new.url)?;
+        let url = self.check_endpoint_url(&new.url).await?;
+        let event_types = normalise_event_types(&new.event_types)?;
+        let scheme = if new.signature_scheme.is_empty() { Scheme::default() } else { parse_scheme(&new.signature_scheme)? };
+        let headers = self.seal_headers(new.headers)?;
+        let max_in_flight = new.max_in_flight.map(check_max_in_flight).transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
@@ -207,16 +239,16 @@ impl App {
         let minted = Minted::for_scheme(scheme);
         let (key_id, ciphertext) = self.keyring.encrypt(&minted.stored);
         let material = NewSigningMaterial { key_id: &key_id, ciphertext: &ciphertext, public_key: minted.public_key.as_deref() };
-        let id = db::endpoints::insert(
-            &mut tx,
-            tenant.environment_id,
-            &url,
-            &event_types,
+        let row = NewEndpointRow {
+            environment_id: tenant.environment_id,
+            url: &url,
+            event_types: &event_types,
             scheme,
             material,
-            headers.as_ref().map(SealedPairs::as_stored),
-        )
-        .await?;
+            headers: headers.as_ref().map(SealedPairs::as_stored),
+            max_in_flight,
+        };
+        let id = db::endpoints::insert(&mut tx, row).await?;
         db::health::insert(&mut tx, id).await?;
         let endpoint =
             db::endpoints::get(&mut tx, tenant.environment_id, id, self.clock.now()).await?.context("reading back a new endpoint")?;
@@ -249,6 +281,7 @@ impl App {
         let event_types = if change.event_types.is_empty() { None } else { Some(normalise_event_types(&change.event_types)?) };
         let scheme = change.signature_scheme.as_deref().map(parse_scheme).transpose()?;
         let headers = change.headers.map(|pairs| self.seal_headers(pairs)).transpose()?;
+        let max_in_flight = change.max_in_flight.map(|n| n.map(check_max_in_flight).transpose()).transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locked: an expansion share-locks the endpoint, so it reads the row
@@ -287,6 +320,7 @@ impl App {
             scheme,
             material,
             headers: headers.as_ref().map(|h| h.as_ref().map(SealedPairs::as_stored)),
+            max_in_flight,
         };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =

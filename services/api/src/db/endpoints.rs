@@ -57,6 +57,7 @@ struct EndpointRow {
     one_at_a_time: bool,
     held: i64,
     headers_shown: serde_json::Value,
+    max_in_flight: Option<i32>,
 }
 
 impl EndpointRow {
@@ -103,6 +104,7 @@ impl EndpointRow {
             recent: window.recent(now),
             held: r.held,
             headers,
+            max_in_flight: r.max_in_flight.and_then(|n| u32::try_from(n).ok()),
         })
     }
 }
@@ -123,20 +125,24 @@ pub struct SealedHeaders<'a> {
     pub shown: serde_json::Value,
 }
 
+/// A new endpoint's row, checked and sealed.
+pub struct NewEndpointRow<'a> {
+    pub environment_id: EnvironmentId,
+    pub url: &'a str,
+    pub event_types: &'a [String],
+    pub scheme: Scheme,
+    pub material: NewSigningMaterial<'a>,
+    pub headers: Option<SealedHeaders<'a>>,
+    pub max_in_flight: Option<i32>,
+}
+
 /// The new endpoint's id.
-pub async fn insert(
-    tx: &mut PgConnection,
-    environment_id: EnvironmentId,
-    url: &str,
-    event_types: &[String],
-    scheme: Scheme,
-    material: NewSigningMaterial<'_>,
-    headers: Option<SealedHeaders<'_>>,
-) -> AppResult<EndpointId> {
+pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult<EndpointId> {
+    let NewEndpointRow { environment_id, url, event_types, scheme, material, headers, max_in_flight } = row;
     Ok(sqlx::query_scalar!(
         r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key,
-                                        headers_key_id, headers_ciphertext, headers_shown)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb)) RETURNING id AS "id: EndpointId""#,
+                                        headers_key_id, headers_ciphertext, headers_shown, max_in_flight)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12) RETURNING id AS "id: EndpointId""#,
         EndpointId::mint() as _,
         environment_id as _,
         url,
@@ -148,6 +154,7 @@ pub async fn insert(
         headers.as_ref().map(|h| h.key_id),
         headers.as_ref().map(|h| h.ciphertext),
         headers.as_ref().map(|h| &h.shown),
+        max_in_flight,
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -169,7 +176,7 @@ async fn select(
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts,
                   h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!",
-                  e.headers_shown
+                  e.headers_shown, e.max_in_flight
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
@@ -242,6 +249,8 @@ pub struct EndpointUpdate<'a> {
     pub material: Option<NewSigningMaterial<'a>>,
     /// New custom headers: `Some(None)` removes them all.
     pub headers: Option<Option<SealedHeaders<'a>>>,
+    /// A new in-flight cap: `Some(None)` returns to the platform's.
+    pub max_in_flight: Option<Option<i32>>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
@@ -263,7 +272,8 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
            secret_rotated_at = CASE WHEN $5::text IS NULL THEN secret_rotated_at END,
            headers_key_id = CASE WHEN $8 THEN $9 ELSE headers_key_id END,
            headers_ciphertext = CASE WHEN $8 THEN $10 ELSE headers_ciphertext END,
-           headers_shown = CASE WHEN $8 THEN COALESCE($11, '[]'::jsonb) ELSE headers_shown END
+           headers_shown = CASE WHEN $8 THEN COALESCE($11, '[]'::jsonb) ELSE headers_shown END,
+           max_in_flight = CASE WHEN $12 THEN $13 ELSE max_in_flight END
          WHERE id = $1",
         id as _,
         change.url,
@@ -276,6 +286,8 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         headers.map(|h| h.key_id),
         headers.map(|h| h.ciphertext),
         headers.map(|h| &h.shown),
+        change.max_in_flight.is_some(),
+        change.max_in_flight.flatten(),
     )
     .execute(&mut *tx)
     .await?;

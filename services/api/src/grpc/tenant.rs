@@ -15,7 +15,7 @@ use crate::{
     app::{
         App,
         deliveries::DeadLetter,
-        endpoints::{Endpoint, EndpointChange},
+        endpoints::{Endpoint, EndpointChange, NewEndpoint},
         events::{Attempt, Delivery},
     },
     auth,
@@ -51,6 +51,7 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         previous_public_key: e.previous_public_key,
         signature_scheme_changed_at: e.signature_scheme_changed_at.map(ts),
         headers: e.headers.into_iter().collect(),
+        max_in_flight: e.max_in_flight,
     }
 }
 
@@ -160,8 +161,14 @@ impl WebhookEndpointService for TenantApi {
     ) -> Result<Response<pb::CreateWebhookEndpointResponse>, Status> {
         let tenant = auth::tenant(&self.app, &req).await?;
         let r = req.into_inner();
-        let (e, secret) =
-            self.app.create_endpoint(tenant, &r.url, &r.event_types, &r.signature_scheme, header_pairs(r.headers)).await.map_err(status)?;
+        let new = NewEndpoint {
+            url: r.url,
+            event_types: r.event_types,
+            signature_scheme: r.signature_scheme,
+            headers: header_pairs(r.headers),
+            max_in_flight: r.max_in_flight.filter(|&n| n != 0),
+        };
+        let (e, secret) = self.app.create_endpoint(tenant, new).await.map_err(status)?;
         Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
     }
 
@@ -183,7 +190,13 @@ impl WebhookEndpointService for TenantApi {
             (false, false) => Some(header_pairs(r.headers)),
             (false, true) => None,
         };
-        let change = EndpointChange { url: r.url, event_types: r.event_types, signature_scheme: r.signature_scheme, headers };
+        let change = EndpointChange {
+            url: r.url,
+            event_types: r.event_types,
+            signature_scheme: r.signature_scheme,
+            headers,
+            max_in_flight: r.max_in_flight.map(|n| (n != 0).then_some(n)),
+        };
         let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
         Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
     }

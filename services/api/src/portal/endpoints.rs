@@ -22,7 +22,7 @@ use relay_domain::{
 use crate::app::{
     App,
     bulk_recovery::Recovery,
-    endpoints::{Endpoint, EndpointChange},
+    endpoints::{Endpoint, EndpointChange, NewEndpoint},
     portal::PortalSession,
 };
 
@@ -184,7 +184,18 @@ fn secret_page(s: &PortalSession, heading: &'static str, endpoint: Endpoint, sec
 
 pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Response {
     let Posted { session: s, form, .. } = posted;
-    match app.create_endpoint(s.tenant, form.url.trim(), &split_types(&form.event_types), &form.signature_scheme, Vec::new()).await {
+    match app
+        .create_endpoint(
+            s.tenant,
+            NewEndpoint {
+                url: form.url.trim().to_owned(),
+                event_types: split_types(&form.event_types),
+                signature_scheme: form.signature_scheme.clone(),
+                ..NewEndpoint::default()
+            },
+        )
+        .await
+    {
         Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
         Err(e) if callers_mistake(&e) => html(
             StatusCode::BAD_REQUEST,
@@ -298,8 +309,10 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
         url: Some(form.url.trim().to_owned()),
         event_types: types,
         signature_scheme: (!form.signature_scheme.is_empty()).then(|| form.signature_scheme.clone()),
-        // The portal does not edit custom headers yet: they stay as they are.
+        // The portal does not edit custom headers or the in-flight cap yet:
+        // they stay as they are.
         headers: None,
+        max_in_flight: None,
     };
     match app.update_endpoint(s.tenant, id, change).await {
         // A change of scheme may mint new material: shown once, like a rotation's.

@@ -71,8 +71,8 @@ pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: 
              WHERE d.state = 'pending' AND d.dispatched_at IS NULL AND d.endpoint_id > w.endpoint_id
              ORDER BY d.endpoint_id, d.next_attempt_at LIMIT 1) AS n),
          capped AS MATERIALIZED (
-           SELECT w.endpoint_id, CASE WHEN h.one_at_a_time THEN 1 ELSE $2::bigint END AS cap
-           FROM walk w JOIN endpoint_health h ON h.endpoint_id = w.endpoint_id
+           SELECT w.endpoint_id, CASE WHEN h.one_at_a_time THEN 1 ELSE LEAST(COALESCE(e.max_in_flight, $2::bigint), $2::bigint) END AS cap
+           FROM walk w JOIN endpoint_health h ON h.endpoint_id = w.endpoint_id JOIN webhook_endpoints e ON e.id = w.endpoint_id
            -- Only endpoints with something due: one whose retries are all
            -- later costs its probe and nothing more.
            WHERE w.next_attempt_at <= now()),

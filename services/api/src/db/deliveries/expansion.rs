@@ -98,7 +98,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                    SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
                           h.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding,
-                          CASE WHEN h.one_at_a_time THEN 1 ELSE $8::bigint END AS cap
+                          CASE WHEN h.one_at_a_time THEN 1 ELSE LEAST(COALESCE(e.max_in_flight, $8::bigint), $8::bigint) END AS cap
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
                    WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($5::uuid[]))
                      AND e.deleted_at IS NULL

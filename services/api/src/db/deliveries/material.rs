@@ -129,7 +129,7 @@ pub async fn refill<'e>(
     Ok(sqlx::query_as!(
         RefillRow,
         r#"WITH capped AS MATERIALIZED (
-             SELECT h.endpoint_id, CASE WHEN h.one_at_a_time THEN 1 ELSE $2::bigint END AS cap
+             SELECT h.endpoint_id, CASE WHEN h.one_at_a_time THEN 1 ELSE LEAST(COALESCE(e.max_in_flight, $2::bigint), $2::bigint) END AS cap
              FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id
              WHERE h.endpoint_id = ANY ($1::uuid[]) AND e.deleted_at IS NULL AND (e.enabled OR e.disabled_reason = 'failing')),
            counted AS MATERIALIZED (
