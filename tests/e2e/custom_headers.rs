@@ -116,3 +116,53 @@ async fn headers_that_break_a_rule_are_refused_with_the_header_named() -> anyhow
     assert!(rest.get("/v1/webhooks").await?["endpoints"].as_array().is_none_or(Vec::is_empty), "nothing was created");
     stack.stop().await
 }
+
+/// The portal's endpoint forms set custom headers and the in-flight cap;
+/// an edit with the headers field left empty keeps them (their values are
+/// never shown to copy back), "remove all" clears them, and a mistake is
+/// named on the page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_portal_sets_keeps_and_clears_headers_and_the_in_flight_cap() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let tenant = stack.tenant("portal-headers").await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let portal = relay_tests::PortalVisitor::enter(&stack.rest_url, &tenant.api_key).await?;
+    let url = "http://127.0.0.1:9/p";
+    let create = |headers: &'static str, cap: &'static str| {
+        [("csrf", portal.csrf.as_str()), ("url", url), ("event_types", "p"), ("headers", headers), ("max_in_flight", cap)]
+    };
+    let (status, _, page) = portal.post("/portal/endpoints", &create("no colon here", "")).await?;
+    assert!(status == 400 && page.contains("line 1 has no"), "{status}: {page}");
+    let (status, _, page) = portal.post("/portal/endpoints", &create("Host: evil", "")).await?;
+    assert!(status == 400 && page.contains("header Host is set by Relay"), "{status}: {page}");
+    let (status, _, page) = portal.post("/portal/endpoints", &create("X-Partner-Id: acme-partner", "2000")).await?;
+    assert!(status == 400 && page.contains("max_in_flight must be 1–1000, got 2000"), "{status}: {page}");
+    let (status, _, page) = portal.post("/portal/endpoints", &create("X-Partner-Id: acme-partner\nX-Team: payments", "1")).await?;
+    assert_eq!(status, 200, "{page}");
+    let listed = rest.get("/v1/webhooks").await?;
+    let endpoint = &listed["endpoints"][0];
+    assert_eq!(endpoint["headers"], json!({"X-Partner-Id": "acme…", "X-Team": "paym…"}), "{listed}");
+    assert_eq!(endpoint["max_in_flight"], 1, "{listed}");
+    let id = endpoint["id"].as_str().unwrap().to_owned();
+
+    // Saved with the headers field empty and the cap emptied: headers kept,
+    // the cap back to the platform's.
+    let path = format!("/portal/endpoints/{id}");
+    let edit = |headers: &'static str, clear: bool| {
+        let mut f = vec![("csrf", portal.csrf.as_str()), ("url", url), ("event_types", "p"), ("headers", headers), ("max_in_flight", "")];
+        if clear {
+            f.push(("clear_headers", "on"));
+        }
+        f
+    };
+    let (status, to, page) = portal.post(&path, &edit("", false)).await?;
+    assert_eq!((status, to.as_deref()), (303, Some(format!("{path}?done=saved").as_str())), "{page}");
+    let read = rest.get(&format!("/v1/webhooks/{id}")).await?;
+    assert_eq!((&read["headers"]["X-Team"], &read["max_in_flight"]), (&json!("paym…"), &Value::Null), "{read}");
+    let (status, _, page) = portal.post(&path, &edit("X-A: 1", true)).await?;
+    assert!(status == 400 && page.contains("not both"), "{status}: {page}");
+    let (status, _, _) = portal.post(&path, &edit("", true)).await?;
+    assert_eq!(status, 303);
+    assert_eq!(rest.get(&format!("/v1/webhooks/{id}")).await?["headers"], json!({}), "removed");
+    stack.stop().await
+}

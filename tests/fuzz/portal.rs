@@ -40,7 +40,7 @@ const fn route(method: &'static str, template: &'static str, fields: &'static [&
     PortalRoute { method, template, fields }
 }
 
-pub(crate) const ENDPOINT_FORM: &[&str] = &["url", "event_types", "signature_scheme"];
+pub(crate) const ENDPOINT_FORM: &[&str] = &["url", "event_types", "signature_scheme", "headers", "max_in_flight"];
 pub(crate) const ROUTES: &[PortalRoute] = &[
     route("GET", "/portal/", &[]),
     route("GET", "/portal", &[]),
@@ -116,6 +116,8 @@ pub(crate) fn valid_value(name: &str, rng: &mut Rng, pw: &PortalWorld) -> String
         "url" => url_encoded(&pw.base.created_url),
         "event_types" => "fz.portal%0Afz.other".into(),
         "signature_scheme" => rng.pick(&["", "relay-v1", "standard-webhooks"]).to_string(),
+        "headers" => rng.pick(&["", "X-Fz%3A%20v", "X-Fz%3A%20v%0AX-Other%3A%20w"]).to_string(),
+        "max_in_flight" => rng.pick(&["", "1", "64"]).to_string(),
         _ => "x".into(),
     }
 }

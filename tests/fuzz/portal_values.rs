@@ -78,9 +78,29 @@ pub(crate) const URLS: &[&str] = &[
     "http%3A%2F%2Fuser%3Apass%40127.0.0.1%3A1%2F",
 ];
 pub(crate) const TYPES: &[&str] = &["a%00b", "a%0Ab%0Ac", "%2C%2C%2C", "a%20b", "%0A", "*", "%E2%80%AE"];
+/// Custom header lines: injected lines, refused names, no colon, NUL.
+pub(crate) const HEADER_LINES: &[&str] =
+    &["X-A%3A%20a%0D%0AX-B%3A%201", "Host%3A%20evil", "no%20colon", "X-A%3A%20%00", "%3A%20v", "X-A%3A", "relay-webhook-id%3A%20x"];
+/// In-flight caps out of range or not numbers.
+pub(crate) const CAPS: &[&str] = &["0", "1001", "-1", "1e3", "99999999999999999999", "%00", "1.5"];
 /// Field names the portal reads somewhere, for a field added where it is not read.
-pub(crate) const FIELD_NAMES: &[&str] =
-    &["type", "since", "until", "id", "before", "done", "token", "url", "event_types", "signature_scheme", "event_id", "csrf"];
+pub(crate) const FIELD_NAMES: &[&str] = &[
+    "type",
+    "since",
+    "until",
+    "id",
+    "before",
+    "done",
+    "token",
+    "url",
+    "event_types",
+    "signature_scheme",
+    "event_id",
+    "csrf",
+    "headers",
+    "max_in_flight",
+    "clear_headers",
+];
 
 /// The hostile values of a field's own kind (times, cursors, URLs, types).
 pub(crate) fn values_for(field: &str) -> &'static [&'static str] {
@@ -89,6 +109,8 @@ pub(crate) fn values_for(field: &str) -> &'static [&'static str] {
         "before" => CURSORS,
         "url" => URLS,
         "type" | "event_types" => TYPES,
+        "headers" => HEADER_LINES,
+        "max_in_flight" => CAPS,
         _ => &[],
     }
 }

@@ -45,6 +45,8 @@ pub struct EndpointView {
     pub recent: Option<String>,
     /// Custom headers, values masked as every read shows them.
     pub headers: Vec<(String, String)>,
+    /// Its in-flight cap; empty: the platform's.
+    pub max_in_flight: String,
 }
 
 impl From<Endpoint> for EndpointView {
@@ -83,6 +85,7 @@ impl From<Endpoint> for EndpointView {
             failing_since: e.health.failing_since.filter(|_| e.health.circuit.holds()).map(when),
             recent: (recent_attempts > 0).then(|| format!("{recent_failures} of {recent_attempts} failed in the last 2 minutes")),
             headers: e.headers,
+            max_in_flight: e.max_in_flight.map(|n| n.to_string()).unwrap_or_default(),
         }
     }
 }
@@ -117,6 +120,37 @@ pub struct EndpointForm {
     event_types: String,
     #[serde(default)]
     signature_scheme: String,
+    /// Custom headers, one `Name: value` per line; on an edit, empty keeps
+    /// the current ones (their values are never shown to copy back).
+    #[serde(default)]
+    headers: String,
+    /// Present when the edit form's "remove all custom headers" is ticked.
+    #[serde(default)]
+    clear_headers: Option<String>,
+    /// Empty: the platform's cap.
+    #[serde(default)]
+    max_in_flight: String,
+}
+
+/// `Name: value` lines as pairs; the rules themselves are the app's.
+fn header_lines(raw: &str) -> Result<Vec<(String, String)>, String> {
+    let mut pairs = Vec::new();
+    for (n, line) in raw.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let Some((name, value)) = line.split_once(':') else {
+            return Err(format!("custom headers: line {} has no ':' between a name and its value", n + 1));
+        };
+        pairs.push((name.trim().to_owned(), value.trim().to_owned()));
+    }
+    Ok(pairs)
+}
+
+/// The form's in-flight cap: `None` when left empty.
+fn in_flight_field(raw: &str) -> Result<Option<u32>, String> {
+    let raw = raw.trim();
+    if raw.is_empty() {
+        return Ok(None);
+    }
+    raw.parse().map(Some).map_err(|_| format!("max requests at once must be a whole number from 1 to 1000, got {:?}", raw))
 }
 
 fn split_types(raw: &str) -> Vec<String> {
@@ -141,6 +175,8 @@ struct NewForm {
     url: String,
     event_types: String,
     schemes: Vec<SchemeChoice>,
+    headers: String,
+    max_in_flight: String,
 }
 
 pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
@@ -156,6 +192,8 @@ pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
             url: String::new(),
             event_types: String::new(),
             schemes: scheme_choices(""),
+            headers: String::new(),
+            max_in_flight: String::new(),
         },
     )
 }
@@ -184,29 +222,35 @@ fn secret_page(s: &PortalSession, heading: &'static str, endpoint: Endpoint, sec
 
 pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Response {
     let Posted { session: s, form, .. } = posted;
-    match app
-        .create_endpoint(
-            s.tenant,
-            NewEndpoint {
-                url: form.url.trim().to_owned(),
-                event_types: split_types(&form.event_types),
-                signature_scheme: form.signature_scheme.clone(),
-                ..NewEndpoint::default()
-            },
-        )
-        .await
-    {
-        Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
-        Err(e) if callers_mistake(&e) => html(
+    let refused = |form: EndpointForm, error: String| {
+        html(
             StatusCode::BAD_REQUEST,
             NewForm {
                 frame: Frame::new(&s, Section::Endpoints),
-                error: Some(e.message),
+                error: Some(error),
                 schemes: scheme_choices(&form.signature_scheme),
                 url: form.url,
                 event_types: form.event_types,
+                headers: form.headers,
+                max_in_flight: form.max_in_flight,
             },
-        ),
+        )
+    };
+    let fields = header_lines(&form.headers).and_then(|h| Ok((h, in_flight_field(&form.max_in_flight)?)));
+    let (headers, max_in_flight) = match fields {
+        Ok(both) => both,
+        Err(error) => return refused(form, error),
+    };
+    let new = NewEndpoint {
+        url: form.url.trim().to_owned(),
+        event_types: split_types(&form.event_types),
+        signature_scheme: form.signature_scheme.clone(),
+        headers,
+        max_in_flight,
+    };
+    match app.create_endpoint(s.tenant, new).await {
+        Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
+        Err(e) if callers_mistake(&e) => refused(form, e.message),
         Err(e) => failed(e),
     }
 }
@@ -305,14 +349,28 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
     if types.is_empty() {
         return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, "an endpoint needs at least one event type".into())), None).await;
     }
+    let fields = header_lines(&form.headers).and_then(|h| Ok((h, in_flight_field(&form.max_in_flight)?)));
+    let (headers, max_in_flight) = match fields {
+        Ok(both) => both,
+        Err(error) => return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, error)), None).await,
+    };
+    let headers = match (form.clear_headers.is_some(), headers.is_empty()) {
+        (true, false) => {
+            let error = "tick \"remove all\" or enter new headers, not both".to_owned();
+            return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, error)), None).await;
+        }
+        (true, true) => Some(Vec::new()),
+        // Empty keeps them: their values are never shown to copy back.
+        (false, true) => None,
+        (false, false) => Some(headers),
+    };
     let change = EndpointChange {
         url: Some(form.url.trim().to_owned()),
         event_types: types,
         signature_scheme: (!form.signature_scheme.is_empty()).then(|| form.signature_scheme.clone()),
-        // The portal does not edit custom headers or the in-flight cap yet:
-        // they stay as they are.
-        headers: None,
-        max_in_flight: None,
+        headers,
+        // The form always shows the cap: empty is the platform's.
+        max_in_flight: Some(max_in_flight),
     };
     match app.update_endpoint(s.tenant, id, change).await {
         // A change of scheme may mint new material: shown once, like a rotation's.
