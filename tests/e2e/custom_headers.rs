@@ -77,7 +77,7 @@ async fn custom_headers_go_with_every_attempt_are_stored_sealed_and_read_masked(
     assert_eq!((status, body["reason"].as_str()), (400, Some("invalid_headers")), "{body}");
     let (status, body) = rest.call(reqwest::Method::PATCH, &path, Some(json!({"clear_headers": true}))).await?;
     assert_eq!((status, &body["endpoint"]["headers"]), (200, &json!({})), "{body}");
-    // A change of URL alone leaves headers as they are (none now).
+    // Cleared: the next event carries none.
     rest.publish("h", json!({"n": 3})).await?;
     let got = receiver.wait_at("/h", 6, Duration::from_secs(20)).await;
     assert_eq!(got.len(), 6);

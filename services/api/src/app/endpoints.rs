@@ -10,17 +10,19 @@ use std::{
 
 use anyhow::Context;
 use relay_contracts::relay::queue::v1::{DeliveryJob, SwitchedOff};
-use relay_domain::{DispatcherId, EndpointId, Reason, delivery::DeadLetterReason, headers::CustomHeaders};
+use relay_domain::{DispatcherId, EndpointId, Reason, delivery::DeadLetterReason};
 use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;
 
+pub use super::endpoint_requests::{EndpointChange, NewEndpoint, header_change};
+use super::endpoint_requests::{SealedPairs, check_max_in_flight};
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
 use crate::db::{
     self,
     deliveries::{HeldClaim, end_pending_of_endpoint},
-    endpoints::{EndpointUpdate, NewEndpointRow, NewSigningMaterial, SealedHeaders},
+    endpoints::{EndpointUpdate, NewEndpointRow, NewSigningMaterial},
 };
 use crate::{
     error::{AppError, AppResult},
@@ -33,81 +35,6 @@ const MAX_URL_LEN: usize = 2048;
 
 fn rejection(e: Rejection) -> AppError {
     AppError::invalid(Reason::EndpointUrlRejected, e.to_string())
-}
-
-/// A new endpoint as asked for.
-#[derive(Default)]
-pub struct NewEndpoint {
-    pub url: String,
-    pub event_types: Vec<String>,
-    /// Empty: relay-v1.
-    pub signature_scheme: String,
-    pub headers: Vec<(String, String)>,
-    /// `None`: the platform's cap.
-    pub max_in_flight: Option<u32>,
-}
-
-impl std::fmt::Debug for NewEndpoint {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Header values are often credentials: names only.
-        f.debug_struct("NewEndpoint")
-            .field("url", &self.url)
-            .field("event_types", &self.event_types)
-            .field("signature_scheme", &self.signature_scheme)
-            .field("headers", &self.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>())
-            .field("max_in_flight", &self.max_in_flight)
-            .finish()
-    }
-}
-
-/// The most attempts out at once an endpoint may ask for.
-const MAX_IN_FLIGHT: u32 = 1000;
-
-fn check_max_in_flight(n: u32) -> AppResult<i32> {
-    if !(1..=MAX_IN_FLIGHT).contains(&n) {
-        return Err(AppError::invalid(Reason::MaxInFlightOutOfRange, format!("max_in_flight must be 1–{MAX_IN_FLIGHT}, got {n}")));
-    }
-    Ok(n as i32)
-}
-
-/// What an update asks for; empty or `None` fields stay as they are.
-#[derive(Default)]
-pub struct EndpointChange {
-    pub url: Option<String>,
-    pub event_types: Vec<String>,
-    pub signature_scheme: Option<String>,
-    /// New custom headers, replacing all of them; `Some` of none removes them.
-    pub headers: Option<Vec<(String, String)>>,
-    /// A new in-flight cap; `Some(None)` returns to the platform's.
-    pub max_in_flight: Option<Option<u32>>,
-}
-
-impl std::fmt::Debug for EndpointChange {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        // Header values are often credentials: names only.
-        let headers = self.headers.as_ref().map(|h| h.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>());
-        f.debug_struct("EndpointChange")
-            .field("url", &self.url)
-            .field("event_types", &self.event_types)
-            .field("signature_scheme", &self.signature_scheme)
-            .field("headers", &headers)
-            .field("max_in_flight", &self.max_in_flight)
-            .finish()
-    }
-}
-
-/// Custom headers checked and sealed for storage: encrypted under the key
-/// ring like a secret, with the masked form reads show.
-struct SealedPairs {
-    key_id: String,
-    ciphertext: Vec<u8>,
-    shown: serde_json::Value,
-}
-
-impl SealedPairs {
-    fn as_stored(&self) -> SealedHeaders<'_> {
-        SealedHeaders { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
-    }
 }
 
 fn parse_scheme(name: &str) -> AppResult<Scheme> {
@@ -186,18 +113,6 @@ fn normalise_event_types(types: &[String]) -> AppResult<Vec<String>> {
 }
 
 impl App {
-    /// Checks custom headers and seals them; none at all is `None`.
-    fn seal_headers(&self, pairs: Vec<(String, String)>) -> AppResult<Option<SealedPairs>> {
-        let headers = CustomHeaders::parse(pairs).map_err(|e| AppError::invalid(Reason::InvalidHeaders, e.0))?;
-        if headers.is_empty() {
-            return Ok(None);
-        }
-        let plain = serde_json::to_vec(headers.pairs()).context("encoding custom headers")?;
-        let (key_id, ciphertext) = self.keyring.seal(&plain);
-        let shown = serde_json::to_value(headers.masked()).context("encoding masked custom headers")?;
-        Ok(Some(SealedPairs { key_id, ciphertext, shown }))
-    }
-
     /// The URL rules, including the addresses a host name resolves to now.
     /// The dispatcher checks again at send time, since DNS can change.
     async fn check_endpoint_url(&self, raw: &str) -> AppResult<String> {

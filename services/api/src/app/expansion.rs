@@ -11,7 +11,7 @@ use sqlx::PgConnection;
 use super::{
     App,
     deliveries::*,
-    material::{SecretsByEndpoint, StoredSecrets},
+    material::{SendingByEndpoint, StoredSecrets},
 };
 use crate::{
     db,
@@ -101,7 +101,7 @@ impl App {
 
         // Each item has a row for each delivery it created, or one row.
         let mut to_broker: Vec<crate::queue::Job<'_>> = Vec::new();
-        let mut secrets_of = SecretsByEndpoint::new();
+        let mut sending_of = SendingByEndpoint::new();
         let mut envelope_of: HashMap<i64, Vec<u8>> = HashMap::new();
         let now = self.clock.now();
         let mut out: Vec<Option<AppResult<Expanded>>> = asks.iter().map(|_| None).collect();
@@ -137,7 +137,7 @@ impl App {
             if let Some(body) = &row.envelope {
                 envelope_of.insert(row.ord, body.clone());
             }
-            match self.first_attempt(row, id, endpoint_id, ask, envelope_of.get(&row.ord), now, &mut secrets_of) {
+            match self.first_attempt(row, id, endpoint_id, ask, envelope_of.get(&row.ord), now, &mut sending_of) {
                 Ok(m) => expanded.attempts.push(m),
                 // Claimed for the asking dispatcher, which is not handed it:
                 // its lease and claim run out and the relay takes it.
@@ -165,7 +165,7 @@ impl App {
         ask: &ExpandAsk,
         envelope: Option<&Vec<u8>>,
         now: super::Timestamp,
-        secrets_of: &mut SecretsByEndpoint,
+        sending_of: &mut SendingByEndpoint,
     ) -> AppResult<Material> {
         let (Some(scheme), Some(key_id), Some(ciphertext)) = (&row.signature_scheme, &row.secret_key_id, &row.secret_ciphertext) else {
             return Err(AppError::internal(anyhow::anyhow!("an attempt in hand came back without its endpoint's secret")));
@@ -179,7 +179,7 @@ impl App {
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
         );
-        let sending = self.signing_secrets(secrets_of, endpoint_id, stored, now)?;
+        let sending = self.sending_for(sending_of, endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
             endpoint_id,

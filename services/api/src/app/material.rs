@@ -46,7 +46,7 @@ impl App {
         let by_ord: HashMap<i64, db::deliveries::MaterialRow> = rows.into_iter().map(|r| (r.ord, r)).collect();
         let claimed = self.claim_attempts(wanted, &by_ord).await?;
         // Secrets are decrypted once per endpoint per batch, not per attempt.
-        let mut secrets_of = SecretsByEndpoint::new();
+        let mut sending_of = SendingByEndpoint::new();
         let now = self.clock.now();
         let mut out = Vec::with_capacity(wanted.len());
         let mut switched_off: Vec<(DeliveryId, DeadLetterReason)> = Vec::new();
@@ -82,7 +82,7 @@ impl App {
                     _ => switched_off.push((row.id, DeadLetterReason::EndpointDisabled)),
                 }
             }
-            out.push(self.material_from(row, w, now, &mut secrets_of));
+            out.push(self.material_from(row, w, now, &mut sending_of));
         }
         // Disabling or deleting an endpoint ends its pending deliveries in the
         // same transaction, and expansion cannot write new ones behind it, so
@@ -146,7 +146,7 @@ impl App {
         row: &db::deliveries::MaterialRow,
         w: &AttemptRef,
         now: Timestamp,
-        secrets_of: &mut SecretsByEndpoint,
+        sending_of: &mut SendingByEndpoint,
     ) -> AppResult<Material> {
         let AttemptRef { delivery_id, generation, attempt, .. } = *w;
         if row.state != DeliveryState::Pending || row.attempt as u32 != attempt || row.generation as u32 != generation {
@@ -172,7 +172,7 @@ impl App {
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
         );
-        let sending = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
+        let sending = self.sending_for(sending_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
             endpoint_id: row.endpoint_id,
@@ -233,17 +233,17 @@ pub(crate) struct Sending {
     pub headers: CustomHeaders,
 }
 
-/// Signing secrets decrypted in one batch, by endpoint: each endpoint's
+/// What sending needs, decrypted in one batch, by endpoint: each endpoint's
 /// once, however many of its attempts the batch hands out.
-pub(crate) type SecretsByEndpoint = HashMap<EndpointId, Sending>;
+pub(crate) type SendingByEndpoint = HashMap<EndpointId, Sending>;
 
 impl App {
-    /// An endpoint's scheme and signing secrets, decrypted (once per batch):
-    /// the current one, and the previous one while its rotation window lasts
-    /// (current first).
-    pub(crate) fn signing_secrets(
+    /// An endpoint's scheme, signing secrets and custom headers, decrypted
+    /// (once per batch): the current secret, and the previous one while its
+    /// rotation window lasts (current first).
+    pub(crate) fn sending_for(
         &self,
-        decrypted: &mut SecretsByEndpoint,
+        decrypted: &mut SendingByEndpoint,
         endpoint_id: EndpointId,
         stored: StoredSecrets<'_>,
         now: Timestamp,

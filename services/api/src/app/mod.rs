@@ -9,6 +9,7 @@ pub mod attempt_stats;
 pub mod bulk_recovery;
 mod circuit;
 pub mod deliveries;
+mod endpoint_requests;
 pub mod endpoints;
 pub mod events;
 pub mod expansion;

@@ -11,7 +11,7 @@ use sqlx::PgConnection;
 use super::{
     App, Timestamp,
     deliveries::*,
-    material::{SecretsByEndpoint, StoredSecrets},
+    material::{SendingByEndpoint, StoredSecrets},
 };
 use crate::{db, error::AppResult};
 
@@ -49,7 +49,7 @@ impl App {
             return Ok(());
         }
         let now = self.clock.now();
-        let mut secrets_of = SecretsByEndpoint::new();
+        let mut sending_of = SendingByEndpoint::new();
         let mut found = 0;
         for (claimant, endpoints) in freed {
             let ids: Vec<EndpointId> = endpoints.keys().copied().collect();
@@ -67,7 +67,7 @@ impl App {
             };
             found += rows.len();
             for row in rows {
-                let material = self.refilled(row, now, &mut secrets_of)?;
+                let material = self.refilled(row, now, &mut sending_of)?;
                 if let Some(Ok(r)) = endpoints.get(&material.endpoint_id).and_then(|&i| recorded.get_mut(i)) {
                     r.next.push(material);
                 }
@@ -77,7 +77,7 @@ impl App {
         Ok(())
     }
 
-    fn refilled(&self, row: db::deliveries::RefillRow, now: Timestamp, secrets_of: &mut SecretsByEndpoint) -> AppResult<Material> {
+    fn refilled(&self, row: db::deliveries::RefillRow, now: Timestamp, sending_of: &mut SendingByEndpoint) -> AppResult<Material> {
         let stored = StoredSecrets::new(
             &row.signature_scheme,
             &row.secret_key_id,
@@ -87,7 +87,7 @@ impl App {
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
         );
-        let sending = self.signing_secrets(secrets_of, row.endpoint_id, stored, now)?;
+        let sending = self.sending_for(sending_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id: row.id,
             endpoint_id: row.endpoint_id,

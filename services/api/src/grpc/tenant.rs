@@ -15,7 +15,7 @@ use crate::{
     app::{
         App,
         deliveries::DeadLetter,
-        endpoints::{Endpoint, EndpointChange, NewEndpoint},
+        endpoints::{Endpoint, EndpointChange, NewEndpoint, header_change},
         events::{Attempt, Delivery},
     },
     auth,
@@ -179,17 +179,7 @@ impl WebhookEndpointService for TenantApi {
         let tenant = auth::tenant(&self.app, &req).await?;
         let endpoint_id = id("id", &req.get_ref().id)?;
         let r = req.into_inner();
-        let headers = match (r.clear_headers, r.headers.is_empty()) {
-            (true, false) => {
-                return Err(status(crate::error::AppError::invalid(
-                    Reason::InvalidHeaders,
-                    "clear_headers removes every header; it cannot come with new headers",
-                )));
-            }
-            (true, true) => Some(Vec::new()),
-            (false, false) => Some(header_pairs(r.headers)),
-            (false, true) => None,
-        };
+        let headers = header_change(r.clear_headers, header_pairs(r.headers)).map_err(status)?;
         let change = EndpointChange {
             url: r.url,
             event_types: r.event_types,

@@ -22,7 +22,7 @@ use relay_domain::{
 use crate::app::{
     App,
     bulk_recovery::Recovery,
-    endpoints::{Endpoint, EndpointChange, NewEndpoint},
+    endpoints::{Endpoint, EndpointChange, NewEndpoint, header_change},
     portal::PortalSession,
 };
 
@@ -354,15 +354,10 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
         Ok(both) => both,
         Err(error) => return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, error)), None).await,
     };
-    let headers = match (form.clear_headers.is_some(), headers.is_empty()) {
-        (true, false) => {
-            let error = "tick \"remove all\" or enter new headers, not both".to_owned();
-            return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, error)), None).await;
-        }
-        (true, true) => Some(Vec::new()),
-        // Empty keeps them: their values are never shown to copy back.
-        (false, true) => None,
-        (false, false) => Some(headers),
+    // Empty keeps them: their values are never shown to copy back.
+    let headers = match header_change(form.clear_headers.is_some(), headers) {
+        Ok(change) => change,
+        Err(e) => return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, e.message)), None).await,
     };
     let change = EndpointChange {
         url: Some(form.url.trim().to_owned()),

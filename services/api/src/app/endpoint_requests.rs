@@ -1,0 +1,112 @@
+//! What a tenant asks of an endpoint, before it is stored: a new one, a
+//! change to one, and the checks that need no storage (the in-flight cap,
+//! custom headers, sealed for storage with the key ring).
+
+use anyhow::Context;
+use relay_domain::{Reason, headers::CustomHeaders};
+
+use super::App;
+use crate::db::endpoints::SealedHeaders;
+use crate::error::{AppError, AppResult};
+
+/// A new endpoint as asked for.
+#[derive(Default)]
+pub struct NewEndpoint {
+    pub url: String,
+    pub event_types: Vec<String>,
+    /// Empty: relay-v1.
+    pub signature_scheme: String,
+    pub headers: Vec<(String, String)>,
+    /// `None`: the platform's cap.
+    pub max_in_flight: Option<u32>,
+}
+
+impl std::fmt::Debug for NewEndpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Header values are often credentials: names only.
+        f.debug_struct("NewEndpoint")
+            .field("url", &self.url)
+            .field("event_types", &self.event_types)
+            .field("signature_scheme", &self.signature_scheme)
+            .field("headers", &self.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>())
+            .field("max_in_flight", &self.max_in_flight)
+            .finish()
+    }
+}
+
+/// What an update does to the custom headers: `clear` removes them all, new
+/// pairs replace them, neither keeps them; both at once is a mistake.
+pub fn header_change(clear: bool, pairs: Vec<(String, String)>) -> AppResult<Option<Vec<(String, String)>>> {
+    match (clear, pairs.is_empty()) {
+        (true, false) => {
+            Err(AppError::invalid(Reason::InvalidHeaders, "clear_headers removes every header: ask for it or for new headers, not both"))
+        }
+        (true, true) => Ok(Some(Vec::new())),
+        (false, true) => Ok(None),
+        (false, false) => Ok(Some(pairs)),
+    }
+}
+
+/// The most attempts out at once an endpoint may ask for.
+const MAX_IN_FLIGHT: u32 = 1000;
+
+pub(super) fn check_max_in_flight(n: u32) -> AppResult<i32> {
+    if !(1..=MAX_IN_FLIGHT).contains(&n) {
+        return Err(AppError::invalid(Reason::MaxInFlightOutOfRange, format!("max_in_flight must be 1–{MAX_IN_FLIGHT}, got {n}")));
+    }
+    Ok(n as i32)
+}
+
+/// What an update asks for; empty or `None` fields stay as they are.
+#[derive(Default)]
+pub struct EndpointChange {
+    pub url: Option<String>,
+    pub event_types: Vec<String>,
+    pub signature_scheme: Option<String>,
+    /// New custom headers, replacing all of them; `Some` of none removes them.
+    pub headers: Option<Vec<(String, String)>>,
+    /// A new in-flight cap; `Some(None)` returns to the platform's.
+    pub max_in_flight: Option<Option<u32>>,
+}
+
+impl std::fmt::Debug for EndpointChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Header values are often credentials: names only.
+        let headers = self.headers.as_ref().map(|h| h.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>());
+        f.debug_struct("EndpointChange")
+            .field("url", &self.url)
+            .field("event_types", &self.event_types)
+            .field("signature_scheme", &self.signature_scheme)
+            .field("headers", &headers)
+            .field("max_in_flight", &self.max_in_flight)
+            .finish()
+    }
+}
+
+/// Custom headers checked and sealed for storage: encrypted under the key
+/// ring like a secret, with the masked form reads show.
+pub(super) struct SealedPairs {
+    key_id: String,
+    ciphertext: Vec<u8>,
+    shown: serde_json::Value,
+}
+
+impl SealedPairs {
+    pub(super) fn as_stored(&self) -> SealedHeaders<'_> {
+        SealedHeaders { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
+    }
+}
+
+impl App {
+    /// Checks custom headers and seals them; none at all is `None`.
+    pub(super) fn seal_headers(&self, pairs: Vec<(String, String)>) -> AppResult<Option<SealedPairs>> {
+        let headers = CustomHeaders::parse(pairs).map_err(|e| AppError::invalid(Reason::InvalidHeaders, e.0))?;
+        if headers.is_empty() {
+            return Ok(None);
+        }
+        let plain = serde_json::to_vec(headers.pairs()).context("encoding custom headers")?;
+        let (key_id, ciphertext) = self.keyring.seal(&plain);
+        let shown = serde_json::to_value(headers.masked()).context("encoding masked custom headers")?;
+        Ok(Some(SealedPairs { key_id, ciphertext, shown }))
+    }
+}
