@@ -89,19 +89,9 @@ async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_a
     assert!(state == "running" && completed < 8, "stopped part-way: {state} {completed}");
     stack.start_api().await?;
     let restarted = std::time::Instant::now();
-    let done = eventually(Duration::from_secs(30), || async {
-        let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
-        (o["state"] == "done").then_some(o)
-    })
-    .await
-    .expect("the operation finishes after the restart");
+    let done = finished(&rest, &op, Duration::from_secs(30)).await.expect("the operation finishes after the restart");
     assert_eq!(num(&done["completed"]), 8, "{done}");
-    let second = eventually(Duration::from_secs(20), || async {
-        let o = rest.get(&format!("/v1/operations/{op2}")).await.ok()?;
-        (o["state"] == "done").then_some(o)
-    })
-    .await
-    .expect("the overlapping operation finishes");
+    let second = finished(&rest, &op2, Duration::from_secs(20)).await.expect("the overlapping operation finishes");
     assert_eq!(num(&second["completed"]), 0, "the overlapping request found nothing left to send: {second}");
 
     let got = receiver.wait_at("/r", 12 * 7 + 8, Duration::from_secs(20)).await;
@@ -150,6 +140,24 @@ fn ops_events(receiver: &Receiver, path: &str) -> Vec<(String, Value)> {
             (v["type"].as_str().unwrap_or_default().to_owned(), v["payload"].clone())
         })
         .collect()
+}
+
+/// The operation once it is done, within `within`.
+async fn finished(rest: &Rest, op: &str, within: Duration) -> Option<Value> {
+    eventually(within, || async {
+        let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
+        (o["state"] == "done").then_some(o)
+    })
+    .await
+}
+
+/// An operations endpoint at `/ops` (named the environment's) and an
+/// endpoint at `/dead` for type `t`: their ids.
+async fn ops_and_dead(rest: &Rest, receiver: &Receiver) -> anyhow::Result<(String, String)> {
+    let (ops, _) = rest.endpoint(&receiver.url("/ops"), &["nothing.here"]).await?;
+    let (dead, _) = rest.endpoint(&receiver.url("/dead"), &["t"]).await?;
+    assert_eq!(rest.call(reqwest::Method::PUT, "/v1/operations-endpoint", Some(json!({"endpoint_id": ops}))).await?.0, 200);
+    Ok((ops, dead))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -219,9 +227,7 @@ async fn dead_letters_are_announced_together_and_an_operations_endpoint_never_he
     // announced to it.
     receiver.reply("/ops", Reply::Status(500));
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
-    let (ops, _) = rest.endpoint(&receiver.url("/ops"), &["nothing.here"]).await?;
-    let (dead, _) = rest.endpoint(&receiver.url("/dead"), &["t"]).await?;
-    assert_eq!(rest.call(reqwest::Method::PUT, "/v1/operations-endpoint", Some(json!({"endpoint_id": ops}))).await?.0, 200);
+    let (_, dead) = ops_and_dead(&rest, &receiver).await?;
     for n in 0..3 {
         rest.publish("t", json!({"n": n})).await?;
     }
@@ -288,12 +294,7 @@ async fn recovering_a_range_sends_held_deliveries_at_once_and_refuses_a_foreign_
     let (status, body) = rest.post(&path, range(false)).await?;
     assert_eq!(status, 202, "{body}");
     let op = body["operation_id"].as_str().expect("an operation id").to_owned();
-    let done = eventually(Duration::from_secs(30), || async {
-        let o = rest.get(&format!("/v1/operations/{op}")).await.ok()?;
-        (o["state"] == "done").then_some(o)
-    })
-    .await
-    .expect("the recovery finishes");
+    let done = finished(&rest, &op, Duration::from_secs(30)).await.expect("the recovery finishes");
     assert_eq!(num(&done["completed"]) as i64, held + dead, "{done}");
     let all_delivered = eventually(Duration::from_secs(20), || async {
         let n: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE endpoint_id = $1::uuid AND state = 'delivered'")
@@ -324,9 +325,7 @@ async fn dead_letters_after_an_announcement_wait_out_the_minute_and_come_counted
     let receiver = Receiver::start().await?;
     receiver.reply("/dead", Reply::Status(500));
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
-    let (ops, _) = rest.endpoint(&receiver.url("/ops"), &["nothing.here"]).await?;
-    let (dead, _) = rest.endpoint(&receiver.url("/dead"), &["t"]).await?;
-    assert_eq!(rest.call(reqwest::Method::PUT, "/v1/operations-endpoint", Some(json!({"endpoint_id": ops}))).await?.0, 200);
+    let (_, dead) = ops_and_dead(&rest, &receiver).await?;
     for n in 0..2 {
         rest.publish("t", json!({"first": n})).await?;
     }
