@@ -9,6 +9,7 @@ mod deploy;
 mod edges;
 mod failover;
 mod faults;
+mod filters;
 mod health;
 mod in_flight;
 mod operations;

@@ -364,6 +364,28 @@ pub(crate) const HEADER_VALUES: &[&str] = &[
     r#"["X-A","v"]"#,
 ];
 
+/// Payload filters (issue 27): every shape of mistake the language can
+/// refuse, nesting past any parser's limit, and numbers no float holds.
+pub(crate) const FILTER_VALUES: &[&str] = &[
+    r#"{"n":{"$gte":1e999999999}}"#,
+    r#"{"n":{"$gt":-0.000000000000000000000000001}}"#,
+    r#"{"n":{"$regex":"x"}}"#,
+    r#"{"$nor":[]}"#,
+    r#"{"$or":[]}"#,
+    r#"{"$and":{"a":1}}"#,
+    r#"{"a":{"$in":[[1]]}}"#,
+    r#"{"a":{"$exists":"yes"}}"#,
+    r#"{"a":{}}"#,
+    r#"{}"#,
+    r#"{"a..b":1}"#,
+    r#"{"a":1,"a":2}"#,
+    r#"{"\u0000":{"$not":{"$not":{"$eq":null}}}}"#,
+    r#"{"a\r\nX-B: 1":"\ud800"}"#,
+    r#""{\"a\":1}""#,
+    "null",
+    "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]",
+];
+
 pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
     let ms = members(req);
     let i = some_member(rng, ms, false);
@@ -371,6 +393,7 @@ pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
         "url" if rng.chance(60) => URL_VALUES,
         "event_types" | "type" if rng.chance(60) => TYPE_VALUES,
         "headers" if rng.chance(60) => HEADER_VALUES,
+        "filter" if rng.chance(60) => FILTER_VALUES,
         _ => WRONG_VALUES,
     };
     ms[i].1 = rng.pick(list).to_string();

@@ -40,7 +40,7 @@ const fn route(method: &'static str, template: &'static str, fields: &'static [&
     PortalRoute { method, template, fields }
 }
 
-pub(crate) const ENDPOINT_FORM: &[&str] = &["url", "event_types", "signature_scheme", "headers", "max_in_flight"];
+pub(crate) const ENDPOINT_FORM: &[&str] = &["url", "event_types", "signature_scheme", "headers", "max_in_flight", "filter"];
 pub(crate) const ROUTES: &[PortalRoute] = &[
     route("GET", "/portal/", &[]),
     route("GET", "/portal", &[]),
@@ -118,6 +118,7 @@ pub(crate) fn valid_value(name: &str, rng: &mut Rng, pw: &PortalWorld) -> String
         "signature_scheme" => rng.pick(&["", "relay-v1", "standard-webhooks"]).to_string(),
         "headers" => rng.pick(&["", "X-Fz%3A%20v", "X-Fz%3A%20v%0AX-Other%3A%20w"]).to_string(),
         "max_in_flight" => rng.pick(&["", "1", "64"]).to_string(),
+        "filter" => rng.pick(&["", "%7B%22n%22%3A%7B%22%24gte%22%3A0%7D%7D"]).to_string(),
         _ => "x".into(),
     }
 }

@@ -81,6 +81,16 @@ pub(crate) const TYPES: &[&str] = &["a%00b", "a%0Ab%0Ac", "%2C%2C%2C", "a%20b", 
 /// Custom header lines: injected lines, refused names, no colon, NUL.
 pub(crate) const HEADER_LINES: &[&str] =
     &["X-A%3A%20a%0D%0AX-B%3A%201", "Host%3A%20evil", "no%20colon", "X-A%3A%20%00", "%3A%20v", "X-A%3A", "relay-webhook-id%3A%20x"];
+/// Payload filters as typed into the form: not JSON, not the language,
+/// nested past the limit, a NUL (all URL-encoded).
+pub(crate) const FILTER_TEXTS: &[&str] = &[
+    "%7B",
+    "%7B%22a%22%3A%7B%22%24regex%22%3A1%7D%7D",
+    "%5B%5B%5B%5B%5B%5B%5B%5B%5B%5B%5B%5B%5D%5D%5D%5D%5D%5D%5D%5D%5D%5D%5D%5D",
+    "%7B%22a%00%22%3A1%7D",
+    "%7B%7D",
+    "null",
+];
 /// In-flight caps out of range or not numbers.
 pub(crate) const CAPS: &[&str] = &["0", "1001", "-1", "1e3", "99999999999999999999", "%00", "1.5"];
 /// Field names the portal reads somewhere, for a field added where it is not read.
@@ -100,6 +110,7 @@ pub(crate) const FIELD_NAMES: &[&str] = &[
     "headers",
     "max_in_flight",
     "clear_headers",
+    "filter",
 ];
 
 /// The hostile values of a field's own kind (times, cursors, URLs, types).
@@ -111,6 +122,7 @@ pub(crate) fn values_for(field: &str) -> &'static [&'static str] {
         "type" | "event_types" => TYPES,
         "headers" => HEADER_LINES,
         "max_in_flight" => CAPS,
+        "filter" => FILTER_TEXTS,
         _ => &[],
     }
 }

@@ -262,6 +262,11 @@ pub(crate) fn seed_value(name: &str, ty: &str, rng: &mut Rng, world: &World) -> 
         "event_types" => r#"["fz.created"]"#.into(),
         "type" => r#""fz""#.into(),
         "payload" => format!(r#"{{"n": {}, "s": "fuzz"}}"#, rng.below(1000)),
+        "filter" => match rng.below(3) {
+            0 => return None,
+            1 => r#"{"n": {"$gte": 0}}"#.into(),
+            _ => r#"{"$or": [{"s": "fuzz"}, {"n": {"$in": [1, 2.50, 10000000000000000001]}}]}"#.into(),
+        },
         // A recovery's range: timestamps, and since before until.
         "since" => r#""2026-01-01T00:00:00Z""#.into(),
         "until" => r#""2036-01-01T00:00:00Z""#.into(),

@@ -8,6 +8,7 @@
 //! given, unit-tested in this crate.
 
 pub mod delivery;
+pub mod filter;
 pub mod headers;
 pub mod health;
 pub mod ids;

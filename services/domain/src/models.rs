@@ -85,6 +85,9 @@ pub struct Endpoint {
     pub headers: Vec<(String, String)>,
     /// The most attempts it may have out at once; `None`: the platform's cap.
     pub max_in_flight: Option<u32>,
+    /// The payload filter as the tenant wrote it; `None`: every event of
+    /// its types.
+    pub filter: Option<String>,
 }
 
 #[derive(Debug, Clone)]

@@ -3,7 +3,7 @@
 //! custom headers, sealed for storage with the key ring).
 
 use anyhow::Context;
-use relay_domain::{Reason, headers::CustomHeaders};
+use relay_domain::{Reason, filter::Filter, headers::CustomHeaders};
 
 use super::App;
 use crate::db::endpoints::SealedHeaders;
@@ -19,6 +19,8 @@ pub struct NewEndpoint {
     pub headers: Vec<(String, String)>,
     /// `None`: the platform's cap.
     pub max_in_flight: Option<u32>,
+    /// A payload filter's JSON text; empty: none.
+    pub filter: String,
 }
 
 impl std::fmt::Debug for NewEndpoint {
@@ -30,7 +32,30 @@ impl std::fmt::Debug for NewEndpoint {
             .field("signature_scheme", &self.signature_scheme)
             .field("headers", &self.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>())
             .field("max_in_flight", &self.max_in_flight)
+            .field("filter", &self.filter)
             .finish()
+    }
+}
+
+/// A payload filter checked (`relay_domain::filter`), kept as written.
+pub(super) fn check_filter(text: &str) -> AppResult<String> {
+    Filter::parse(text).map(|f| f.text().to_owned()).map_err(|e| AppError::invalid(Reason::InvalidFilter, e.to_string()))
+}
+
+/// What an update does to the payload filter, as for headers: `clear`
+/// removes it, a new one replaces it, neither keeps it.
+pub fn filter_change(clear: bool, text: String) -> AppResult<Option<Option<String>>> {
+    // JSON null (REST `"filter": null`) removes it, as a merge patch would.
+    if text.trim() == "null" && !clear {
+        return Ok(Some(None));
+    }
+    match (clear, text.trim().is_empty()) {
+        (true, false) => {
+            Err(AppError::invalid(Reason::InvalidFilter, "clear_filter removes the filter: ask for it or for a new filter, not both"))
+        }
+        (true, true) => Ok(Some(None)),
+        (false, true) => Ok(None),
+        (false, false) => Ok(Some(Some(text))),
     }
 }
 
@@ -67,6 +92,8 @@ pub struct EndpointChange {
     pub headers: Option<Vec<(String, String)>>,
     /// A new in-flight cap; `Some(None)` returns to the platform's.
     pub max_in_flight: Option<Option<u32>>,
+    /// A new payload filter; `Some(None)` removes it.
+    pub filter: Option<Option<String>>,
 }
 
 impl std::fmt::Debug for EndpointChange {
@@ -79,6 +106,7 @@ impl std::fmt::Debug for EndpointChange {
             .field("signature_scheme", &self.signature_scheme)
             .field("headers", &headers)
             .field("max_in_flight", &self.max_in_flight)
+            .field("filter", &self.filter)
             .finish()
     }
 }

@@ -15,8 +15,8 @@ use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;
 
-pub use super::endpoint_requests::{EndpointChange, NewEndpoint, header_change};
-use super::endpoint_requests::{SealedPairs, check_max_in_flight};
+pub use super::endpoint_requests::{EndpointChange, NewEndpoint, filter_change, header_change};
+use super::endpoint_requests::{SealedPairs, check_filter, check_max_in_flight};
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
 use crate::db::{
@@ -139,6 +139,7 @@ impl App {
         let scheme = if new.signature_scheme.is_empty() { Scheme::default() } else { parse_scheme(&new.signature_scheme)? };
         let headers = self.seal_headers(new.headers)?;
         let max_in_flight = new.max_in_flight.map(check_max_in_flight).transpose()?;
+        let filter = if matches!(new.filter.trim(), "" | "null") { None } else { Some(check_filter(&new.filter)?) };
 
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
@@ -162,6 +163,7 @@ impl App {
             material,
             headers: headers.as_ref().map(SealedPairs::as_stored),
             max_in_flight,
+            filter: filter.as_deref(),
         };
         let id = db::endpoints::insert(&mut tx, row).await?;
         db::health::insert(&mut tx, id).await?;
@@ -197,6 +199,7 @@ impl App {
         let scheme = change.signature_scheme.as_deref().map(parse_scheme).transpose()?;
         let headers = change.headers.map(|pairs| self.seal_headers(pairs)).transpose()?;
         let max_in_flight = change.max_in_flight.map(|n| n.map(check_max_in_flight).transpose()).transpose()?;
+        let filter = change.filter.map(|f| f.as_deref().map(check_filter).transpose()).transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locked: an expansion share-locks the endpoint, so it reads the row
@@ -236,6 +239,7 @@ impl App {
             material,
             headers: headers.as_ref().map(|h| h.as_ref().map(SealedPairs::as_stored)),
             max_in_flight,
+            filter: filter.as_ref().map(Option::as_deref),
         };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =

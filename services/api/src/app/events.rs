@@ -35,32 +35,9 @@ pub const MAX_ENVELOPE_BYTES: usize = 256 * 1024;
 /// hundred levels, so this leaves them room for the envelope and their own.
 pub const MAX_PAYLOAD_DEPTH: usize = 64;
 
-/// How deeply arrays and objects nest in JSON text. A single pass that never
-/// recurses, so it is safe on any input, valid JSON or not.
-pub fn json_depth(text: &[u8]) -> usize {
-    let (mut depth, mut deepest, mut in_string, mut escaped) = (0usize, 0usize, false, false);
-    for &b in text {
-        if in_string {
-            match b {
-                _ if escaped => escaped = false,
-                b'\\' => escaped = true,
-                b'"' => in_string = false,
-                _ => {}
-            }
-            continue;
-        }
-        match b {
-            b'"' => in_string = true,
-            b'[' | b'{' => {
-                depth += 1;
-                deepest = deepest.max(depth);
-            }
-            b']' | b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    deepest
-}
+/// How deeply arrays and objects nest in JSON text (one pass that never
+/// recurses, safe on any input); the filter language bounds its own with it.
+pub use relay_domain::filter::json_depth;
 
 /// A payload as JSON text, checked: bounded in size and nesting, and one
 /// valid JSON value. Empty text is JSON `null`. Nothing is re-serialised, so

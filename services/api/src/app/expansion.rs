@@ -53,6 +53,7 @@ impl App {
     /// broker at once; everything else waits, due, for the relay.
     pub(crate) async fn expand_on(&self, conn: &mut PgConnection, asks: &[ExpandAsk]) -> AppResult<Vec<AppResult<Expanded>>> {
         let cap = self.direct.as_ref().map_or(0, |d| d.endpoint_cap);
+        let refused = super::filtering::refused(conn, &asks.iter().map(|a| &a.item).collect::<Vec<_>>()).await?;
         let item = |a: &ExpandAsk| a.item.clone();
         let events = db::deliveries::ToExpand {
             environment_id: asks.iter().map(|a| a.item.environment_id).collect(),
@@ -68,6 +69,8 @@ impl App {
                 .map(|a| a.claim.map_or(DIRECT_PUBLISH_LEASE, |c| c.hold).as_millis().try_into().unwrap_or(i64::MAX))
                 .collect(),
             claimant: asks.iter().map(|a| a.claim.map(|c| c.claimant)).collect(),
+            refused_ord: refused.ord,
+            refused_endpoint: refused.endpoint_id,
         };
         // Pre-leasing counts in-flight attempts like a relay pass does; the
         // two take turns.
@@ -76,8 +79,9 @@ impl App {
                 Some(_) => Some(self.lease_guard.lock().await),
                 None => None,
             };
-            // Subscription filtering happens here, not at send time: a row
-            // that exists is a row that will be sent. Every attempt of a
+            // Subscription filtering (event types, and payload filters as
+            // judged above) happens here, not at send time: a row that
+            // exists is a row that will be sent. Every attempt of a
             // delivery continues its event's expansion trace.
             db::deliveries::expand(conn, &events, cap, relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64).await?
         };

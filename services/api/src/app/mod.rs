@@ -13,6 +13,7 @@ mod endpoint_requests;
 pub mod endpoints;
 pub mod events;
 pub mod expansion;
+mod filtering;
 mod gauges;
 pub(crate) mod material;
 pub mod operational;

@@ -58,6 +58,7 @@ struct EndpointRow {
     held: i64,
     headers_shown: serde_json::Value,
     max_in_flight: Option<i32>,
+    filter: Option<String>,
 }
 
 impl EndpointRow {
@@ -105,6 +106,7 @@ impl EndpointRow {
             held: r.held,
             headers,
             max_in_flight: r.max_in_flight.and_then(|n| u32::try_from(n).ok()),
+            filter: r.filter,
         })
     }
 }
@@ -134,15 +136,17 @@ pub struct NewEndpointRow<'a> {
     pub material: NewSigningMaterial<'a>,
     pub headers: Option<SealedHeaders<'a>>,
     pub max_in_flight: Option<i32>,
+    /// The payload filter's text, checked.
+    pub filter: Option<&'a str>,
 }
 
 /// The new endpoint's id.
 pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult<EndpointId> {
-    let NewEndpointRow { environment_id, url, event_types, scheme, material, headers, max_in_flight } = row;
+    let NewEndpointRow { environment_id, url, event_types, scheme, material, headers, max_in_flight, filter } = row;
     Ok(sqlx::query_scalar!(
         r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key,
-                                        headers_key_id, headers_ciphertext, headers_shown, max_in_flight)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12) RETURNING id AS "id: EndpointId""#,
+                                        headers_key_id, headers_ciphertext, headers_shown, max_in_flight, filter)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13) RETURNING id AS "id: EndpointId""#,
         EndpointId::mint() as _,
         environment_id as _,
         url,
@@ -155,6 +159,7 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         headers.as_ref().map(|h| h.ciphertext),
         headers.as_ref().map(|h| &h.shown),
         max_in_flight,
+        filter,
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -176,7 +181,7 @@ async fn select(
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts,
                   h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!",
-                  e.headers_shown, e.max_in_flight
+                  e.headers_shown, e.max_in_flight, e.filter
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
@@ -251,6 +256,8 @@ pub struct EndpointUpdate<'a> {
     pub headers: Option<Option<SealedHeaders<'a>>>,
     /// A new in-flight cap: `Some(None)` returns to the platform's.
     pub max_in_flight: Option<Option<i32>>,
+    /// A new payload filter (checked): `Some(None)` removes it.
+    pub filter: Option<Option<&'a str>>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
@@ -273,7 +280,8 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
            headers_key_id = CASE WHEN $8 THEN $9 ELSE headers_key_id END,
            headers_ciphertext = CASE WHEN $8 THEN $10 ELSE headers_ciphertext END,
            headers_shown = CASE WHEN $8 THEN COALESCE($11, '[]'::jsonb) ELSE headers_shown END,
-           max_in_flight = CASE WHEN $12 THEN $13 ELSE max_in_flight END
+           max_in_flight = CASE WHEN $12 THEN $13 ELSE max_in_flight END,
+           filter = CASE WHEN $14 THEN $15 ELSE filter END
          WHERE id = $1",
         id as _,
         change.url,
@@ -288,6 +296,8 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         headers.map(|h| &h.shown),
         change.max_in_flight.is_some(),
         change.max_in_flight.flatten(),
+        change.filter.is_some(),
+        change.filter.flatten(),
     )
     .execute(&mut *tx)
     .await?;

@@ -15,7 +15,7 @@ use crate::{
     app::{
         App,
         deliveries::DeadLetter,
-        endpoints::{Endpoint, EndpointChange, NewEndpoint, header_change},
+        endpoints::{Endpoint, EndpointChange, NewEndpoint, filter_change, header_change},
         events::{Attempt, Delivery},
     },
     auth,
@@ -52,6 +52,7 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         signature_scheme_changed_at: e.signature_scheme_changed_at.map(ts),
         headers: e.headers.into_iter().collect(),
         max_in_flight: e.max_in_flight,
+        filter: e.filter.unwrap_or_default(),
     }
 }
 
@@ -167,6 +168,7 @@ impl WebhookEndpointService for TenantApi {
             signature_scheme: r.signature_scheme,
             headers: header_pairs(r.headers),
             max_in_flight: r.max_in_flight.filter(|&n| n != 0),
+            filter: r.filter,
         };
         let (e, secret) = self.app.create_endpoint(tenant, new).await.map_err(status)?;
         Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
@@ -180,12 +182,14 @@ impl WebhookEndpointService for TenantApi {
         let endpoint_id = id("id", &req.get_ref().id)?;
         let r = req.into_inner();
         let headers = header_change(r.clear_headers, header_pairs(r.headers)).map_err(status)?;
+        let filter = filter_change(r.clear_filter, r.filter).map_err(status)?;
         let change = EndpointChange {
             url: r.url,
             event_types: r.event_types,
             signature_scheme: r.signature_scheme,
             headers,
             max_in_flight: r.max_in_flight.map(|n| (n != 0).then_some(n)),
+            filter,
         };
         let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
         Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))

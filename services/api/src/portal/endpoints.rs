@@ -47,6 +47,8 @@ pub struct EndpointView {
     pub headers: Vec<(String, String)>,
     /// Its in-flight cap; empty: the platform's.
     pub max_in_flight: String,
+    /// Its payload filter's JSON; empty: none.
+    pub filter: String,
 }
 
 impl From<Endpoint> for EndpointView {
@@ -86,6 +88,7 @@ impl From<Endpoint> for EndpointView {
             recent: (recent_attempts > 0).then(|| format!("{recent_failures} of {recent_attempts} failed in the last 2 minutes")),
             headers: e.headers,
             max_in_flight: e.max_in_flight.map(|n| n.to_string()).unwrap_or_default(),
+            filter: e.filter.unwrap_or_default(),
         }
     }
 }
@@ -130,6 +133,10 @@ pub struct EndpointForm {
     /// Empty: the platform's cap.
     #[serde(default)]
     max_in_flight: String,
+    /// A payload filter's JSON; on an edit the current one is shown, so
+    /// empty removes it.
+    #[serde(default)]
+    filter: String,
 }
 
 /// `Name: value` lines as pairs; the rules themselves are the app's.
@@ -177,6 +184,7 @@ struct NewForm {
     schemes: Vec<SchemeChoice>,
     headers: String,
     max_in_flight: String,
+    filter: String,
 }
 
 pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
@@ -194,6 +202,7 @@ pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
             schemes: scheme_choices(""),
             headers: String::new(),
             max_in_flight: String::new(),
+            filter: String::new(),
         },
     )
 }
@@ -233,6 +242,7 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
                 event_types: form.event_types,
                 headers: form.headers,
                 max_in_flight: form.max_in_flight,
+                filter: form.filter,
             },
         )
     };
@@ -247,6 +257,7 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
         signature_scheme: form.signature_scheme.clone(),
         headers,
         max_in_flight,
+        filter: form.filter.clone(),
     };
     match app.create_endpoint(s.tenant, new).await {
         Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
@@ -366,6 +377,8 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
         headers,
         // The form always shows the cap: empty is the platform's.
         max_in_flight: Some(max_in_flight),
+        // The form shows the current filter: empty removes it.
+        filter: Some((!form.filter.trim().is_empty()).then(|| form.filter.clone())),
     };
     match app.update_endpoint(s.tenant, id, change).await {
         // A change of scheme may mint new material: shown once, like a rotation's.

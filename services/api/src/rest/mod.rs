@@ -19,6 +19,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod errors;
+mod raw_json;
 mod rules;
 pub mod server;
 
@@ -411,16 +412,14 @@ async fn transcode(
         return Ok(StatusCode::NO_CONTENT.into_response());
     }
     let options = SerializeOptions::new().use_proto_field_name(true).skip_default_fields(false);
-    let mut out = Vec::new();
-    let mut ser = serde_json::Serializer::new(&mut out);
-    let written = match &b.response_field {
+    let printed = match &b.response_field {
         Some(field) => match reply.get_field(field).as_message() {
-            Some(inner) => inner.serialize_with_options(&mut ser, &options),
-            None => reply.serialize_with_options(&mut ser, &options),
+            Some(inner) => raw_json::print(inner, &options),
+            None => raw_json::print(&reply, &options),
         },
-        None => reply.serialize_with_options(&mut ser, &options),
+        None => raw_json::print(&reply, &options),
     };
-    written.map_err(|e| internal(anyhow::Error::new(e).context("printing a reply as JSON")))?;
+    let out = printed.map_err(|e| internal(e.context("printing a reply as JSON")))?;
     Ok((success, [(header::CONTENT_TYPE, "application/json")], Body::from(out)).into_response())
 }
 

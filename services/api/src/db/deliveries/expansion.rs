@@ -19,6 +19,10 @@ pub struct ToExpand {
     pub lease_ms: Vec<i64>,
     /// Who takes each event's leased first attempts in hand (`None`: the broker).
     pub claimant: Vec<Option<DispatcherId>>,
+    /// (item position from 1, endpoint) pairs a payload filter refused:
+    /// no delivery is written for them.
+    pub refused_ord: Vec<i64>,
+    pub refused_endpoint: Vec<EndpointId>,
 }
 
 /// One row of an expansion's answer: an item as asked (by position, from 1)
@@ -58,8 +62,9 @@ pub struct ExpandedRow {
 /// them, claims each in the `consumed_events` ledger once (its first mention
 /// with its stored type, in key order, so two expansions that share events
 /// cannot deadlock; an event claimed before is not expanded again), writes
-/// one delivery per subscribed, active endpoint of each claimed event
-/// (first attempt due now), and claims the attempts handed back.
+/// one delivery per subscribed, active endpoint of each claimed event whose
+/// payload filter did not refuse it (first attempt due now), and claims the
+/// attempts handed back.
 ///
 /// Rows within their endpoint's in-flight `cap` (one for an endpoint handed
 /// one attempt at a time, see `relay_domain::health`) are written already leased for their event's
@@ -129,7 +134,9 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                           NOT e.holding AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
                    FROM fresh c
                    JOIN counted e ON e.environment_id = c.environment_id
-                     AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END),
+                     AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END
+                   WHERE NOT EXISTS (SELECT 1 FROM UNNEST($10::bigint[], $11::uuid[]) AS r(ord, endpoint_id)
+                                     WHERE r.ord = c.ord AND r.endpoint_id = e.id)),
                  -- An endpoint that is down gets its deliveries held: no
                  -- relay pass looks at them until it recovers. No conflict
                  -- is expected: the ledger claim makes this the event's only
@@ -182,6 +189,8 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
         &events.claimant as _,
         cap,
         payload_budget,
+        &events.refused_ord,
+        &events.refused_endpoint as _,
     )
     .fetch_all(&mut *conn)
     .await?)

@@ -7,13 +7,14 @@
 
 mod due;
 mod expansion;
+mod filters;
 mod material;
 mod outcomes;
 mod switch_off;
 
 use sqlx::PgConnection;
 
-pub use self::{due::*, expansion::*, material::*, outcomes::*, switch_off::*};
+pub use self::{due::*, expansion::*, filters::*, material::*, outcomes::*, switch_off::*};
 use crate::error::AppResult;
 
 /// The Postgres channel that says "deliveries are due now". Every api
