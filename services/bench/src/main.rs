@@ -51,7 +51,7 @@ async fn main() -> Result<()> {
         if let Some(stored) = r.storage_line() {
             eprintln!("{stored}");
         }
-        bad |= r.missing > 0 || r.duplicates > 0;
+        bad |= r.missing > 0 || r.duplicates > 0 || r.unexpected > 0;
     }
     let table = format!(
         "Machine: {}; everything (Postgres, NATS, api, dispatcher, receiver, driver) on it\n\n{}\n",
@@ -61,7 +61,7 @@ async fn main() -> Result<()> {
     std::fs::write(out.join("results.md"), &table)?;
     println!("{table}");
     if bad {
-        anyhow::bail!("deliveries were missing or duplicated");
+        anyhow::bail!("deliveries were missing, duplicated or let through by a filter that should have refused them");
     }
     Ok(())
 }

@@ -18,6 +18,9 @@ pub struct Report {
     pub healthy_deliveries: usize,
     pub expected_healthy_deliveries: usize,
     pub missing: usize,
+    /// Healthy deliveries beyond those expected (a payload filter that let
+    /// through an event it should have refused).
+    pub unexpected: usize,
     pub duplicates: usize,
     pub latency_ms: Latency,
     pub cpu_seconds: Resources<f64>,
@@ -118,7 +121,7 @@ impl Report {
         latencies.sort();
         let pct =
             |p: f64| latencies.get(((latencies.len() as f64 * p).ceil() as usize).saturating_sub(1)).copied().map(ms).unwrap_or(f64::NAN);
-        let expected = w.events * w.healthy;
+        let expected = w.expected_healthy();
         let cpu = |i: usize| ((cpu_after.get(i).unwrap_or(&0.0) - cpu_before.get(i).unwrap_or(&0.0)) * 100.0).round() / 100.0;
         let mib = |i: usize| ((*peaks.get(i).unwrap_or(&0) as f64 / 1_048_576.0) * 10.0).round() / 10.0;
         let cpu_total = cpu(0) + cpu(1) + cpu(2);
@@ -140,6 +143,9 @@ impl Report {
             healthy_deliveries: distinct,
             expected_healthy_deliveries: expected,
             missing: expected.saturating_sub(distinct),
+            // More than expected can only be a filter letting through what
+            // it should not: counted, so the run says so.
+            unexpected: distinct.saturating_sub(expected),
             duplicates,
             latency_ms: Latency { p50: pct(0.50), p95: pct(0.95), p99: pct(0.99), max: pct(1.0) },
             cpu_seconds: Resources { api: cpu(0), dispatcher: cpu(1), postgres: cpu(2) },

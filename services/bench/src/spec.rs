@@ -31,6 +31,19 @@ pub struct Workload {
     /// publishers spread over the apis, each dispatcher calls its own api
     /// first.
     pub replicas: usize,
+    /// Payload filters on the healthy endpoints (issue 27): what a filter
+    /// costs at expansion, per delivery it lets through.
+    pub filter: Option<FilterMix>,
+}
+
+/// How the healthy endpoints filter: `Half`: each endpoint takes half the
+/// events (even endpoints the lower half of `n`, odd ones the upper), so
+/// each event goes to half of them; `All`: a filter every event matches
+/// (the deliveries of W1, plus the cost of judging them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum FilterMix {
+    Half,
+    All,
 }
 
 /// Environments beside the measured one, each with its own endpoints.
@@ -79,6 +92,7 @@ impl Workload {
             neighbours: None,
             idle_secs: 0,
             replicas,
+            filter: None,
         };
         // The measured environment of W4 and W5 publishes at a steady rate
         // unless the name says otherwise.
@@ -121,6 +135,10 @@ impl Workload {
             },
             "w5-solo" => Workload { rate: paced(50.0), ..w(1_500, 16, 2, 0, 0, 0) },
             "w3" => w(2_000, 32, 10, 0, 0, 1_000_000),
+            // W1 with a payload filter on every endpoint: half the events
+            // match each (w1f), or all of them (w1f-all).
+            "w1f" => Workload { filter: Some(FilterMix::Half), ..w(2_000, 32, 10, 0, 0, 0) },
+            "w1f-all" => Workload { filter: Some(FilterMix::All), ..w(2_000, 32, 10, 0, 0, 0) },
             // 200 publishes of 250 KiB at once beside 600 hostile bodies of
             // 1–1.9 MiB: what the api's memory does under that.
             "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
@@ -129,12 +147,39 @@ impl Workload {
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
             other => bail!(
-                "unknown workload {other:?}: w1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
+                "unknown workload {other:?}: w1, w1f, w1f-all, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
             ),
         })
     }
 
     pub fn endpoints(&self) -> usize {
         self.healthy + self.hanging + self.failing
+    }
+
+    /// The healthy deliveries the run waits for: each event once per
+    /// healthy endpoint whose filter it matches.
+    pub fn expected_healthy(&self) -> usize {
+        match self.filter {
+            Some(FilterMix::Half) => (0..self.healthy).map(|k| self.filter_takes(k, self.events)).sum(),
+            _ => self.events * self.healthy,
+        }
+    }
+
+    /// How many of `events` the `k`th healthy endpoint's filter takes.
+    fn filter_takes(&self, k: usize, events: usize) -> usize {
+        let half = events / 2;
+        if k.is_multiple_of(2) { half } else { events - half }
+    }
+
+    /// The `k`th healthy endpoint's payload filter, as REST takes it.
+    pub fn filter_for(&self, k: usize) -> Option<serde_json::Value> {
+        let half = self.events / 2;
+        match self.filter? {
+            FilterMix::All => Some(serde_json::json!({"n": {"$gte": 0}, "data": {"$exists": true}})),
+            FilterMix::Half if k.is_multiple_of(2) => {
+                Some(serde_json::json!({"$and": [{"n": {"$gte": 0}}, {"data": {"$exists": true}}, {"n": {"$lt": half}}]}))
+            }
+            FilterMix::Half => Some(serde_json::json!({"n": {"$gte": half}, "data": {"$exists": true}})),
+        }
     }
 }

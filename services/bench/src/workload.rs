@@ -140,8 +140,9 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     for i in 0..w.failing {
         paths.push(format!("/status/500/{i}"));
     }
-    for p in &paths {
-        register_endpoint(&http, &rest_url, &key, receiver.url(p)).await?;
+    for (k, p) in paths.iter().enumerate() {
+        let filter = if k < w.healthy { w.filter_for(k) } else { None };
+        register_endpoint(&http, &rest_url, &key, receiver.url(p), filter).await?;
     }
     if w.backlog > 0 {
         seed_backlog(&db_url, &environment_id, w.backlog).await?;
@@ -220,7 +221,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     }
 
     // Wait for every healthy delivery, or until progress stops.
-    let expected = w.events * w.healthy;
+    let expected = w.expected_healthy();
     let (mut last_count, mut last_progress) = (0usize, Instant::now());
     loop {
         let count = receiver.arrivals.lock().expect("not poisoned").healthy_distinct;
@@ -284,7 +285,7 @@ async fn neighbours(
             .chain((0..n.hanging_each).map(|i| format!("/hang/600/nb{e}-{i}")))
             .chain((0..n.failing_each).map(|i| format!("/status/500/nb{e}-{i}")));
         for p in paths {
-            register_endpoint(http, rest_url, &key, receiver.url(&p)).await?;
+            register_endpoint(http, rest_url, &key, receiver.url(&p), None).await?;
         }
         keys.push(key);
     }
@@ -305,13 +306,18 @@ async fn environment_with_key(admin: &mut AdminServiceClient<Channel>, name: Str
 }
 
 /// Registers an endpoint at `url` for the bench's event type, through the REST facade.
-async fn register_endpoint(http: &reqwest::Client, rest_url: &str, key: &str, url: String) -> Result<()> {
-    let resp = http
-        .post(format!("{rest_url}/v1/webhooks"))
-        .bearer_auth(key)
-        .json(&serde_json::json!({"url": url, "event_types": ["bench.event"]}))
-        .send()
-        .await?;
+async fn register_endpoint(
+    http: &reqwest::Client,
+    rest_url: &str,
+    key: &str,
+    url: String,
+    filter: Option<serde_json::Value>,
+) -> Result<()> {
+    let mut body = serde_json::json!({"url": url, "event_types": ["bench.event"]});
+    if let Some(f) = filter {
+        body["filter"] = f;
+    }
+    let resp = http.post(format!("{rest_url}/v1/webhooks")).bearer_auth(key).json(&body).send().await?;
     anyhow::ensure!(resp.status().as_u16() == 201, "creating an endpoint at {url}: {} {}", resp.status(), resp.text().await?);
     Ok(())
 }
