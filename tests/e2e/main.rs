@@ -17,6 +17,7 @@ mod pipeline_edges;
 mod portal;
 mod portal_bounds;
 mod portal_browser;
+mod rate_limit;
 mod receiving;
 mod retention;
 mod schemes;

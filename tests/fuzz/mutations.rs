@@ -386,6 +386,20 @@ pub(crate) const FILTER_VALUES: &[&str] = &[
     "[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[[]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]]",
 ];
 
+/// Rate limits (issue 27): out of range, wrong shapes, numbers past any type.
+pub(crate) const RATE_VALUES: &[&str] = &[
+    r#"{"per_second":0}"#,
+    r#"{"per_second":10001}"#,
+    r#"{"per_second":5,"burst":99999999999}"#,
+    r#"{"per_second":-1}"#,
+    r#"{"per_second":1.5}"#,
+    r#"{"per_second":"5"}"#,
+    r#"{"burst":5}"#,
+    r#"{"per_second":null}"#,
+    r#"[5,5]"#,
+    r#"{"per_second":5,"unknown":1}"#,
+];
+
 pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
     let ms = members(req);
     let i = some_member(rng, ms, false);
@@ -394,6 +408,7 @@ pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
         "event_types" | "type" if rng.chance(60) => TYPE_VALUES,
         "headers" if rng.chance(60) => HEADER_VALUES,
         "filter" if rng.chance(60) => FILTER_VALUES,
+        "rate_limit" if rng.chance(60) => RATE_VALUES,
         _ => WRONG_VALUES,
     };
     ms[i].1 = rng.pick(list).to_string();

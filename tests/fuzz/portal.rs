@@ -40,7 +40,8 @@ const fn route(method: &'static str, template: &'static str, fields: &'static [&
     PortalRoute { method, template, fields }
 }
 
-pub(crate) const ENDPOINT_FORM: &[&str] = &["url", "event_types", "signature_scheme", "headers", "max_in_flight", "filter"];
+pub(crate) const ENDPOINT_FORM: &[&str] =
+    &["url", "event_types", "signature_scheme", "headers", "max_in_flight", "filter", "rate_per_second", "rate_burst"];
 pub(crate) const ROUTES: &[PortalRoute] = &[
     route("GET", "/portal/", &[]),
     route("GET", "/portal", &[]),
@@ -119,6 +120,8 @@ pub(crate) fn valid_value(name: &str, rng: &mut Rng, pw: &PortalWorld) -> String
         "headers" => rng.pick(&["", "X-Fz%3A%20v", "X-Fz%3A%20v%0AX-Other%3A%20w"]).to_string(),
         "max_in_flight" => rng.pick(&["", "1", "64"]).to_string(),
         "filter" => rng.pick(&["", "%7B%22n%22%3A%7B%22%24gte%22%3A0%7D%7D"]).to_string(),
+        "rate_per_second" => rng.pick(&["", "5", "100"]).to_string(),
+        "rate_burst" => rng.pick(&["", "1", "10"]).to_string(),
         _ => "x".into(),
     }
 }

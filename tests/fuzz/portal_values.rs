@@ -91,6 +91,8 @@ pub(crate) const FILTER_TEXTS: &[&str] = &[
     "%7B%7D",
     "null",
 ];
+/// Rates and bursts out of range or not numbers.
+pub(crate) const RATES: &[&str] = &["0", "10001", "-5", "2.5", "1e4", "99999999999999999999", "%00", "five"];
 /// In-flight caps out of range or not numbers.
 pub(crate) const CAPS: &[&str] = &["0", "1001", "-1", "1e3", "99999999999999999999", "%00", "1.5"];
 /// Field names the portal reads somewhere, for a field added where it is not read.
@@ -111,6 +113,8 @@ pub(crate) const FIELD_NAMES: &[&str] = &[
     "max_in_flight",
     "clear_headers",
     "filter",
+    "rate_per_second",
+    "rate_burst",
 ];
 
 /// The hostile values of a field's own kind (times, cursors, URLs, types).
@@ -123,6 +127,7 @@ pub(crate) fn values_for(field: &str) -> &'static [&'static str] {
         "headers" => HEADER_LINES,
         "max_in_flight" => CAPS,
         "filter" => FILTER_TEXTS,
+        "rate_per_second" | "rate_burst" => RATES,
         _ => &[],
     }
 }

@@ -262,6 +262,10 @@ pub(crate) fn seed_value(name: &str, ty: &str, rng: &mut Rng, world: &World) -> 
         "event_types" => r#"["fz.created"]"#.into(),
         "type" => r#""fz""#.into(),
         "payload" => format!(r#"{{"n": {}, "s": "fuzz"}}"#, rng.below(1000)),
+        "rate_limit" => match rng.below(2) {
+            0 => return None,
+            _ => r#"{"per_second": 50, "burst": 5}"#.into(),
+        },
         "filter" => match rng.below(3) {
             0 => return None,
             1 => r#"{"n": {"$gte": 0}}"#.into(),

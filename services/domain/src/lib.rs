@@ -13,6 +13,7 @@ pub mod headers;
 pub mod health;
 pub mod ids;
 pub mod models;
+pub mod rate;
 pub mod reason;
 pub mod schedule;
 pub mod signing;

@@ -88,6 +88,8 @@ pub struct Endpoint {
     /// The payload filter as the tenant wrote it; `None`: every event of
     /// its types.
     pub filter: Option<String>,
+    /// Its rate limit; `None`: unlimited.
+    pub rate_limit: Option<crate::rate::RateLimit>,
 }
 
 #[derive(Debug, Clone)]

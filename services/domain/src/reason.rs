@@ -130,6 +130,9 @@ catalogue! {
     InvalidHeaders = "invalid_headers",
     /// An endpoint's `max_in_flight` outside 1–1000.
     MaxInFlightOutOfRange = "max_in_flight_out_of_range",
+    /// An endpoint's `rate_limit` outside its bounds (1–10,000 a second,
+    /// bursts of 1–10,000).
+    RateLimitOutOfRange = "rate_limit_out_of_range",
     /// A payload filter that is not valid JSON, not within its bounds or
     /// not in the filter language (the message names the JSON pointer).
     InvalidFilter = "invalid_filter",

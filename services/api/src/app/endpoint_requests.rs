@@ -3,7 +3,7 @@
 //! custom headers, sealed for storage with the key ring).
 
 use anyhow::Context;
-use relay_domain::{Reason, filter::Filter, headers::CustomHeaders};
+use relay_domain::{Reason, filter::Filter, headers::CustomHeaders, rate::RateLimit};
 
 use super::App;
 use crate::db::endpoints::SealedHeaders;
@@ -21,6 +21,8 @@ pub struct NewEndpoint {
     pub max_in_flight: Option<u32>,
     /// A payload filter's JSON text; empty: none.
     pub filter: String,
+    /// (per second, burst) as asked; `None`: unlimited.
+    pub rate_limit: Option<(u32, u32)>,
 }
 
 impl std::fmt::Debug for NewEndpoint {
@@ -33,7 +35,27 @@ impl std::fmt::Debug for NewEndpoint {
             .field("headers", &self.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>())
             .field("max_in_flight", &self.max_in_flight)
             .field("filter", &self.filter)
+            .field("rate_limit", &self.rate_limit)
             .finish()
+    }
+}
+
+/// A rate limit checked against its bounds.
+pub(super) fn check_rate_limit((per_second, burst): (u32, u32)) -> AppResult<RateLimit> {
+    RateLimit::new(per_second, burst).map_err(|e| AppError::invalid(Reason::RateLimitOutOfRange, e))
+}
+
+/// What an update does to the rate limit, as for headers: `clear` removes
+/// it, a new one replaces it, neither keeps it.
+pub(super) fn rate_limit_change(clear: bool, asked: Option<(u32, u32)>) -> AppResult<Option<Option<(u32, u32)>>> {
+    match (clear, asked) {
+        (true, Some(_)) => Err(AppError::invalid(
+            Reason::RateLimitOutOfRange,
+            "clear_rate_limit removes the rate limit: ask for it or for a new limit, not both",
+        )),
+        (true, None) => Ok(Some(None)),
+        (false, None) => Ok(None),
+        (false, Some(r)) => Ok(Some(Some(r))),
     }
 }
 
@@ -44,7 +66,7 @@ pub(super) fn check_filter(text: &str) -> AppResult<String> {
 
 /// What an update does to the payload filter, as for headers: `clear`
 /// removes it, a new one replaces it, neither keeps it.
-pub fn filter_change(clear: bool, text: String) -> AppResult<Option<Option<String>>> {
+pub(super) fn filter_change(clear: bool, text: String) -> AppResult<Option<Option<String>>> {
     // JSON null (REST `"filter": null`) removes it, as a merge patch would.
     if text.trim() == "null" && !clear {
         return Ok(Some(None));
@@ -61,7 +83,7 @@ pub fn filter_change(clear: bool, text: String) -> AppResult<Option<Option<Strin
 
 /// What an update does to the custom headers: `clear` removes them all, new
 /// pairs replace them, neither keeps them; both at once is a mistake.
-pub fn header_change(clear: bool, pairs: Vec<(String, String)>) -> AppResult<Option<Vec<(String, String)>>> {
+pub(super) fn header_change(clear: bool, pairs: Vec<(String, String)>) -> AppResult<Option<Vec<(String, String)>>> {
     match (clear, pairs.is_empty()) {
         (true, false) => {
             Err(AppError::invalid(Reason::InvalidHeaders, "clear_headers removes every header: ask for it or for new headers, not both"))
@@ -82,31 +104,45 @@ pub(super) fn check_max_in_flight(n: u32) -> AppResult<i32> {
     Ok(n as i32)
 }
 
-/// What an update asks for; empty or `None` fields stay as they are.
+/// What an update asks for, as asked; empty or `None` fields stay as they
+/// are. Nothing here is judged before the endpoint is found to be the
+/// tenant's: another tenant's endpoint answers 404 whatever the body says.
 #[derive(Default)]
 pub struct EndpointChange {
     pub url: Option<String>,
     pub event_types: Vec<String>,
     pub signature_scheme: Option<String>,
-    /// New custom headers, replacing all of them; `Some` of none removes them.
-    pub headers: Option<Vec<(String, String)>>,
+    /// New custom headers, replacing all of them (none: kept)…
+    pub headers: Vec<(String, String)>,
+    /// …or removing them all (see [`header_change`]).
+    pub clear_headers: bool,
     /// A new in-flight cap; `Some(None)` returns to the platform's.
     pub max_in_flight: Option<Option<u32>>,
-    /// A new payload filter; `Some(None)` removes it.
-    pub filter: Option<Option<String>>,
+    /// A new payload filter's JSON (empty: kept; `null`: removed)…
+    pub filter: String,
+    /// …or removing it (see [`filter_change`]).
+    pub clear_filter: bool,
+    /// A new rate limit, (per second, burst) (`None`: kept)…
+    pub rate_limit: Option<(u32, u32)>,
+    /// …or removing it (see [`rate_limit_change`]).
+    pub clear_rate_limit: bool,
 }
 
 impl std::fmt::Debug for EndpointChange {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Header values are often credentials: names only.
-        let headers = self.headers.as_ref().map(|h| h.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>());
+        let headers = self.headers.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>();
         f.debug_struct("EndpointChange")
             .field("url", &self.url)
             .field("event_types", &self.event_types)
             .field("signature_scheme", &self.signature_scheme)
             .field("headers", &headers)
+            .field("clear_headers", &self.clear_headers)
             .field("max_in_flight", &self.max_in_flight)
             .field("filter", &self.filter)
+            .field("clear_filter", &self.clear_filter)
+            .field("rate_limit", &self.rate_limit)
+            .field("clear_rate_limit", &self.clear_rate_limit)
             .finish()
     }
 }

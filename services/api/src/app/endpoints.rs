@@ -15,8 +15,10 @@ use relay_netguard::Rejection;
 use relay_signing::{Scheme, SigningSecret};
 use url::Host;
 
-pub use super::endpoint_requests::{EndpointChange, NewEndpoint, filter_change, header_change};
-use super::endpoint_requests::{SealedPairs, check_filter, check_max_in_flight};
+pub use super::endpoint_requests::{EndpointChange, NewEndpoint};
+use super::endpoint_requests::{
+    SealedPairs, check_filter, check_max_in_flight, check_rate_limit, filter_change, header_change, rate_limit_change,
+};
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
 use crate::db::{
@@ -140,6 +142,7 @@ impl App {
         let headers = self.seal_headers(new.headers)?;
         let max_in_flight = new.max_in_flight.map(check_max_in_flight).transpose()?;
         let filter = if matches!(new.filter.trim(), "" | "null") { None } else { Some(check_filter(&new.filter)?) };
+        let rate_limit = new.rate_limit.map(check_rate_limit).transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
@@ -164,6 +167,7 @@ impl App {
             headers: headers.as_ref().map(SealedPairs::as_stored),
             max_in_flight,
             filter: filter.as_deref(),
+            rate_limit,
         };
         let id = db::endpoints::insert(&mut tx, row).await?;
         db::health::insert(&mut tx, id).await?;
@@ -197,9 +201,11 @@ impl App {
         };
         let event_types = if change.event_types.is_empty() { None } else { Some(normalise_event_types(&change.event_types)?) };
         let scheme = change.signature_scheme.as_deref().map(parse_scheme).transpose()?;
-        let headers = change.headers.map(|pairs| self.seal_headers(pairs)).transpose()?;
+        let headers = header_change(change.clear_headers, change.headers)?.map(|pairs| self.seal_headers(pairs)).transpose()?;
         let max_in_flight = change.max_in_flight.map(|n| n.map(check_max_in_flight).transpose()).transpose()?;
-        let filter = change.filter.map(|f| f.as_deref().map(check_filter).transpose()).transpose()?;
+        let filter = filter_change(change.clear_filter, change.filter)?.map(|f| f.as_deref().map(check_filter).transpose()).transpose()?;
+        let rate_limit =
+            rate_limit_change(change.clear_rate_limit, change.rate_limit)?.map(|r| r.map(check_rate_limit).transpose()).transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locked: an expansion share-locks the endpoint, so it reads the row
@@ -240,6 +246,7 @@ impl App {
             headers: headers.as_ref().map(|h| h.as_ref().map(SealedPairs::as_stored)),
             max_in_flight,
             filter: filter.as_ref().map(Option::as_deref),
+            rate_limit,
         };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =

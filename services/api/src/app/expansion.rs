@@ -89,7 +89,12 @@ impl App {
         // endpoint to free a slot, which fills it: every api refills from
         // now on (no relay pass could take them sooner). An api that hands
         // nothing out leaves every row to the relays.
-        let waiting = rows.iter().any(|r| r.id.is_some() && !r.leased && !r.held);
+        let waiting = rows.iter().any(|r| r.id.is_some() && !r.leased && !r.held && !r.gated);
+        // Rows at a rate gate wait for a relay pass, which opens it.
+        if rows.iter().any(|r| r.id.is_some() && r.gated) {
+            db::deliveries::notify_due(conn).await?;
+            self.deliveries_wake.wake();
+        }
         if waiting {
             match &self.direct {
                 Some(_) => {

@@ -1,7 +1,7 @@
 //! `webhook_endpoints`. Reads never select a ciphertext; only material and
 //! the rewrap read secrets.
 
-use relay_domain::{EndpointId, EnvironmentId};
+use relay_domain::{EndpointId, EnvironmentId, rate::RateLimit};
 use sqlx::{PgConnection, PgPool};
 
 use relay_signing::Scheme;
@@ -59,6 +59,8 @@ struct EndpointRow {
     headers_shown: serde_json::Value,
     max_in_flight: Option<i32>,
     filter: Option<String>,
+    rate_per_second: Option<i32>,
+    rate_burst: Option<i32>,
 }
 
 impl EndpointRow {
@@ -107,7 +109,18 @@ impl EndpointRow {
             headers,
             max_in_flight: r.max_in_flight.and_then(|n| u32::try_from(n).ok()),
             filter: r.filter,
+            rate_limit: stored_rate(r.id, r.rate_per_second, r.rate_burst)?,
         })
+    }
+}
+
+/// A rate limit as stored (both columns or neither, by a CHECK).
+fn stored_rate(id: EndpointId, per_second: Option<i32>, burst: Option<i32>) -> anyhow::Result<Option<RateLimit>> {
+    match (per_second, burst) {
+        (Some(r), Some(b)) => RateLimit::new(u32::try_from(r).unwrap_or(0), u32::try_from(b).unwrap_or(0))
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("endpoint {id} has a stored rate limit this api cannot read: {e}")),
+        _ => Ok(None),
     }
 }
 
@@ -138,15 +151,17 @@ pub struct NewEndpointRow<'a> {
     pub max_in_flight: Option<i32>,
     /// The payload filter's text, checked.
     pub filter: Option<&'a str>,
+    pub rate_limit: Option<RateLimit>,
 }
 
 /// The new endpoint's id.
 pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult<EndpointId> {
-    let NewEndpointRow { environment_id, url, event_types, scheme, material, headers, max_in_flight, filter } = row;
+    let NewEndpointRow { environment_id, url, event_types, scheme, material, headers, max_in_flight, filter, rate_limit } = row;
     Ok(sqlx::query_scalar!(
         r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key,
-                                        headers_key_id, headers_ciphertext, headers_shown, max_in_flight, filter)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13) RETURNING id AS "id: EndpointId""#,
+                                        headers_key_id, headers_ciphertext, headers_shown, max_in_flight, filter,
+                                        rate_per_second, rate_burst)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13, $14, $15) RETURNING id AS "id: EndpointId""#,
         EndpointId::mint() as _,
         environment_id as _,
         url,
@@ -160,6 +175,8 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         headers.as_ref().map(|h| &h.shown),
         max_in_flight,
         filter,
+        rate_limit.map(|r| r.per_second() as i32),
+        rate_limit.map(|r| r.burst() as i32),
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -181,7 +198,7 @@ async fn select(
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts,
                   h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!",
-                  e.headers_shown, e.max_in_flight, e.filter
+                  e.headers_shown, e.max_in_flight, e.filter, e.rate_per_second, e.rate_burst
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
@@ -258,6 +275,8 @@ pub struct EndpointUpdate<'a> {
     pub max_in_flight: Option<Option<i32>>,
     /// A new payload filter (checked): `Some(None)` removes it.
     pub filter: Option<Option<&'a str>>,
+    /// A new rate limit: `Some(None)` removes it.
+    pub rate_limit: Option<Option<RateLimit>>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
@@ -281,7 +300,9 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
            headers_ciphertext = CASE WHEN $8 THEN $10 ELSE headers_ciphertext END,
            headers_shown = CASE WHEN $8 THEN COALESCE($11, '[]'::jsonb) ELSE headers_shown END,
            max_in_flight = CASE WHEN $12 THEN $13 ELSE max_in_flight END,
-           filter = CASE WHEN $14 THEN $15 ELSE filter END
+           filter = CASE WHEN $14 THEN $15 ELSE filter END,
+           rate_per_second = CASE WHEN $16 THEN $17 ELSE rate_per_second END,
+           rate_burst = CASE WHEN $16 THEN $18 ELSE rate_burst END
          WHERE id = $1",
         id as _,
         change.url,
@@ -298,6 +319,9 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         change.max_in_flight.flatten(),
         change.filter.is_some(),
         change.filter.flatten(),
+        change.rate_limit.is_some(),
+        change.rate_limit.flatten().map(|r| r.per_second() as i32),
+        change.rate_limit.flatten().map(|r| r.burst() as i32),
     )
     .execute(&mut *tx)
     .await?;

@@ -15,7 +15,7 @@ use crate::{
     app::{
         App,
         deliveries::DeadLetter,
-        endpoints::{Endpoint, EndpointChange, NewEndpoint, filter_change, header_change},
+        endpoints::{Endpoint, EndpointChange, NewEndpoint},
         events::{Attempt, Delivery},
     },
     auth,
@@ -53,6 +53,7 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         headers: e.headers.into_iter().collect(),
         max_in_flight: e.max_in_flight,
         filter: e.filter.unwrap_or_default(),
+        rate_limit: e.rate_limit.map(|r| pb::RateLimit { per_second: r.per_second(), burst: r.burst() }),
     }
 }
 
@@ -169,6 +170,7 @@ impl WebhookEndpointService for TenantApi {
             headers: header_pairs(r.headers),
             max_in_flight: r.max_in_flight.filter(|&n| n != 0),
             filter: r.filter,
+            rate_limit: r.rate_limit.map(|l| (l.per_second, l.burst)),
         };
         let (e, secret) = self.app.create_endpoint(tenant, new).await.map_err(status)?;
         Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
@@ -181,15 +183,17 @@ impl WebhookEndpointService for TenantApi {
         let tenant = auth::tenant(&self.app, &req).await?;
         let endpoint_id = id("id", &req.get_ref().id)?;
         let r = req.into_inner();
-        let headers = header_change(r.clear_headers, header_pairs(r.headers)).map_err(status)?;
-        let filter = filter_change(r.clear_filter, r.filter).map_err(status)?;
         let change = EndpointChange {
             url: r.url,
             event_types: r.event_types,
             signature_scheme: r.signature_scheme,
-            headers,
+            headers: header_pairs(r.headers),
+            clear_headers: r.clear_headers,
             max_in_flight: r.max_in_flight.map(|n| (n != 0).then_some(n)),
-            filter,
+            filter: r.filter,
+            clear_filter: r.clear_filter,
+            rate_limit: r.rate_limit.map(|l| (l.per_second, l.burst)),
+            clear_rate_limit: r.clear_rate_limit,
         };
         let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
         Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))

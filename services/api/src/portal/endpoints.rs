@@ -22,7 +22,7 @@ use relay_domain::{
 use crate::app::{
     App,
     bulk_recovery::Recovery,
-    endpoints::{Endpoint, EndpointChange, NewEndpoint, header_change},
+    endpoints::{Endpoint, EndpointChange, NewEndpoint},
     portal::PortalSession,
 };
 
@@ -49,6 +49,9 @@ pub struct EndpointView {
     pub max_in_flight: String,
     /// Its payload filter's JSON; empty: none.
     pub filter: String,
+    /// Its rate limit's two numbers; empty: unlimited.
+    pub rate_per_second: String,
+    pub rate_burst: String,
 }
 
 impl From<Endpoint> for EndpointView {
@@ -89,6 +92,8 @@ impl From<Endpoint> for EndpointView {
             headers: e.headers,
             max_in_flight: e.max_in_flight.map(|n| n.to_string()).unwrap_or_default(),
             filter: e.filter.unwrap_or_default(),
+            rate_per_second: e.rate_limit.map(|r| r.per_second().to_string()).unwrap_or_default(),
+            rate_burst: e.rate_limit.map(|r| r.burst().to_string()).unwrap_or_default(),
         }
     }
 }
@@ -137,6 +142,11 @@ pub struct EndpointForm {
     /// empty removes it.
     #[serde(default)]
     filter: String,
+    /// The rate limit, requests a second (empty: unlimited) and burst.
+    #[serde(default)]
+    rate_per_second: String,
+    #[serde(default)]
+    rate_burst: String,
 }
 
 /// `Name: value` lines as pairs; the rules themselves are the app's.
@@ -158,6 +168,24 @@ fn in_flight_field(raw: &str) -> Result<Option<u32>, String> {
         return Ok(None);
     }
     raw.parse().map(Some).map_err(|_| format!("max requests at once must be a whole number from 1 to 1000, got {:?}", raw))
+}
+
+/// The rate limit's two fields: an empty rate is none (the burst then
+/// does not matter); an empty burst is the default.
+fn rate_fields(per_second: &str, burst: &str) -> Result<Option<(u32, u32)>, String> {
+    let (per_second, burst) = (per_second.trim(), burst.trim());
+    if per_second.is_empty() {
+        return Ok(None);
+    }
+    let rate = per_second
+        .parse()
+        .map_err(|_| format!("rate limit: requests a second must be a whole number from 1 to 10000, got {per_second:?}"))?;
+    let burst = if burst.is_empty() {
+        0
+    } else {
+        burst.parse().map_err(|_| format!("rate limit: burst must be a whole number from 1 to 10000, got {burst:?}"))?
+    };
+    Ok(Some((rate, burst)))
 }
 
 fn split_types(raw: &str) -> Vec<String> {
@@ -185,6 +213,8 @@ struct NewForm {
     headers: String,
     max_in_flight: String,
     filter: String,
+    rate_per_second: String,
+    rate_burst: String,
 }
 
 pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
@@ -203,6 +233,8 @@ pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
             headers: String::new(),
             max_in_flight: String::new(),
             filter: String::new(),
+            rate_per_second: String::new(),
+            rate_burst: String::new(),
         },
     )
 }
@@ -243,12 +275,15 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
                 headers: form.headers,
                 max_in_flight: form.max_in_flight,
                 filter: form.filter,
+                rate_per_second: form.rate_per_second,
+                rate_burst: form.rate_burst,
             },
         )
     };
-    let fields = header_lines(&form.headers).and_then(|h| Ok((h, in_flight_field(&form.max_in_flight)?)));
-    let (headers, max_in_flight) = match fields {
-        Ok(both) => both,
+    let fields = header_lines(&form.headers)
+        .and_then(|h| Ok((h, in_flight_field(&form.max_in_flight)?, rate_fields(&form.rate_per_second, &form.rate_burst)?)));
+    let (headers, max_in_flight, rate_limit) = match fields {
+        Ok(all) => all,
         Err(error) => return refused(form, error),
     };
     let new = NewEndpoint {
@@ -258,6 +293,7 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
         headers,
         max_in_flight,
         filter: form.filter.clone(),
+        rate_limit,
     };
     match app.create_endpoint(s.tenant, new).await {
         Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
@@ -360,25 +396,27 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
     if types.is_empty() {
         return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, "an endpoint needs at least one event type".into())), None).await;
     }
-    let fields = header_lines(&form.headers).and_then(|h| Ok((h, in_flight_field(&form.max_in_flight)?)));
-    let (headers, max_in_flight) = match fields {
-        Ok(both) => both,
+    let fields = header_lines(&form.headers)
+        .and_then(|h| Ok((h, in_flight_field(&form.max_in_flight)?, rate_fields(&form.rate_per_second, &form.rate_burst)?)));
+    let (headers, max_in_flight, rate_limit) = match fields {
+        Ok(all) => all,
         Err(error) => return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, error)), None).await,
-    };
-    // Empty keeps them: their values are never shown to copy back.
-    let headers = match header_change(form.clear_headers.is_some(), headers) {
-        Ok(change) => change,
-        Err(e) => return show_page(&app, &s, id, Some((StatusCode::BAD_REQUEST, e.message)), None).await,
     };
     let change = EndpointChange {
         url: Some(form.url.trim().to_owned()),
         event_types: types,
         signature_scheme: (!form.signature_scheme.is_empty()).then(|| form.signature_scheme.clone()),
+        // Empty keeps them: their values are never shown to copy back.
         headers,
+        clear_headers: form.clear_headers.is_some(),
         // The form always shows the cap: empty is the platform's.
         max_in_flight: Some(max_in_flight),
         // The form shows the current filter: empty removes it.
-        filter: Some((!form.filter.trim().is_empty()).then(|| form.filter.clone())),
+        clear_filter: form.filter.trim().is_empty(),
+        filter: form.filter.clone(),
+        // Shown too: an empty rate removes the limit.
+        clear_rate_limit: rate_limit.is_none(),
+        rate_limit,
     };
     match app.update_endpoint(s.tenant, id, change).await {
         // A change of scheme may mint new material: shown once, like a rotation's.

@@ -109,7 +109,7 @@ pub struct RefillRow {
     pub envelope: Vec<u8>,
 }
 
-/// Fills the free slots of these endpoints (each within its in-flight cap,
+/// Fills the free slots of these endpoints but rate-limited ones (each within its in-flight cap,
 /// as the relay counts it: one for an endpoint handed one at a time) with their oldest due waiting deliveries, in one statement: each
 /// locked as it is read (rows another pass holds are passed over), claimed
 /// for `claimant` for `hold`, and leased where the claim was taken, up to
@@ -131,7 +131,10 @@ pub async fn refill<'e>(
         r#"WITH capped AS MATERIALIZED (
              SELECT h.endpoint_id, CASE WHEN h.one_at_a_time THEN 1 ELSE LEAST(COALESCE(e.max_in_flight, $2::bigint), $2::bigint) END AS cap
              FROM endpoint_health h JOIN webhook_endpoints e ON e.id = h.endpoint_id
-             WHERE h.endpoint_id = ANY ($1::uuid[]) AND e.deleted_at IS NULL AND (e.enabled OR e.disabled_reason = 'failing')),
+             WHERE h.endpoint_id = ANY ($1::uuid[]) AND e.deleted_at IS NULL AND (e.enabled OR e.disabled_reason = 'failing')
+               -- A rate-limited endpoint's rows pass its gate, which only
+               -- the relay's claim opens (`claim_and_lease`).
+               AND e.rate_per_second IS NULL),
            counted AS MATERIALIZED (
              SELECT c.endpoint_id, c.cap,
                     (SELECT count(*) FROM (SELECT 1 FROM webhook_deliveries l
