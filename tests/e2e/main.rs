@@ -18,6 +18,7 @@ mod portal;
 mod portal_bounds;
 mod portal_browser;
 mod rate_limit;
+mod receiver_tls;
 mod receiving;
 mod retention;
 mod schemes;

@@ -22,7 +22,10 @@ async fn wait_for_text(browser: &Browser, url: &str, css: &str, want: &str, with
         browser.client.goto(url).await.map_err(|e| anyhow::anyhow!("goto {url}: {e}"))?;
         if let Ok(found) = browser.client.find_all(Locator::Css(css)).await {
             for el in found {
-                last = text_of(&el).await?;
+                // An element gone stale (the page replaced it while it was
+                // read) is read again after the next load.
+                let Ok(text) = text_of(&el).await else { break };
+                last = text;
                 if last.contains(want) {
                     return Ok(last);
                 }
@@ -229,8 +232,21 @@ async fn in_a_browser_an_endpoint_is_created_a_delivery_seen_a_dead_letter_repla
 
     // Signing out ends it.
     c.find(Locator::Css("form.inline button")).await.map_err(e("sign out"))?.click().await.map_err(e("sign out"))?;
-    let h1 = c.wait().for_element(Locator::Css("h1")).await.map_err(e("signed out"))?;
-    assert_eq!(text_of(&h1).await?, "Signed out");
+    // The page's h1 is found before the click's navigation replaces it (and
+    // then goes stale): read it until the new page's says so (bounded).
+    let mut heading = String::new();
+    for _ in 0..100 {
+        if let Ok(h1) = c.find(Locator::Css("h1")).await
+            && let Ok(text) = text_of(&h1).await
+        {
+            heading = text;
+            if heading == "Signed out" {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(heading, "Signed out");
     c.goto(&format!("{}/portal/", stack.rest_url)).await.map_err(e("after sign-out"))?;
     let h1 = c.find(Locator::Css("h1")).await.map_err(e("ended"))?;
     assert_eq!(text_of(&h1).await?, "Your session has ended");

@@ -400,6 +400,19 @@ pub(crate) const RATE_VALUES: &[&str] = &[
     r#"{"per_second":5,"unknown":1}"#,
 ];
 
+/// PEM fields (issue 27): garbage inside armour, the wrong block kind,
+/// truncation, NULs, a key where a certificate goes.
+pub(crate) const PEM_VALUES: &[&str] = &[
+    r#""-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n""#,
+    r#""-----BEGIN CERTIFICATE-----\n!!!!\n-----END CERTIFICATE-----""#,
+    r#""-----BEGIN CERTIFICATE-----\nMIIB""#,
+    r#""-----BEGIN PRIVATE KEY-----\nMC4CAQAwBQYDK2VwBCIEIA==\n-----END PRIVATE KEY-----\n""#,
+    r#""-----BEGIN RSA PRIVATE KEY-----\n\u0000\n-----END RSA PRIVATE KEY-----""#,
+    r#""-----END CERTIFICATE-----\n-----BEGIN CERTIFICATE-----""#,
+    r#""\r\n\r\n""#,
+    r#"["-----BEGIN CERTIFICATE-----"]"#,
+];
+
 pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
     let ms = members(req);
     let i = some_member(rng, ms, false);
@@ -409,6 +422,7 @@ pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
         "headers" if rng.chance(60) => HEADER_VALUES,
         "filter" if rng.chance(60) => FILTER_VALUES,
         "rate_limit" if rng.chance(60) => RATE_VALUES,
+        "client_certificate" | "client_key" | "ca_bundle" if rng.chance(60) => PEM_VALUES,
         _ => WRONG_VALUES,
     };
     ms[i].1 = rng.pick(list).to_string();

@@ -21,6 +21,7 @@ mod receiver;
 mod rest;
 mod rng;
 mod stack;
+mod tls;
 pub use browser::*;
 pub use db::*;
 pub use nats::*;
@@ -31,6 +32,7 @@ pub use receiver::*;
 pub use rest::*;
 pub use rng::*;
 pub use stack::*;
+pub use tls::*;
 
 use std::{
     net::SocketAddr,

@@ -48,6 +48,8 @@ pub struct Receiver {
     pub got: Arc<Mutex<Vec<Received>>>,
     replies: Arc<Mutex<std::collections::HashMap<String, Reply>>>,
     concurrency: Concurrency,
+    /// "http", or "https" for a receiver started with TLS.
+    scheme: &'static str,
 }
 
 /// Requests being answered now and the most ever at once, by path.
@@ -80,6 +82,16 @@ impl Drop for Answering {
 
 impl Receiver {
     pub async fn start() -> Result<Self> {
+        Self::start_with(None).await
+    }
+
+    /// A receiver over HTTPS with this TLS (see `TestPki::server_config`):
+    /// a request whose handshake fails is never recorded.
+    pub async fn start_tls(tls: Arc<rustls::ServerConfig>) -> Result<Self> {
+        Self::start_with(Some(tls)).await
+    }
+
+    async fn start_with(tls: Option<Arc<rustls::ServerConfig>>) -> Result<Self> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let got: Arc<Mutex<Vec<Received>>> = Default::default();
@@ -128,8 +140,17 @@ impl Receiver {
                 }
             },
         );
-        tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
-        Ok(Self { addr, got, replies, concurrency })
+        let scheme = match tls {
+            None => {
+                tokio::spawn(async move { axum::serve(listener, app.into_make_service_with_connect_info::<SocketAddr>()).await });
+                "http"
+            }
+            Some(tls) => {
+                tokio::spawn(serve_tls(listener, tls, app));
+                "https"
+            }
+        };
+        Ok(Self { addr, got, replies, concurrency, scheme })
     }
 
     /// The most requests to `path` ever being answered at once.
@@ -148,7 +169,7 @@ impl Receiver {
     }
 
     pub fn url(&self, path: &str) -> String {
-        format!("http://{}{path}", self.addr)
+        format!("{}://{}{path}", self.scheme, self.addr)
     }
 
     pub fn received(&self) -> Vec<Received> {
@@ -171,5 +192,27 @@ impl Receiver {
             tokio::time::sleep(Duration::from_millis(25)).await;
         }
         self.at(path)
+    }
+}
+
+/// Serves `app` over TLS: each connection's handshake, then HTTP/1.1 with
+/// the peer's address where the handler reads it.
+async fn serve_tls(listener: TcpListener, tls: Arc<rustls::ServerConfig>, app: Router) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    loop {
+        let Ok((stream, peer)) = listener.accept().await else { continue };
+        let (acceptor, app) = (acceptor.clone(), app.clone());
+        tokio::spawn(async move {
+            // A refused handshake (no client certificate, an unknown CA) ends here.
+            let Ok(stream) = acceptor.accept(stream).await else { return };
+            let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let mut req = req.map(axum::body::Body::new);
+                req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                tower::ServiceExt::oneshot(app.clone(), req)
+            });
+            let _ = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service)
+                .await;
+        });
     }
 }

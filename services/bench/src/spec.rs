@@ -139,6 +139,10 @@ impl Workload {
             // match each (w1f), or all of them (w1f-all).
             "w1f" => Workload { filter: Some(FilterMix::Half), ..w(2_000, 32, 10, 0, 0, 0) },
             "w1f-all" => Workload { filter: Some(FilterMix::All), ..w(2_000, 32, 10, 0, 0, 0) },
+            // w1f's deliveries without a filter: W1's events to 5 endpoints
+            // (each event reaches 5, as under w1f), the baseline that tells
+            // the filter's cost from the cost of events reaching fewer.
+            "w1h" => w(2_000, 32, 5, 0, 0, 0),
             // 200 publishes of 250 KiB at once beside 600 hostile bodies of
             // 1–1.9 MiB: what the api's memory does under that.
             "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
@@ -147,7 +151,7 @@ impl Workload {
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
             other => bail!(
-                "unknown workload {other:?}: w1, w1f, w1f-all, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
+                "unknown workload {other:?}: w1, w1f, w1f-all, w1h, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
             ),
         })
     }

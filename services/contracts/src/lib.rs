@@ -50,6 +50,12 @@ impl fmt::Debug for relay::tenant::v1::CreateWebhookEndpointRequest {
             .field("event_types", &self.event_types)
             .field("signature_scheme", &self.signature_scheme)
             .field("headers", &header_names(&self.headers))
+            .field("max_in_flight", &self.max_in_flight)
+            .field("filter", &self.filter)
+            .field("rate_limit", &self.rate_limit)
+            .field("client_certificate_len", &self.client_certificate.len())
+            .field("client_key", &REDACTED)
+            .field("ca_bundle_len", &self.ca_bundle.len())
             .finish()
     }
 }
@@ -63,6 +69,16 @@ impl fmt::Debug for relay::tenant::v1::UpdateWebhookEndpointRequest {
             .field("signature_scheme", &self.signature_scheme)
             .field("headers", &header_names(&self.headers))
             .field("clear_headers", &self.clear_headers)
+            .field("max_in_flight", &self.max_in_flight)
+            .field("filter", &self.filter)
+            .field("clear_filter", &self.clear_filter)
+            .field("rate_limit", &self.rate_limit)
+            .field("clear_rate_limit", &self.clear_rate_limit)
+            .field("client_certificate_len", &self.client_certificate.len())
+            .field("client_key", &REDACTED)
+            .field("clear_client_certificate", &self.clear_client_certificate)
+            .field("ca_bundle_len", &self.ca_bundle.len())
+            .field("clear_ca_bundle", &self.clear_ca_bundle)
             .finish()
     }
 }
@@ -103,6 +119,8 @@ impl fmt::Debug for relay::dispatch::v1::MaterialResponse {
             .field("attempt", &self.attempt)
             .field("secrets", &format_args!("[{} redacted]", self.secrets.len()))
             .field("headers", &header_names(&self.headers))
+            .field("client_identity", &if self.client_identity_pem.is_empty() { "none" } else { REDACTED })
+            .field("ca_bundle_len", &self.ca_bundle.len())
             .field("payload_len", &self.payload.len())
             .finish()
     }

@@ -101,7 +101,8 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
     let [id, ts, signature] = signed_headers(scheme, &secrets, &m.event_id, &timestamp, &m.payload)
         .map_err(|e| format!("signing: the endpoint's {scheme} key cannot sign: {e}"))?;
     drop(secrets);
-    let mut request = sender.client.post(url);
+    let client = sender.client_for(&m.client_identity_pem, &m.ca_bundle)?;
+    let mut request = client.post(url);
     // The endpoint's own headers; the api refused any name Relay sets below
     // (or the connection frames), so none doubles a signature header.
     for (name, value) in &m.headers {

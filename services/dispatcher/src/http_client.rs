@@ -2,12 +2,23 @@
 //! names itself, refusing any name with a blocked address before connecting
 //! to exactly the addresses it checked (no second lookup, so DNS rebinding
 //! between check and connect is impossible).
+//!
+//! An endpoint with TLS of its own (a client certificate to present, a CA
+//! bundle to pin) is sent to by a client built the same way plus that TLS,
+//! kept by the digest of its TLS material and shared by every lane; a
+//! changed certificate is another digest, so another client.
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap,
+    net::SocketAddr,
+    sync::{Arc, Mutex},
+    time::Duration,
+};
 
 use anyhow::{Context, Result};
 use relay_netguard::{Policy, Resolve};
 use reqwest::dns::{Addrs, Name, Resolving};
+use sha2::{Digest, Sha256};
 
 /// reqwest's resolver: one lookup, every address checked, and reqwest then
 /// connects to these addresses only.
@@ -38,6 +49,58 @@ pub struct Sender {
     /// With a proxy, the proxy connects to the target, so the target is
     /// resolved and checked here before the request is handed to it.
     pub via_proxy: bool,
+    shape: Shape,
+    with_tls: Arc<Mutex<HashMap<[u8; 32], reqwest::Client>>>,
+}
+
+/// How every client is built (so that one with an endpoint's TLS differs
+/// from the shared one in its TLS alone).
+#[derive(Debug, Clone)]
+struct Shape {
+    proxy: Option<String>,
+    source_address: Option<std::net::IpAddr>,
+    timeout: Duration,
+}
+
+/// Clients with an endpoint's own TLS kept at once; past this the cache
+/// starts over (each is rebuilt on its endpoint's next attempt).
+const TLS_CLIENTS_KEPT: usize = 1024;
+
+impl Sender {
+    /// The client for an endpoint: the shared one, or one presenting its
+    /// client certificate and trusting its pinned CA bundle alone. An error
+    /// names what could not be loaded (the attempt fails with it).
+    pub fn client_for(&self, identity_pem: &str, ca_bundle: &str) -> Result<reqwest::Client, String> {
+        if identity_pem.is_empty() && ca_bundle.is_empty() {
+            return Ok(self.client.clone());
+        }
+        let mut digest = Sha256::new();
+        digest.update(identity_pem.as_bytes());
+        digest.update([0]);
+        digest.update(ca_bundle.as_bytes());
+        let key: [u8; 32] = digest.finalize().into();
+        if let Some(c) = self.with_tls.lock().expect("not poisoned").get(&key) {
+            return Ok(c.clone());
+        }
+        let mut b = builder(&self.policy, &self.resolver, &self.shape).map_err(|e| format!("tls: {e:#}"))?;
+        if !identity_pem.is_empty() {
+            let identity = reqwest::Identity::from_pem(identity_pem.as_bytes())
+                .map_err(|e| format!("tls: the endpoint's client certificate cannot be loaded: {e}"))?;
+            b = b.identity(identity);
+        }
+        if !ca_bundle.is_empty() {
+            let roots = reqwest::Certificate::from_pem_bundle(ca_bundle.as_bytes())
+                .map_err(|e| format!("tls: the endpoint's CA bundle cannot be loaded: {e}"))?;
+            b = b.tls_certs_only(roots);
+        }
+        let client = b.build().map_err(|e| format!("tls: a client with the endpoint's TLS cannot be built: {e}"))?;
+        let mut kept = self.with_tls.lock().expect("not poisoned");
+        if kept.len() >= TLS_CLIENTS_KEPT {
+            kept.clear();
+        }
+        kept.insert(key, client.clone());
+        Ok(client)
+    }
 }
 
 /// Idle connections kept per receiving host.
@@ -50,7 +113,15 @@ pub fn build(
     source_address: Option<std::net::IpAddr>,
     timeout: Duration,
 ) -> Result<Sender> {
-    let mut b = reqwest::Client::builder()
+    let shape = Shape { proxy: proxy.map(str::to_owned), source_address, timeout };
+    let client = builder(&policy, &resolver, &shape)?.build().context("building the webhook HTTP client")?;
+    Ok(Sender { client, policy, resolver, via_proxy: proxy.is_some(), shape, with_tls: Arc::default() })
+}
+
+fn builder(policy: &Arc<Policy>, resolver: &Arc<dyn Resolve>, shape: &Shape) -> Result<reqwest::ClientBuilder> {
+    let Shape { proxy, source_address, timeout } = shape;
+    let (source_address, timeout) = (*source_address, *timeout);
+    let b = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
         .timeout(timeout)
         .connect_timeout(timeout)
@@ -65,10 +136,9 @@ pub fn build(
         .user_agent(concat!("Relay-Webhooks/", env!("CARGO_PKG_VERSION")))
         .local_address(source_address)
         .dns_resolver(Arc::new(GuardedResolver { policy: policy.clone(), resolver: resolver.clone() }));
-    b = match proxy {
+    Ok(match proxy {
         Some(p) => b.proxy(reqwest::Proxy::all(p).context("RELAY_EGRESS_PROXY is not a proxy URL")?),
         // Ignore HTTP(S)_PROXY from the environment: a proxy is a decision.
         None => b.no_proxy(),
-    };
-    Ok(Sender { client: b.build().context("building the webhook HTTP client")?, policy, resolver, via_proxy: proxy.is_some() })
+    })
 }

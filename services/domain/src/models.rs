@@ -90,6 +90,11 @@ pub struct Endpoint {
     pub filter: Option<String>,
     /// Its rate limit; `None`: unlimited.
     pub rate_limit: Option<crate::rate::RateLimit>,
+    /// What reads show of its client certificate (subject, issuer,
+    /// not_after, fingerprint_sha256); `None`: none is presented.
+    pub client_certificate: Option<ClientCertificateShown>,
+    /// The CA bundle it pins; `None`: the platform's trusted roots.
+    pub ca_bundle: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -173,4 +178,16 @@ pub struct EventFilter {
     pub until: Option<Timestamp>,
     /// Older than this (created_at, seq): the next page.
     pub before: Option<(Timestamp, i64)>,
+}
+
+/// What reads show of an endpoint's client certificate (never its key).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ClientCertificateShown {
+    pub subject: String,
+    pub issuer: String,
+    /// RFC 3339.
+    pub not_after: String,
+    /// SHA-256 of the leaf certificate's DER, hex.
+    pub fingerprint_sha256: String,
 }

@@ -133,6 +133,11 @@ catalogue! {
     /// An endpoint's `rate_limit` outside its bounds (1–10,000 a second,
     /// bursts of 1–10,000).
     RateLimitOutOfRange = "rate_limit_out_of_range",
+    /// A client certificate or key that does not parse, does not match, or
+    /// is not valid now.
+    InvalidClientCertificate = "invalid_client_certificate",
+    /// A CA bundle that is not PEM certificates a TLS client can trust.
+    InvalidCaBundle = "invalid_ca_bundle",
     /// A payload filter that is not valid JSON, not within its bounds or
     /// not in the filter language (the message names the JSON pointer).
     InvalidFilter = "invalid_filter",

@@ -182,19 +182,21 @@ impl App {
                     }
                     _ => None,
                 };
-                let headers = match (row.headers_key_id, row.headers_ciphertext) {
-                    (Some(k), Some(c)) => {
-                        let plain = self.keyring.open(&k, &c).context("decrypting stored custom headers")?;
-                        Some(self.keyring.seal(&plain))
+                let reseal = |sealed: (Option<String>, Option<Vec<u8>>), what: &'static str| -> AppResult<Option<(String, Vec<u8>)>> {
+                    match sealed {
+                        (Some(k), Some(c)) => Ok(Some(self.keyring.seal(&self.keyring.open(&k, &c).context(what)?))),
+                        _ => Ok(None),
                     }
-                    _ => None,
                 };
+                let headers = reseal((row.headers_key_id, row.headers_ciphertext), "decrypting stored custom headers")?;
+                let client_tls = reseal((row.client_tls_key_id, row.client_tls_ciphertext), "decrypting a stored client key")?;
                 db::endpoints::store_secrets(
                     &mut tx,
                     row.id,
                     (&key_id, &ciphertext),
                     previous.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
                     headers.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
+                    client_tls.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
                 )
                 .await?;
                 rewrapped += 1;

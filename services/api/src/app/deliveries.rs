@@ -51,10 +51,29 @@ pub struct Material {
     pub secrets: Vec<SigningSecret>,
     /// The endpoint's custom headers (their `Debug` shows names only).
     pub headers: relay_domain::headers::CustomHeaders,
+    /// The endpoint's client certificate and pinned CA (`Debug` redacts the key).
+    pub tls: ReceiverTls,
     pub payload: Vec<u8>,
     /// The trace the delivery's attempts continue, for an attempt handed
     /// over in a reply rather than asked for.
     pub traceparent: Option<String>,
+}
+
+/// TLS towards the receiver: the client certificate and key to present
+/// (one PEM text) and the CA bundle to pin, when the endpoint has them.
+#[derive(Clone, Default)]
+pub struct ReceiverTls {
+    pub identity_pem: Option<String>,
+    pub ca_bundle: Option<String>,
+}
+
+impl std::fmt::Debug for ReceiverTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReceiverTls")
+            .field("identity", &self.identity_pem.as_ref().map(|_| "[redacted]"))
+            .field("ca_bundle_len", &self.ca_bundle.as_ref().map(String::len))
+            .finish()
+    }
 }
 
 /// An outcome to record, and who reported it: a dispatcher that names

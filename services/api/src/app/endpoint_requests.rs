@@ -6,7 +6,7 @@ use anyhow::Context;
 use relay_domain::{Reason, filter::Filter, headers::CustomHeaders, rate::RateLimit};
 
 use super::App;
-use crate::db::endpoints::SealedHeaders;
+use crate::db::endpoints::{SealedClientTls, SealedHeaders};
 use crate::error::{AppError, AppResult};
 
 /// A new endpoint as asked for.
@@ -23,6 +23,11 @@ pub struct NewEndpoint {
     pub filter: String,
     /// (per second, burst) as asked; `None`: unlimited.
     pub rate_limit: Option<(u32, u32)>,
+    /// A client certificate (PEM chain) and its key (PEM), or neither.
+    pub client_certificate: String,
+    pub client_key: String,
+    /// A CA bundle to pin (PEM); empty: the platform's trusted roots.
+    pub ca_bundle: String,
 }
 
 impl std::fmt::Debug for NewEndpoint {
@@ -36,7 +41,37 @@ impl std::fmt::Debug for NewEndpoint {
             .field("max_in_flight", &self.max_in_flight)
             .field("filter", &self.filter)
             .field("rate_limit", &self.rate_limit)
+            .field("client_certificate", &self.client_certificate.len())
+            .field("client_key", &"[redacted]")
+            .field("ca_bundle", &self.ca_bundle.len())
             .finish()
+    }
+}
+
+/// What a request does to the client certificate: both parts replace it,
+/// neither keeps it, `clear` removes it; one part alone, or a new one with
+/// `clear`, is a mistake.
+pub(super) fn client_tls_change(clear: bool, certificate: String, key: String) -> AppResult<Option<Option<(String, String)>>> {
+    let refuse = |m: &str| AppError::invalid(Reason::InvalidClientCertificate, m.to_owned());
+    match (clear, certificate.trim().is_empty(), key.trim().is_empty()) {
+        (true, true, true) => Ok(Some(None)),
+        (true, _, _) => Err(refuse("clear_client_certificate removes the certificate: ask for it or for a new one, not both")),
+        (false, true, true) => Ok(None),
+        (false, false, false) => Ok(Some(Some((certificate, key)))),
+        (false, false, true) => Err(refuse("client_certificate needs its client_key")),
+        (false, true, false) => Err(refuse("client_key needs its client_certificate")),
+    }
+}
+
+/// What a request does to the CA bundle, as for the filter.
+pub(super) fn ca_bundle_change(clear: bool, pem: String) -> AppResult<Option<Option<String>>> {
+    match (clear, pem.trim().is_empty()) {
+        (true, false) => {
+            Err(AppError::invalid(Reason::InvalidCaBundle, "clear_ca_bundle removes the bundle: ask for it or for a new one, not both"))
+        }
+        (true, true) => Ok(Some(None)),
+        (false, true) => Ok(None),
+        (false, false) => Ok(Some(Some(pem))),
     }
 }
 
@@ -126,6 +161,15 @@ pub struct EndpointChange {
     pub rate_limit: Option<(u32, u32)>,
     /// …or removing it (see [`rate_limit_change`]).
     pub clear_rate_limit: bool,
+    /// A new client certificate and key (both empty: kept)…
+    pub client_certificate: String,
+    pub client_key: String,
+    /// …or removing them (see [`client_tls_change`]).
+    pub clear_client_certificate: bool,
+    /// A new CA bundle (empty: kept)…
+    pub ca_bundle: String,
+    /// …or removing it.
+    pub clear_ca_bundle: bool,
 }
 
 impl std::fmt::Debug for EndpointChange {
@@ -143,6 +187,11 @@ impl std::fmt::Debug for EndpointChange {
             .field("clear_filter", &self.clear_filter)
             .field("rate_limit", &self.rate_limit)
             .field("clear_rate_limit", &self.clear_rate_limit)
+            .field("client_certificate", &self.client_certificate.len())
+            .field("client_key", &"[redacted]")
+            .field("clear_client_certificate", &self.clear_client_certificate)
+            .field("ca_bundle", &self.ca_bundle.len())
+            .field("clear_ca_bundle", &self.clear_ca_bundle)
             .finish()
     }
 }
@@ -161,7 +210,28 @@ impl SealedPairs {
     }
 }
 
+/// A client certificate and key checked and sealed for storage.
+pub(super) struct SealedIdentity {
+    key_id: String,
+    ciphertext: Vec<u8>,
+    shown: serde_json::Value,
+}
+
+impl SealedIdentity {
+    pub(super) fn as_stored(&self) -> SealedClientTls<'_> {
+        SealedClientTls { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
+    }
+}
+
 impl App {
+    /// Checks a client certificate and key (at this instant) and seals them.
+    pub(super) fn seal_client_tls(&self, (certificate, key): (String, String)) -> AppResult<SealedIdentity> {
+        let identity = super::client_tls::check_client_identity(&certificate, &key, self.clock.now())?;
+        let (key_id, ciphertext) = self.keyring.seal(identity.pem.as_bytes());
+        let shown = serde_json::to_value(&identity.shown).context("encoding a shown client certificate")?;
+        Ok(SealedIdentity { key_id, ciphertext, shown })
+    }
+
     /// Checks custom headers and seals them; none at all is `None`.
     pub(super) fn seal_headers(&self, pairs: Vec<(String, String)>) -> AppResult<Option<SealedPairs>> {
         let headers = CustomHeaders::parse(pairs).map_err(|e| AppError::invalid(Reason::InvalidHeaders, e.0))?;

@@ -17,7 +17,8 @@ use url::Host;
 
 pub use super::endpoint_requests::{EndpointChange, NewEndpoint};
 use super::endpoint_requests::{
-    SealedPairs, check_filter, check_max_in_flight, check_rate_limit, filter_change, header_change, rate_limit_change,
+    SealedIdentity, SealedPairs, ca_bundle_change, check_filter, check_max_in_flight, check_rate_limit, client_tls_change, filter_change,
+    header_change, rate_limit_change,
 };
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
@@ -143,6 +144,12 @@ impl App {
         let max_in_flight = new.max_in_flight.map(check_max_in_flight).transpose()?;
         let filter = if matches!(new.filter.trim(), "" | "null") { None } else { Some(check_filter(&new.filter)?) };
         let rate_limit = new.rate_limit.map(check_rate_limit).transpose()?;
+        let client_tls = client_tls_change(false, new.client_certificate, new.client_key)?
+            .flatten()
+            .map(|pair| self.seal_client_tls(pair))
+            .transpose()?;
+        let ca_bundle =
+            ca_bundle_change(false, new.ca_bundle)?.flatten().map(|pem| super::client_tls::check_ca_bundle(&pem)).transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
@@ -168,6 +175,8 @@ impl App {
             max_in_flight,
             filter: filter.as_deref(),
             rate_limit,
+            client_tls: client_tls.as_ref().map(SealedIdentity::as_stored),
+            ca_bundle: ca_bundle.as_deref(),
         };
         let id = db::endpoints::insert(&mut tx, row).await?;
         db::health::insert(&mut tx, id).await?;
@@ -206,6 +215,12 @@ impl App {
         let filter = filter_change(change.clear_filter, change.filter)?.map(|f| f.as_deref().map(check_filter).transpose()).transpose()?;
         let rate_limit =
             rate_limit_change(change.clear_rate_limit, change.rate_limit)?.map(|r| r.map(check_rate_limit).transpose()).transpose()?;
+        let client_tls = client_tls_change(change.clear_client_certificate, change.client_certificate, change.client_key)?
+            .map(|pair| pair.map(|pair| self.seal_client_tls(pair)).transpose())
+            .transpose()?;
+        let ca_bundle = ca_bundle_change(change.clear_ca_bundle, change.ca_bundle)?
+            .map(|pem| pem.map(|pem| super::client_tls::check_ca_bundle(&pem)).transpose())
+            .transpose()?;
 
         let mut tx = self.db.begin().await?;
         // Locked: an expansion share-locks the endpoint, so it reads the row
@@ -247,6 +262,8 @@ impl App {
             max_in_flight,
             filter: filter.as_ref().map(Option::as_deref),
             rate_limit,
+            client_tls: client_tls.as_ref().map(|t| t.as_ref().map(SealedIdentity::as_stored)),
+            ca_bundle: ca_bundle.as_ref().map(Option::as_deref),
         };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =

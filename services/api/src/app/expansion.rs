@@ -187,7 +187,8 @@ impl App {
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
-        );
+        )
+        .with_tls((&row.client_tls_key_id, &row.client_tls_ciphertext), &row.ca_bundle);
         let sending = self.sending_for(sending_of, endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
@@ -200,6 +201,7 @@ impl App {
             scheme: sending.scheme,
             secrets: sending.secrets,
             headers: sending.headers,
+            tls: sending.tls,
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
         })

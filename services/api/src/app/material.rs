@@ -171,7 +171,8 @@ impl App {
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
-        );
+        )
+        .with_tls((&row.client_tls_key_id, &row.client_tls_ciphertext), &row.ca_bundle);
         let sending = self.sending_for(sending_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
@@ -184,6 +185,7 @@ impl App {
             scheme: sending.scheme,
             secrets: sending.secrets,
             headers: sending.headers,
+            tls: sending.tls,
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
             traceparent: None,
         })
@@ -198,6 +200,15 @@ pub(crate) struct StoredSecrets<'a> {
     previous: Option<(&'a str, &'a [u8])>,
     rotated_at: Option<Timestamp>,
     headers: Option<(&'a str, &'a [u8])>,
+    client_tls: Option<(&'a str, &'a [u8])>,
+    ca_bundle: Option<&'a str>,
+}
+
+fn sealed<'a>(k: &'a Option<String>, c: &'a Option<Vec<u8>>) -> Option<(&'a str, &'a [u8])> {
+    match (k, c) {
+        (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
+        _ => None,
+    }
 }
 
 impl<'a> StoredSecrets<'a> {
@@ -210,17 +221,22 @@ impl<'a> StoredSecrets<'a> {
         rotated_at: Option<Timestamp>,
         headers: (&'a Option<String>, &'a Option<Vec<u8>>),
     ) -> Self {
-        let sealed = |k: &'a Option<String>, c: &'a Option<Vec<u8>>| match (k, c) {
-            (Some(k), Some(c)) => Some((k.as_str(), c.as_slice())),
-            _ => None,
-        };
         Self {
             scheme,
             current: (key_id, ciphertext),
             previous: sealed(previous_key_id, previous_ciphertext),
             rotated_at,
             headers: sealed(headers.0, headers.1),
+            client_tls: None,
+            ca_bundle: None,
         }
+    }
+
+    /// With the endpoint's client certificate (sealed) and pinned CA bundle.
+    pub(crate) fn with_tls(mut self, client_tls: (&'a Option<String>, &'a Option<Vec<u8>>), ca_bundle: &'a Option<String>) -> Self {
+        self.client_tls = sealed(client_tls.0, client_tls.1);
+        self.ca_bundle = ca_bundle.as_deref();
+        self
     }
 }
 
@@ -231,6 +247,7 @@ pub(crate) struct Sending {
     pub scheme: Scheme,
     pub secrets: Vec<SigningSecret>,
     pub headers: CustomHeaders,
+    pub tls: ReceiverTls,
 }
 
 /// What sending needs, decrypted in one batch, by endpoint: each endpoint's
@@ -266,7 +283,15 @@ impl App {
             }
             None => CustomHeaders::default(),
         };
-        let sending = Sending { scheme, secrets, headers };
+        let identity_pem = match stored.client_tls {
+            Some((key_id, ct)) => {
+                let plain = self.keyring.open(key_id, ct).context("decrypting a client key")?;
+                Some(String::from_utf8(plain).context("reading a decrypted client key")?)
+            }
+            None => None,
+        };
+        let tls = ReceiverTls { identity_pem, ca_bundle: stored.ca_bundle.map(str::to_owned) };
+        let sending = Sending { scheme, secrets, headers, tls };
         decrypted.insert(endpoint_id, sending.clone());
         Ok(sending)
     }

@@ -8,6 +8,7 @@ pub mod admin;
 pub mod attempt_stats;
 pub mod bulk_recovery;
 mod circuit;
+pub mod client_tls;
 pub mod deliveries;
 mod endpoint_requests;
 pub mod endpoints;

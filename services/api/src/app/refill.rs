@@ -86,7 +86,8 @@ impl App {
             &row.previous_secret_ciphertext,
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
-        );
+        )
+        .with_tls((&row.client_tls_key_id, &row.client_tls_ciphertext), &row.ca_bundle);
         let sending = self.sending_for(sending_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id: row.id,
@@ -99,6 +100,7 @@ impl App {
             scheme: sending.scheme,
             secrets: sending.secrets,
             headers: sending.headers,
+            tls: sending.tls,
             payload: row.envelope,
             traceparent: row.trace_context,
         })

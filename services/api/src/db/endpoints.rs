@@ -61,6 +61,8 @@ struct EndpointRow {
     filter: Option<String>,
     rate_per_second: Option<i32>,
     rate_burst: Option<i32>,
+    client_certificate_shown: Option<serde_json::Value>,
+    ca_bundle: Option<String>,
 }
 
 impl EndpointRow {
@@ -110,6 +112,12 @@ impl EndpointRow {
             max_in_flight: r.max_in_flight.and_then(|n| u32::try_from(n).ok()),
             filter: r.filter,
             rate_limit: stored_rate(r.id, r.rate_per_second, r.rate_burst)?,
+            client_certificate: r
+                .client_certificate_shown
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("endpoint {} has a shown client certificate this api cannot read: {e}", r.id))?,
+            ca_bundle: r.ca_bundle,
         })
     }
 }
@@ -152,16 +160,39 @@ pub struct NewEndpointRow<'a> {
     /// The payload filter's text, checked.
     pub filter: Option<&'a str>,
     pub rate_limit: Option<RateLimit>,
+    pub client_tls: Option<SealedClientTls<'a>>,
+    pub ca_bundle: Option<&'a str>,
+}
+
+/// A client certificate and key as stored: sealed as one PEM text under a
+/// key id, and what reads show of the certificate.
+pub struct SealedClientTls<'a> {
+    pub key_id: &'a str,
+    pub ciphertext: &'a [u8],
+    pub shown: serde_json::Value,
 }
 
 /// The new endpoint's id.
 pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult<EndpointId> {
-    let NewEndpointRow { environment_id, url, event_types, scheme, material, headers, max_in_flight, filter, rate_limit } = row;
+    let NewEndpointRow {
+        environment_id,
+        url,
+        event_types,
+        scheme,
+        material,
+        headers,
+        max_in_flight,
+        filter,
+        rate_limit,
+        client_tls,
+        ca_bundle,
+    } = row;
     Ok(sqlx::query_scalar!(
         r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key,
                                         headers_key_id, headers_ciphertext, headers_shown, max_in_flight, filter,
-                                        rate_per_second, rate_burst)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13, $14, $15) RETURNING id AS "id: EndpointId""#,
+                                        rate_per_second, rate_burst, client_tls_key_id, client_tls_ciphertext, client_certificate_shown,
+                                        ca_bundle)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13, $14, $15, $16, $17, $18, $19) RETURNING id AS "id: EndpointId""#,
         EndpointId::mint() as _,
         environment_id as _,
         url,
@@ -177,6 +208,10 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         filter,
         rate_limit.map(|r| r.per_second() as i32),
         rate_limit.map(|r| r.burst() as i32),
+        client_tls.as_ref().map(|t| t.key_id),
+        client_tls.as_ref().map(|t| t.ciphertext),
+        client_tls.as_ref().map(|t| &t.shown),
+        ca_bundle,
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -198,7 +233,8 @@ async fn select(
                   h.last_failure_at, h.next_probe_at, h.probe_interval_ms, h.window_ms, h.window_bucket, h.window_attempts,
                   h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!",
-                  e.headers_shown, e.max_in_flight, e.filter, e.rate_per_second, e.rate_burst
+                  e.headers_shown, e.max_in_flight, e.filter, e.rate_per_second, e.rate_burst,
+                  e.client_certificate_shown, e.ca_bundle
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
@@ -277,12 +313,17 @@ pub struct EndpointUpdate<'a> {
     pub filter: Option<Option<&'a str>>,
     /// A new rate limit: `Some(None)` removes it.
     pub rate_limit: Option<Option<RateLimit>>,
+    /// A new client certificate: `Some(None)` removes it.
+    pub client_tls: Option<Option<SealedClientTls<'a>>>,
+    /// A new CA bundle: `Some(None)` removes it.
+    pub ca_bundle: Option<Option<&'a str>>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
 pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdate<'_>) -> AppResult<()> {
     let material = change.material.as_ref();
     let headers = change.headers.as_ref().and_then(Option::as_ref);
+    let client_tls = change.client_tls.as_ref().and_then(Option::as_ref);
     sqlx::query!(
         "UPDATE webhook_endpoints SET
            url = COALESCE($2, url),
@@ -302,7 +343,11 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
            max_in_flight = CASE WHEN $12 THEN $13 ELSE max_in_flight END,
            filter = CASE WHEN $14 THEN $15 ELSE filter END,
            rate_per_second = CASE WHEN $16 THEN $17 ELSE rate_per_second END,
-           rate_burst = CASE WHEN $16 THEN $18 ELSE rate_burst END
+           rate_burst = CASE WHEN $16 THEN $18 ELSE rate_burst END,
+           client_tls_key_id = CASE WHEN $19 THEN $20 ELSE client_tls_key_id END,
+           client_tls_ciphertext = CASE WHEN $19 THEN $21 ELSE client_tls_ciphertext END,
+           client_certificate_shown = CASE WHEN $19 THEN $22 ELSE client_certificate_shown END,
+           ca_bundle = CASE WHEN $23 THEN $24 ELSE ca_bundle END
          WHERE id = $1",
         id as _,
         change.url,
@@ -322,6 +367,12 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         change.rate_limit.is_some(),
         change.rate_limit.flatten().map(|r| r.per_second() as i32),
         change.rate_limit.flatten().map(|r| r.burst() as i32),
+        change.client_tls.is_some(),
+        client_tls.map(|t| t.key_id),
+        client_tls.map(|t| t.ciphertext),
+        client_tls.map(|t| &t.shown),
+        change.ca_bundle.is_some(),
+        change.ca_bundle.flatten(),
     )
     .execute(&mut *tx)
     .await?;
@@ -385,17 +436,21 @@ pub struct StoredSecrets {
     pub previous_secret_ciphertext: Option<Vec<u8>>,
     pub headers_key_id: Option<String>,
     pub headers_ciphertext: Option<Vec<u8>>,
+    pub client_tls_key_id: Option<String>,
+    pub client_tls_ciphertext: Option<Vec<u8>>,
 }
 
-/// Up to 100 endpoints with a secret or custom headers not under
+/// Up to 100 endpoints with a secret, custom headers or a client key not under
 /// `active_key_id`, locked.
 pub async fn lock_not_under_key(tx: &mut PgConnection, active_key_id: &str) -> AppResult<Vec<StoredSecrets>> {
     Ok(sqlx::query_as!(
         StoredSecrets,
-        "SELECT id, secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, headers_key_id, headers_ciphertext
+        "SELECT id, secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, headers_key_id, headers_ciphertext,
+                client_tls_key_id, client_tls_ciphertext
          FROM webhook_endpoints
          WHERE secret_key_id <> $1 OR (previous_secret_key_id IS NOT NULL AND previous_secret_key_id <> $1)
             OR (headers_key_id IS NOT NULL AND headers_key_id <> $1)
+            OR (client_tls_key_id IS NOT NULL AND client_tls_key_id <> $1)
          ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED",
         active_key_id,
     )
@@ -409,10 +464,12 @@ pub async fn store_secrets(
     current: (&str, &[u8]),
     previous: Option<(&str, &[u8])>,
     headers: Option<(&str, &[u8])>,
+    client_tls: Option<(&str, &[u8])>,
 ) -> AppResult<()> {
     sqlx::query!(
         "UPDATE webhook_endpoints SET secret_key_id = $2, secret_ciphertext = $3,
-           previous_secret_key_id = $4, previous_secret_ciphertext = $5, headers_key_id = $6, headers_ciphertext = $7 WHERE id = $1",
+           previous_secret_key_id = $4, previous_secret_ciphertext = $5, headers_key_id = $6, headers_ciphertext = $7,
+           client_tls_key_id = $8, client_tls_ciphertext = $9 WHERE id = $1",
         id as _,
         current.0,
         current.1,
@@ -420,6 +477,8 @@ pub async fn store_secrets(
         previous.map(|p| p.1),
         headers.map(|h| h.0),
         headers.map(|h| h.1),
+        client_tls.map(|t| t.0),
+        client_tls.map(|t| t.1),
     )
     .execute(&mut *tx)
     .await?;

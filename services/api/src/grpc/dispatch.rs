@@ -48,6 +48,8 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         traceparent: m.traceparent.unwrap_or_default(),
         signature_scheme: scheme_message(m.scheme) as i32,
         headers: m.headers.pairs().iter().cloned().collect(),
+        client_identity_pem: m.tls.identity_pem.unwrap_or_default(),
+        ca_bundle: m.tls.ca_bundle.unwrap_or_default(),
     }
 }
 

@@ -54,6 +54,13 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         max_in_flight: e.max_in_flight,
         filter: e.filter.unwrap_or_default(),
         rate_limit: e.rate_limit.map(|r| pb::RateLimit { per_second: r.per_second(), burst: r.burst() }),
+        client_certificate: e.client_certificate.map(|c| pb::ClientCertificate {
+            subject: c.subject,
+            issuer: c.issuer,
+            not_after: c.not_after,
+            fingerprint_sha256: c.fingerprint_sha256,
+        }),
+        ca_bundle: e.ca_bundle.unwrap_or_default(),
     }
 }
 
@@ -171,6 +178,9 @@ impl WebhookEndpointService for TenantApi {
             max_in_flight: r.max_in_flight.filter(|&n| n != 0),
             filter: r.filter,
             rate_limit: r.rate_limit.map(|l| (l.per_second, l.burst)),
+            client_certificate: r.client_certificate,
+            client_key: r.client_key,
+            ca_bundle: r.ca_bundle,
         };
         let (e, secret) = self.app.create_endpoint(tenant, new).await.map_err(status)?;
         Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
@@ -194,6 +204,11 @@ impl WebhookEndpointService for TenantApi {
             clear_filter: r.clear_filter,
             rate_limit: r.rate_limit.map(|l| (l.per_second, l.burst)),
             clear_rate_limit: r.clear_rate_limit,
+            client_certificate: r.client_certificate,
+            client_key: r.client_key,
+            clear_client_certificate: r.clear_client_certificate,
+            ca_bundle: r.ca_bundle,
+            clear_ca_bundle: r.clear_ca_bundle,
         };
         let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
         Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))

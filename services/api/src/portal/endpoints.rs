@@ -52,6 +52,10 @@ pub struct EndpointView {
     /// Its rate limit's two numbers; empty: unlimited.
     pub rate_per_second: String,
     pub rate_burst: String,
+    /// How Relay authenticates to the receiver beyond the signature: its
+    /// client certificate's subject and expiry, and whether a CA is pinned.
+    pub client_certificate: String,
+    pub ca_pinned: bool,
 }
 
 impl From<Endpoint> for EndpointView {
@@ -94,6 +98,8 @@ impl From<Endpoint> for EndpointView {
             filter: e.filter.unwrap_or_default(),
             rate_per_second: e.rate_limit.map(|r| r.per_second().to_string()).unwrap_or_default(),
             rate_burst: e.rate_limit.map(|r| r.burst().to_string()).unwrap_or_default(),
+            client_certificate: e.client_certificate.map(|c| format!("{} (expires {})", c.subject, c.not_after)).unwrap_or_default(),
+            ca_pinned: e.ca_bundle.is_some(),
         }
     }
 }
@@ -294,6 +300,8 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
         max_in_flight,
         filter: form.filter.clone(),
         rate_limit,
+        // Client certificates and CA bundles are set through the API.
+        ..NewEndpoint::default()
     };
     match app.create_endpoint(s.tenant, new).await {
         Ok((endpoint, secret)) => secret_page(&s, "Endpoint created", endpoint, secret),
@@ -417,6 +425,8 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
         // Shown too: an empty rate removes the limit.
         clear_rate_limit: rate_limit.is_none(),
         rate_limit,
+        // Client certificates and CA bundles are kept: set through the API.
+        ..EndpointChange::default()
     };
     match app.update_endpoint(s.tenant, id, change).await {
         // A change of scheme may mint new material: shown once, like a rotation's.
