@@ -13,6 +13,8 @@ const SECRET_BEARING: &[&str] = &[
     ".relay.tenant.v1.CreatePortalSessionResponse",
     ".relay.admin.v1.CreateApiKeyResponse",
     ".relay.dispatch.v1.MaterialResponse",
+    ".relay.dispatch.v1.OAuth2ClientCredentials",
+    ".relay.tenant.v1.OAuth2ClientCredentials",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

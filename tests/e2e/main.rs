@@ -12,6 +12,7 @@ mod faults;
 mod filters;
 mod health;
 mod in_flight;
+mod oauth2;
 mod operations;
 mod pipeline_edges;
 mod portal;

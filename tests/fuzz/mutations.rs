@@ -413,6 +413,19 @@ pub(crate) const PEM_VALUES: &[&str] = &[
     r#"["-----BEGIN CERTIFICATE-----"]"#,
 ];
 
+/// OAuth2 credentials (issue 27): token URLs Relay may not call, missing
+/// and oversized fields, header injection, wrong shapes.
+pub(crate) const OAUTH2_VALUES: &[&str] = &[
+    r#"{"token_url":"http://169.254.169.254/token","client_id":"a","client_secret":"b"}"#,
+    r#"{"token_url":"file:///etc/passwd","client_id":"a","client_secret":"b"}"#,
+    r#"{"token_url":"http://127.0.0.1:9/t","client_id":"","client_secret":"b"}"#,
+    r#"{"token_url":"http://127.0.0.1:9/t","client_id":"a\r\nX: 1","client_secret":"b"}"#,
+    r#"{"token_url":"http://127.0.0.1:9/t","client_id":"a","client_secret":"b","scope":7}"#,
+    r#"{"token_url":null}"#,
+    r#"[]"#,
+    r#""oauth""#,
+];
+
 pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
     let ms = members(req);
     let i = some_member(rng, ms, false);
@@ -423,6 +436,7 @@ pub(crate) fn wrong_types(rng: &mut Rng, req: &mut Req, _: &World) {
         "filter" if rng.chance(60) => FILTER_VALUES,
         "rate_limit" if rng.chance(60) => RATE_VALUES,
         "client_certificate" | "client_key" | "ca_bundle" if rng.chance(60) => PEM_VALUES,
+        "oauth2" if rng.chance(60) => OAUTH2_VALUES,
         _ => WRONG_VALUES,
     };
     ms[i].1 = rng.pick(list).to_string();

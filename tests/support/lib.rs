@@ -22,6 +22,7 @@ mod rest;
 mod rng;
 mod stack;
 mod tls;
+mod token_server;
 pub use browser::*;
 pub use db::*;
 pub use nats::*;
@@ -33,6 +34,7 @@ pub use rest::*;
 pub use rng::*;
 pub use stack::*;
 pub use tls::*;
+pub use token_server::*;
 
 use std::{
     net::SocketAddr,

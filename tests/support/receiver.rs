@@ -38,6 +38,8 @@ pub enum Reply {
     Hang(Duration),
     /// Fails sometimes, as `flaky` describes.
     Flaky(Arc<flaky::Flaky>),
+    /// 200 to `Authorization: Bearer <t>` for a `t` in the set, else 401.
+    Bearer(Arc<Mutex<std::collections::HashSet<String>>>),
 }
 
 /// An HTTP server on loopback that records every request and answers as
@@ -126,6 +128,12 @@ impl Receiver {
                         Reply::Hang(d) => {
                             tokio::time::sleep(d).await;
                             (axum::http::StatusCode::OK, "late").into_response()
+                        }
+                        Reply::Bearer(valid) => {
+                            let token = headers_seen.get("authorization").and_then(|v| v.to_str().ok()?.strip_prefix("Bearer "));
+                            let ok = token.is_some_and(|t| valid.lock().expect("not poisoned").contains(t));
+                            let status = if ok { axum::http::StatusCode::OK } else { axum::http::StatusCode::UNAUTHORIZED };
+                            (status, "answer").into_response()
                         }
                         Reply::Flaky(f) => {
                             let answer = f.answer(&headers_seen, &body_seen, Instant::now());

@@ -56,6 +56,7 @@ impl fmt::Debug for relay::tenant::v1::CreateWebhookEndpointRequest {
             .field("client_certificate_len", &self.client_certificate.len())
             .field("client_key", &REDACTED)
             .field("ca_bundle_len", &self.ca_bundle.len())
+            .field("oauth2", &self.oauth2)
             .finish()
     }
 }
@@ -79,6 +80,8 @@ impl fmt::Debug for relay::tenant::v1::UpdateWebhookEndpointRequest {
             .field("clear_client_certificate", &self.clear_client_certificate)
             .field("ca_bundle_len", &self.ca_bundle.len())
             .field("clear_ca_bundle", &self.clear_ca_bundle)
+            .field("oauth2", &self.oauth2)
+            .field("clear_oauth2", &self.clear_oauth2)
             .finish()
     }
 }
@@ -121,10 +124,30 @@ impl fmt::Debug for relay::dispatch::v1::MaterialResponse {
             .field("headers", &header_names(&self.headers))
             .field("client_identity", &if self.client_identity_pem.is_empty() { "none" } else { REDACTED })
             .field("ca_bundle_len", &self.ca_bundle.len())
+            .field("oauth2", &self.oauth2)
             .field("payload_len", &self.payload.len())
             .finish()
     }
 }
+
+/// OAuth2 client credentials, tenant-side and seam-side: the secret redacted.
+macro_rules! oauth2_debug {
+    ($t:ty) => {
+        impl fmt::Debug for $t {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.debug_struct("OAuth2ClientCredentials")
+                    .field("token_url", &self.token_url)
+                    .field("client_id", &self.client_id)
+                    .field("client_secret", &REDACTED)
+                    .field("scope", &self.scope)
+                    .field("audience", &self.audience)
+                    .finish()
+            }
+        }
+    };
+}
+oauth2_debug!(relay::tenant::v1::OAuth2ClientCredentials);
+oauth2_debug!(relay::dispatch::v1::OAuth2ClientCredentials);
 
 #[cfg(test)]
 mod tests {

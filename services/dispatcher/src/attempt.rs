@@ -5,11 +5,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use relay_contracts::relay::dispatch::v1::{MaterialResponse, OutcomeRequest, SignatureScheme};
+use relay_contracts::relay::dispatch::v1::{MaterialResponse, OAuth2ClientCredentials, OutcomeRequest, SignatureScheme};
 use relay_signing::{Scheme, SigningSecret, signed_headers};
 use url::Host;
 
-use crate::http_client::Sender;
+use crate::{http_client::Sender, oauth2::Fetched};
 
 /// How much of a response body the attempt log keeps.
 const KEEP_BODY: usize = relay_contracts::RESPONSE_BODY_KEPT_BYTES;
@@ -78,11 +78,11 @@ pub fn retry_after(status: u16, headers: &reqwest::header::HeaderMap, now: std::
     Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
-async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
+/// A URL Relay may call, checked at call time: the rules may postdate it,
+/// and an address literal never reaches the resolver that checks names.
+async fn checked_url(sender: &Sender, raw: &str) -> Result<url::Url, String> {
     let policy = &sender.policy;
-    // The rules again, at send time: the URL may predate a rule, and an address
-    // literal never reaches the resolver that checks names.
-    let url = policy.check_url(&m.url).map_err(|e| format!("blocked: {e}"))?;
+    let url = policy.check_url(raw).map_err(|e| format!("blocked: {e}"))?;
     match url.host() {
         Some(Host::Ipv4(v4)) if !policy.permits(IpAddr::V4(v4)) => return Err(format!("blocked: {v4} is not a permitted address")),
         Some(Host::Ipv6(v6)) if !policy.permits(IpAddr::V6(v6)) => return Err(format!("blocked: {v6} is not a permitted address")),
@@ -92,6 +92,11 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
         }
         _ => {}
     }
+    Ok(url)
+}
+
+async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
+    let url = checked_url(sender, &m.url).await?;
     let scheme = scheme_of(m.signature_scheme)
         .ok_or_else(|| format!("signing: signature scheme {} is newer than this dispatcher", m.signature_scheme))?;
     let secrets: Vec<SigningSecret> = m.secrets.into_iter().map(SigningSecret::new).collect();
@@ -102,27 +107,120 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
         .map_err(|e| format!("signing: the endpoint's {scheme} key cannot sign: {e}"))?;
     drop(secrets);
     let client = sender.client_for(&m.client_identity_pem, &m.ca_bundle)?;
-    let mut request = client.post(url);
     // The endpoint's own headers; the api refused any name Relay sets below
-    // (or the connection frames), so none doubles a signature header.
+    // (or the connection frames), so none doubles a signature header. With
+    // OAuth2 the bearer token is the Authorization header.
+    let mut headers = reqwest::header::HeaderMap::new();
     for (name, value) in &m.headers {
         let name =
             reqwest::header::HeaderName::from_bytes(name.as_bytes()).map_err(|_| format!("headers: {name:?} is not a header name"))?;
         let value = reqwest::header::HeaderValue::from_str(value).map_err(|_| format!("headers: the value of {name} is not sendable"))?;
-        request = request.header(name, value);
+        headers.append(name, value);
     }
-    let response = request
-        .header("content-type", "application/json")
-        .header(id.0, id.1)
-        .header(ts.0, ts.1)
-        .header(signature.0, signature.1)
-        .body(m.payload)
-        .send()
-        .await
-        .map_err(describe)?;
+    for (name, value) in [("content-type", "application/json".to_owned()), (id.0, id.1), (ts.0, ts.1), (signature.0, signature.1)] {
+        let value = reqwest::header::HeaderValue::from_str(&value).map_err(|_| format!("signing: {name} is not sendable"))?;
+        headers.insert(name, value);
+    }
+    if m.oauth2.is_some() {
+        headers.remove(reqwest::header::AUTHORIZATION);
+    }
+    let body = bytes::Bytes::from(m.payload);
+    let send = async |bearer: Option<&str>| {
+        let mut request = client.post(url.clone()).headers(headers.clone()).body(body.clone());
+        if let Some(token) = bearer {
+            request = request.bearer_auth(token);
+        }
+        request.send().await.map_err(describe)
+    };
+    let response = match &m.oauth2 {
+        None => send(None).await?,
+        Some(credentials) => {
+            let token = sender.tokens.bearer(credentials, false, async || fetch_token(sender, credentials).await).await?;
+            let first = send(Some(&token)).await?;
+            // A refused token may have been revoked early: one fresh token,
+            // one more try, before the attempt counts as failed.
+            if first.status() == reqwest::StatusCode::UNAUTHORIZED {
+                let token = sender.tokens.bearer(credentials, true, async || fetch_token(sender, credentials).await).await?;
+                send(Some(&token)).await?
+            } else {
+                first
+            }
+        }
+    };
     let status = response.status().as_u16();
     let retry_after = retry_after(status, response.headers(), std::time::SystemTime::now());
     Ok(Answer { status, body: read_prefix(response).await, retry_after })
+}
+
+/// The most of a token endpoint's answer read.
+const MAX_TOKEN_ANSWER: usize = 64 * 1024;
+
+#[derive(serde::Deserialize)]
+struct TokenAnswer {
+    access_token: String,
+    #[serde(default)]
+    token_type: Option<String>,
+    #[serde(default)]
+    expires_in: Option<serde_json::Number>,
+}
+
+/// `application/x-www-form-urlencoded`, as RFC 6749 §2.3.1 asks of the
+/// client id and secret before they go into HTTP Basic.
+fn form_encoded(s: &str) -> String {
+    url::form_urlencoded::byte_serialize(s.as_bytes()).collect()
+}
+
+/// Asks the token URL for a token (RFC 6749 §4.4). The URL is checked like
+/// an endpoint's at every fetch and reached through the guarded client, so
+/// a token server is never a way around the address rules; a token server
+/// that is down, slow or answers anything but a bearer token fails the
+/// attempt with a reason for its log.
+async fn fetch_token(sender: &Sender, c: &OAuth2ClientCredentials) -> Result<Fetched, String> {
+    let url = checked_url(sender, &c.token_url).await.map_err(|e| format!("oauth2: token_url {e}"))?;
+    // Built before the first await: the serializer is not Send.
+    let form = {
+        let mut form = url::form_urlencoded::Serializer::new(String::new());
+        form.append_pair("grant_type", "client_credentials");
+        if !c.scope.is_empty() {
+            form.append_pair("scope", &c.scope);
+        }
+        if !c.audience.is_empty() {
+            form.append_pair("audience", &c.audience);
+        }
+        form.finish()
+    };
+    let response = sender
+        .client
+        .post(url)
+        .basic_auth(form_encoded(&c.client_id), Some(form_encoded(&c.client_secret)))
+        .header("content-type", "application/x-www-form-urlencoded")
+        .header("accept", "application/json")
+        .body(form)
+        .send()
+        .await
+        .map_err(|e| format!("oauth2: the token request failed: {}", describe(e)))?;
+    let status = response.status().as_u16();
+    let body = read_limited(response, MAX_TOKEN_ANSWER).await;
+    if !(200..300).contains(&status) {
+        let said = String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned();
+        return Err(format!("oauth2: the token endpoint answered {status}: {said}"));
+    }
+    let answer: TokenAnswer =
+        serde_json::from_slice(&body).map_err(|e| format!("oauth2: the token endpoint's answer is not a token: {e}"))?;
+    if answer.access_token.is_empty() {
+        return Err("oauth2: the token endpoint's answer has an empty access_token".into());
+    }
+    if let Some(t) = answer.token_type.as_deref().filter(|t| !t.eq_ignore_ascii_case("bearer")) {
+        return Err(format!("oauth2: the token endpoint gave a {t:?} token; only bearer tokens can be sent"));
+    }
+    if reqwest::header::HeaderValue::from_str(&format!("Bearer {}", answer.access_token)).is_err() {
+        return Err("oauth2: the token endpoint's access_token cannot be sent in a header".into());
+    }
+    let lifetime = match answer.expires_in.as_ref().and_then(serde_json::Number::as_f64) {
+        Some(secs) if secs.is_finite() && secs > 0.0 => Some(Duration::from_secs_f64(secs.min(86_400.0 * 365.0))),
+        _ => None,
+    };
+    Ok(Fetched { access: answer.access_token, lifetime })
 }
 
 /// The material's scheme; an api that predates the field sends none, which
@@ -135,14 +233,19 @@ fn scheme_of(wire: i32) -> Option<Scheme> {
     })
 }
 
-async fn read_prefix(mut response: reqwest::Response) -> Vec<u8> {
+async fn read_prefix(response: reqwest::Response) -> Vec<u8> {
+    read_limited(response, KEEP_BODY).await
+}
+
+/// Up to `limit` bytes of a response body, within two seconds.
+async fn read_limited(mut response: reqwest::Response, limit: usize) -> Vec<u8> {
     let mut kept = Vec::new();
     // The status is the outcome; the body is only for the attempt log, so a
     // body that stalls is cut short rather than failing the attempt.
     let _ = tokio::time::timeout(Duration::from_secs(2), async {
-        while kept.len() < KEEP_BODY {
+        while kept.len() < limit {
             match response.chunk().await {
-                Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(KEEP_BODY - kept.len())]),
+                Ok(Some(chunk)) => kept.extend_from_slice(&chunk[..chunk.len().min(limit - kept.len())]),
                 _ => break,
             }
         }

@@ -51,6 +51,8 @@ pub struct Sender {
     pub via_proxy: bool,
     shape: Shape,
     with_tls: Arc<Mutex<HashMap<[u8; 32], reqwest::Client>>>,
+    /// OAuth2 tokens, shared by every lane of this process.
+    pub tokens: Arc<crate::oauth2::Tokens>,
 }
 
 /// How every client is built (so that one with an endpoint's TLS differs
@@ -115,7 +117,7 @@ pub fn build(
 ) -> Result<Sender> {
     let shape = Shape { proxy: proxy.map(str::to_owned), source_address, timeout };
     let client = builder(&policy, &resolver, &shape)?.build().context("building the webhook HTTP client")?;
-    Ok(Sender { client, policy, resolver, via_proxy: proxy.is_some(), shape, with_tls: Arc::default() })
+    Ok(Sender { client, policy, resolver, via_proxy: proxy.is_some(), shape, with_tls: Arc::default(), tokens: Arc::default() })
 }
 
 fn builder(policy: &Arc<Policy>, resolver: &Arc<dyn Resolve>, shape: &Shape) -> Result<reqwest::ClientBuilder> {

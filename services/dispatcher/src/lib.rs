@@ -8,6 +8,7 @@ pub mod config;
 pub mod consume;
 pub mod http_client;
 mod lanes;
+mod oauth2;
 pub mod seam;
 mod switched_off;
 mod verdict;

@@ -95,6 +95,8 @@ pub struct Endpoint {
     pub client_certificate: Option<ClientCertificateShown>,
     /// The CA bundle it pins; `None`: the platform's trusted roots.
     pub ca_bundle: Option<String>,
+    /// Its OAuth2 client credentials as reads show them (no secret).
+    pub oauth2: Option<OAuth2Shown>,
 }
 
 #[derive(Debug, Clone)]
@@ -190,4 +192,53 @@ pub struct ClientCertificateShown {
     pub not_after: String,
     /// SHA-256 of the leaf certificate's DER, hex.
     pub fingerprint_sha256: String,
+}
+
+/// An endpoint's OAuth2 client credentials (RFC 6749 §4.4): where the
+/// dispatcher asks for a token, as whom, and for what. `Debug` redacts the
+/// secret.
+#[derive(Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct OAuth2Credentials {
+    pub token_url: String,
+    pub client_id: String,
+    pub client_secret: String,
+    /// Empty: none asked for.
+    pub scope: String,
+    /// Empty: none asked for.
+    pub audience: String,
+}
+
+impl std::fmt::Debug for OAuth2Credentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OAuth2Credentials")
+            .field("token_url", &self.token_url)
+            .field("client_id", &self.client_id)
+            .field("client_secret", &"[redacted]")
+            .field("scope", &self.scope)
+            .field("audience", &self.audience)
+            .finish()
+    }
+}
+
+impl OAuth2Credentials {
+    /// What reads show: everything but the secret.
+    pub fn shown(&self) -> OAuth2Shown {
+        OAuth2Shown {
+            token_url: self.token_url.clone(),
+            client_id: self.client_id.clone(),
+            scope: self.scope.clone(),
+            audience: self.audience.clone(),
+        }
+    }
+}
+
+/// What reads show of an endpoint's OAuth2 client credentials.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct OAuth2Shown {
+    pub token_url: String,
+    pub client_id: String,
+    pub scope: String,
+    pub audience: String,
 }

@@ -138,6 +138,9 @@ catalogue! {
     InvalidClientCertificate = "invalid_client_certificate",
     /// A CA bundle that is not PEM certificates a TLS client can trust.
     InvalidCaBundle = "invalid_ca_bundle",
+    /// OAuth2 client credentials outside the rules (a token URL Relay may
+    /// not call, an empty or oversized field).
+    InvalidOauth2 = "invalid_oauth2",
     /// A payload filter that is not valid JSON, not within its bounds or
     /// not in the filter language (the message names the JSON pointer).
     InvalidFilter = "invalid_filter",

@@ -190,6 +190,7 @@ impl App {
                 };
                 let headers = reseal((row.headers_key_id, row.headers_ciphertext), "decrypting stored custom headers")?;
                 let client_tls = reseal((row.client_tls_key_id, row.client_tls_ciphertext), "decrypting a stored client key")?;
+                let oauth2 = reseal((row.oauth2_key_id, row.oauth2_ciphertext), "decrypting stored OAuth2 credentials")?;
                 db::endpoints::store_secrets(
                     &mut tx,
                     row.id,
@@ -197,6 +198,7 @@ impl App {
                     previous.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
                     headers.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
                     client_tls.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
+                    oauth2.as_ref().map(|(k, c)| (k.as_str(), c.as_slice())),
                 )
                 .await?;
                 rewrapped += 1;

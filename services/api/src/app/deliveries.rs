@@ -51,27 +51,30 @@ pub struct Material {
     pub secrets: Vec<SigningSecret>,
     /// The endpoint's custom headers (their `Debug` shows names only).
     pub headers: relay_domain::headers::CustomHeaders,
-    /// The endpoint's client certificate and pinned CA (`Debug` redacts the key).
-    pub tls: ReceiverTls,
+    /// How to authenticate to the receiver (`Debug` redacts keys and secrets).
+    pub auth: ReceiverAuth,
     pub payload: Vec<u8>,
     /// The trace the delivery's attempts continue, for an attempt handed
     /// over in a reply rather than asked for.
     pub traceparent: Option<String>,
 }
 
-/// TLS towards the receiver: the client certificate and key to present
-/// (one PEM text) and the CA bundle to pin, when the endpoint has them.
+/// How Relay authenticates to the receiver beyond signing, when the
+/// endpoint asks: the client certificate and key to present (one PEM text),
+/// the CA bundle to pin, and OAuth2 client credentials.
 #[derive(Clone, Default)]
-pub struct ReceiverTls {
+pub struct ReceiverAuth {
     pub identity_pem: Option<String>,
     pub ca_bundle: Option<String>,
+    pub oauth2: Option<relay_domain::models::OAuth2Credentials>,
 }
 
-impl std::fmt::Debug for ReceiverTls {
+impl std::fmt::Debug for ReceiverAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ReceiverTls")
+        f.debug_struct("ReceiverAuth")
             .field("identity", &self.identity_pem.as_ref().map(|_| "[redacted]"))
             .field("ca_bundle_len", &self.ca_bundle.as_ref().map(String::len))
+            .field("oauth2", &self.oauth2)
             .finish()
     }
 }

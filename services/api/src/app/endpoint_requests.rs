@@ -3,10 +3,10 @@
 //! custom headers, sealed for storage with the key ring).
 
 use anyhow::Context;
-use relay_domain::{Reason, filter::Filter, headers::CustomHeaders, rate::RateLimit};
+use relay_domain::{Reason, filter::Filter, headers::CustomHeaders, models::OAuth2Credentials, rate::RateLimit};
 
 use super::App;
-use crate::db::endpoints::{SealedClientTls, SealedHeaders};
+use crate::db::endpoints::{SealedHeaders, SealedShown};
 use crate::error::{AppError, AppResult};
 
 /// A new endpoint as asked for.
@@ -28,6 +28,8 @@ pub struct NewEndpoint {
     pub client_key: String,
     /// A CA bundle to pin (PEM); empty: the platform's trusted roots.
     pub ca_bundle: String,
+    /// OAuth2 client credentials (their `Debug` redacts the secret).
+    pub oauth2: Option<OAuth2Credentials>,
 }
 
 impl std::fmt::Debug for NewEndpoint {
@@ -44,7 +46,51 @@ impl std::fmt::Debug for NewEndpoint {
             .field("client_certificate", &self.client_certificate.len())
             .field("client_key", &"[redacted]")
             .field("ca_bundle", &self.ca_bundle.len())
+            .field("oauth2", &self.oauth2)
             .finish()
+    }
+}
+
+/// The most characters of an OAuth2 client id, and of a secret, scope or audience.
+const MAX_CLIENT_ID: usize = 256;
+const MAX_OAUTH2_FIELD: usize = 1024;
+
+/// OAuth2 client credentials' fields, but the token URL (which the caller
+/// checks like an endpoint URL, resolving its host).
+pub(super) fn check_oauth2_fields(c: &OAuth2Credentials) -> AppResult<()> {
+    let refuse = |m: String| Err(AppError::invalid(Reason::InvalidOauth2, m));
+    for (name, value, required, max) in [
+        ("client_id", &c.client_id, true, MAX_CLIENT_ID),
+        ("client_secret", &c.client_secret, true, MAX_OAUTH2_FIELD),
+        ("scope", &c.scope, false, MAX_OAUTH2_FIELD),
+        ("audience", &c.audience, false, MAX_OAUTH2_FIELD),
+    ] {
+        let length = value.chars().count();
+        if required && value.is_empty() {
+            return refuse(format!("oauth2.{name} is required"));
+        }
+        if length > max {
+            return refuse(format!("oauth2.{name} may be at most {max} characters; this one is {length}"));
+        }
+        if let Some(at) = value.chars().position(char::is_control) {
+            return refuse(format!("oauth2.{name} may not hold control characters (one at character {})", at + 1));
+        }
+    }
+    if c.token_url.trim().is_empty() {
+        return refuse("oauth2.token_url is required".into());
+    }
+    Ok(())
+}
+
+/// What a request does to the OAuth2 credentials, as for the rate limit.
+pub(super) fn oauth2_change(clear: bool, asked: Option<OAuth2Credentials>) -> AppResult<Option<Option<OAuth2Credentials>>> {
+    match (clear, asked) {
+        (true, Some(_)) => {
+            Err(AppError::invalid(Reason::InvalidOauth2, "clear_oauth2 removes the credentials: ask for it or for new ones, not both"))
+        }
+        (true, None) => Ok(Some(None)),
+        (false, None) => Ok(None),
+        (false, Some(c)) => Ok(Some(Some(c))),
     }
 }
 
@@ -170,6 +216,10 @@ pub struct EndpointChange {
     pub ca_bundle: String,
     /// …or removing it.
     pub clear_ca_bundle: bool,
+    /// New OAuth2 client credentials (`None`: kept)…
+    pub oauth2: Option<OAuth2Credentials>,
+    /// …or removing them.
+    pub clear_oauth2: bool,
 }
 
 impl std::fmt::Debug for EndpointChange {
@@ -192,6 +242,8 @@ impl std::fmt::Debug for EndpointChange {
             .field("clear_client_certificate", &self.clear_client_certificate)
             .field("ca_bundle", &self.ca_bundle.len())
             .field("clear_ca_bundle", &self.clear_ca_bundle)
+            .field("oauth2", &self.oauth2)
+            .field("clear_oauth2", &self.clear_oauth2)
             .finish()
     }
 }
@@ -218,12 +270,40 @@ pub(super) struct SealedIdentity {
 }
 
 impl SealedIdentity {
-    pub(super) fn as_stored(&self) -> SealedClientTls<'_> {
-        SealedClientTls { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
+    pub(super) fn as_stored(&self) -> SealedShown<'_> {
+        SealedShown { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
+    }
+}
+
+/// OAuth2 client credentials sealed for storage (the secret with them).
+pub(super) struct SealedOAuth2 {
+    key_id: String,
+    ciphertext: Vec<u8>,
+    shown: serde_json::Value,
+}
+
+impl SealedOAuth2 {
+    pub(super) fn as_stored(&self) -> SealedShown<'_> {
+        SealedShown { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
     }
 }
 
 impl App {
+    /// Checks OAuth2 client credentials (the token URL as strictly as an
+    /// endpoint's) and seals them.
+    pub(super) async fn seal_oauth2(&self, credentials: OAuth2Credentials) -> AppResult<SealedOAuth2> {
+        check_oauth2_fields(&credentials)?;
+        let token_url = self
+            .check_endpoint_url(credentials.token_url.trim())
+            .await
+            .map_err(|e| AppError::invalid(Reason::InvalidOauth2, format!("oauth2.token_url: {}", e.message)))?;
+        let credentials = OAuth2Credentials { token_url, ..credentials };
+        let plain = serde_json::to_vec(&credentials).context("encoding OAuth2 client credentials")?;
+        let (key_id, ciphertext) = self.keyring.seal(&plain);
+        let shown = serde_json::to_value(credentials.shown()).context("encoding shown OAuth2 client credentials")?;
+        Ok(SealedOAuth2 { key_id, ciphertext, shown })
+    }
+
     /// Checks a client certificate and key (at this instant) and seals them.
     pub(super) fn seal_client_tls(&self, (certificate, key): (String, String)) -> AppResult<SealedIdentity> {
         let identity = super::client_tls::check_client_identity(&certificate, &key, self.clock.now())?;

@@ -17,8 +17,8 @@ use url::Host;
 
 pub use super::endpoint_requests::{EndpointChange, NewEndpoint};
 use super::endpoint_requests::{
-    SealedIdentity, SealedPairs, ca_bundle_change, check_filter, check_max_in_flight, check_rate_limit, client_tls_change, filter_change,
-    header_change, rate_limit_change,
+    SealedIdentity, SealedOAuth2, SealedPairs, ca_bundle_change, check_filter, check_max_in_flight, check_rate_limit, client_tls_change,
+    filter_change, header_change, oauth2_change, rate_limit_change,
 };
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
@@ -118,7 +118,7 @@ fn normalise_event_types(types: &[String]) -> AppResult<Vec<String>> {
 impl App {
     /// The URL rules, including the addresses a host name resolves to now.
     /// The dispatcher checks again at send time, since DNS can change.
-    async fn check_endpoint_url(&self, raw: &str) -> AppResult<String> {
+    pub(super) async fn check_endpoint_url(&self, raw: &str) -> AppResult<String> {
         if raw.len() > MAX_URL_LEN {
             return Err(AppError::invalid(
                 Reason::EndpointUrlRejected,
@@ -150,6 +150,10 @@ impl App {
             .transpose()?;
         let ca_bundle =
             ca_bundle_change(false, new.ca_bundle)?.flatten().map(|pem| super::client_tls::check_ca_bundle(&pem)).transpose()?;
+        let oauth2 = match new.oauth2 {
+            Some(c) => Some(self.seal_oauth2(c).await?),
+            None => None,
+        };
 
         let mut tx = self.db.begin().await?;
         // Locking the environment row serialises concurrent creates, so two
@@ -177,6 +181,7 @@ impl App {
             rate_limit,
             client_tls: client_tls.as_ref().map(SealedIdentity::as_stored),
             ca_bundle: ca_bundle.as_deref(),
+            oauth2: oauth2.as_ref().map(SealedOAuth2::as_stored),
         };
         let id = db::endpoints::insert(&mut tx, row).await?;
         db::health::insert(&mut tx, id).await?;
@@ -221,6 +226,11 @@ impl App {
         let ca_bundle = ca_bundle_change(change.clear_ca_bundle, change.ca_bundle)?
             .map(|pem| pem.map(|pem| super::client_tls::check_ca_bundle(&pem)).transpose())
             .transpose()?;
+        let oauth2 = match oauth2_change(change.clear_oauth2, change.oauth2)? {
+            Some(Some(c)) => Some(Some(self.seal_oauth2(c).await?)),
+            Some(None) => Some(None),
+            None => None,
+        };
 
         let mut tx = self.db.begin().await?;
         // Locked: an expansion share-locks the endpoint, so it reads the row
@@ -264,6 +274,7 @@ impl App {
             rate_limit,
             client_tls: client_tls.as_ref().map(|t| t.as_ref().map(SealedIdentity::as_stored)),
             ca_bundle: ca_bundle.as_ref().map(Option::as_deref),
+            oauth2: oauth2.as_ref().map(|o| o.as_ref().map(SealedOAuth2::as_stored)),
         };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =

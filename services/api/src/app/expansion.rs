@@ -188,7 +188,11 @@ impl App {
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
         )
-        .with_tls((&row.client_tls_key_id, &row.client_tls_ciphertext), &row.ca_bundle);
+        .with_auth(
+            (&row.client_tls_key_id, &row.client_tls_ciphertext),
+            &row.ca_bundle,
+            (&row.oauth2_key_id, &row.oauth2_ciphertext),
+        );
         let sending = self.sending_for(sending_of, endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
@@ -201,7 +205,7 @@ impl App {
             scheme: sending.scheme,
             secrets: sending.secrets,
             headers: sending.headers,
-            tls: sending.tls,
+            auth: sending.auth,
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
         })

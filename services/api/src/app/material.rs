@@ -172,7 +172,11 @@ impl App {
             row.secret_rotated_at,
             (&row.headers_key_id, &row.headers_ciphertext),
         )
-        .with_tls((&row.client_tls_key_id, &row.client_tls_ciphertext), &row.ca_bundle);
+        .with_auth(
+            (&row.client_tls_key_id, &row.client_tls_ciphertext),
+            &row.ca_bundle,
+            (&row.oauth2_key_id, &row.oauth2_ciphertext),
+        );
         let sending = self.sending_for(sending_of, row.endpoint_id, stored, now)?;
         Ok(Material {
             delivery_id,
@@ -185,7 +189,7 @@ impl App {
             scheme: sending.scheme,
             secrets: sending.secrets,
             headers: sending.headers,
-            tls: sending.tls,
+            auth: sending.auth,
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
             traceparent: None,
         })
@@ -202,6 +206,7 @@ pub(crate) struct StoredSecrets<'a> {
     headers: Option<(&'a str, &'a [u8])>,
     client_tls: Option<(&'a str, &'a [u8])>,
     ca_bundle: Option<&'a str>,
+    oauth2: Option<(&'a str, &'a [u8])>,
 }
 
 fn sealed<'a>(k: &'a Option<String>, c: &'a Option<Vec<u8>>) -> Option<(&'a str, &'a [u8])> {
@@ -229,13 +234,22 @@ impl<'a> StoredSecrets<'a> {
             headers: sealed(headers.0, headers.1),
             client_tls: None,
             ca_bundle: None,
+            oauth2: None,
         }
     }
 
-    /// With the endpoint's client certificate (sealed) and pinned CA bundle.
-    pub(crate) fn with_tls(mut self, client_tls: (&'a Option<String>, &'a Option<Vec<u8>>), ca_bundle: &'a Option<String>) -> Self {
+    /// With how Relay authenticates to the receiver beyond signing: its
+    /// client certificate (sealed), pinned CA bundle and OAuth2 client
+    /// credentials (sealed).
+    pub(crate) fn with_auth(
+        mut self,
+        client_tls: (&'a Option<String>, &'a Option<Vec<u8>>),
+        ca_bundle: &'a Option<String>,
+        oauth2: (&'a Option<String>, &'a Option<Vec<u8>>),
+    ) -> Self {
         self.client_tls = sealed(client_tls.0, client_tls.1);
         self.ca_bundle = ca_bundle.as_deref();
+        self.oauth2 = sealed(oauth2.0, oauth2.1);
         self
     }
 }
@@ -247,7 +261,7 @@ pub(crate) struct Sending {
     pub scheme: Scheme,
     pub secrets: Vec<SigningSecret>,
     pub headers: CustomHeaders,
-    pub tls: ReceiverTls,
+    pub auth: ReceiverAuth,
 }
 
 /// What sending needs, decrypted in one batch, by endpoint: each endpoint's
@@ -290,8 +304,15 @@ impl App {
             }
             None => None,
         };
-        let tls = ReceiverTls { identity_pem, ca_bundle: stored.ca_bundle.map(str::to_owned) };
-        let sending = Sending { scheme, secrets, headers, tls };
+        let oauth2 = match stored.oauth2 {
+            Some((key_id, ct)) => {
+                let plain = self.keyring.open(key_id, ct).context("decrypting OAuth2 client credentials")?;
+                Some(serde_json::from_slice(&plain).context("reading decrypted OAuth2 client credentials")?)
+            }
+            None => None,
+        };
+        let auth = ReceiverAuth { identity_pem, ca_bundle: stored.ca_bundle.map(str::to_owned), oauth2 };
+        let sending = Sending { scheme, secrets, headers, auth };
         decrypted.insert(endpoint_id, sending.clone());
         Ok(sending)
     }

@@ -63,6 +63,7 @@ struct EndpointRow {
     rate_burst: Option<i32>,
     client_certificate_shown: Option<serde_json::Value>,
     ca_bundle: Option<String>,
+    oauth2_shown: Option<serde_json::Value>,
 }
 
 impl EndpointRow {
@@ -118,6 +119,11 @@ impl EndpointRow {
                 .transpose()
                 .map_err(|e| anyhow::anyhow!("endpoint {} has a shown client certificate this api cannot read: {e}", r.id))?,
             ca_bundle: r.ca_bundle,
+            oauth2: r
+                .oauth2_shown
+                .map(serde_json::from_value)
+                .transpose()
+                .map_err(|e| anyhow::anyhow!("endpoint {} has shown OAuth2 credentials this api cannot read: {e}", r.id))?,
         })
     }
 }
@@ -160,13 +166,14 @@ pub struct NewEndpointRow<'a> {
     /// The payload filter's text, checked.
     pub filter: Option<&'a str>,
     pub rate_limit: Option<RateLimit>,
-    pub client_tls: Option<SealedClientTls<'a>>,
+    pub client_tls: Option<SealedShown<'a>>,
     pub ca_bundle: Option<&'a str>,
+    pub oauth2: Option<SealedShown<'a>>,
 }
 
-/// A client certificate and key as stored: sealed as one PEM text under a
-/// key id, and what reads show of the certificate.
-pub struct SealedClientTls<'a> {
+/// Something sealed under a key id (a client certificate and key as one
+/// PEM text, OAuth2 client credentials as JSON), and what reads show of it.
+pub struct SealedShown<'a> {
     pub key_id: &'a str,
     pub ciphertext: &'a [u8],
     pub shown: serde_json::Value,
@@ -186,13 +193,15 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         rate_limit,
         client_tls,
         ca_bundle,
+        oauth2,
     } = row;
     Ok(sqlx::query_scalar!(
         r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key,
                                         headers_key_id, headers_ciphertext, headers_shown, max_in_flight, filter,
                                         rate_per_second, rate_burst, client_tls_key_id, client_tls_ciphertext, client_certificate_shown,
-                                        ca_bundle)
-         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13, $14, $15, $16, $17, $18, $19) RETURNING id AS "id: EndpointId""#,
+                                        ca_bundle, oauth2_key_id, oauth2_ciphertext, oauth2_shown)
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13, $14, $15, $16, $17, $18, $19,
+                 $20, $21, $22) RETURNING id AS "id: EndpointId""#,
         EndpointId::mint() as _,
         environment_id as _,
         url,
@@ -212,6 +221,9 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         client_tls.as_ref().map(|t| t.ciphertext),
         client_tls.as_ref().map(|t| &t.shown),
         ca_bundle,
+        oauth2.as_ref().map(|o| o.key_id),
+        oauth2.as_ref().map(|o| o.ciphertext),
+        oauth2.as_ref().map(|o| &o.shown),
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -234,7 +246,7 @@ async fn select(
                   h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!",
                   e.headers_shown, e.max_in_flight, e.filter, e.rate_per_second, e.rate_burst,
-                  e.client_certificate_shown, e.ca_bundle
+                  e.client_certificate_shown, e.ca_bundle, e.oauth2_shown
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
@@ -314,9 +326,11 @@ pub struct EndpointUpdate<'a> {
     /// A new rate limit: `Some(None)` removes it.
     pub rate_limit: Option<Option<RateLimit>>,
     /// A new client certificate: `Some(None)` removes it.
-    pub client_tls: Option<Option<SealedClientTls<'a>>>,
+    pub client_tls: Option<Option<SealedShown<'a>>>,
     /// A new CA bundle: `Some(None)` removes it.
     pub ca_bundle: Option<Option<&'a str>>,
+    /// New OAuth2 client credentials: `Some(None)` removes them.
+    pub oauth2: Option<Option<SealedShown<'a>>>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
@@ -324,6 +338,7 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
     let material = change.material.as_ref();
     let headers = change.headers.as_ref().and_then(Option::as_ref);
     let client_tls = change.client_tls.as_ref().and_then(Option::as_ref);
+    let oauth2 = change.oauth2.as_ref().and_then(Option::as_ref);
     sqlx::query!(
         "UPDATE webhook_endpoints SET
            url = COALESCE($2, url),
@@ -347,7 +362,10 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
            client_tls_key_id = CASE WHEN $19 THEN $20 ELSE client_tls_key_id END,
            client_tls_ciphertext = CASE WHEN $19 THEN $21 ELSE client_tls_ciphertext END,
            client_certificate_shown = CASE WHEN $19 THEN $22 ELSE client_certificate_shown END,
-           ca_bundle = CASE WHEN $23 THEN $24 ELSE ca_bundle END
+           ca_bundle = CASE WHEN $23 THEN $24 ELSE ca_bundle END,
+           oauth2_key_id = CASE WHEN $25 THEN $26 ELSE oauth2_key_id END,
+           oauth2_ciphertext = CASE WHEN $25 THEN $27 ELSE oauth2_ciphertext END,
+           oauth2_shown = CASE WHEN $25 THEN $28 ELSE oauth2_shown END
          WHERE id = $1",
         id as _,
         change.url,
@@ -373,6 +391,10 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         client_tls.map(|t| &t.shown),
         change.ca_bundle.is_some(),
         change.ca_bundle.flatten(),
+        change.oauth2.is_some(),
+        oauth2.map(|o| o.key_id),
+        oauth2.map(|o| o.ciphertext),
+        oauth2.map(|o| &o.shown),
     )
     .execute(&mut *tx)
     .await?;
@@ -438,19 +460,22 @@ pub struct StoredSecrets {
     pub headers_ciphertext: Option<Vec<u8>>,
     pub client_tls_key_id: Option<String>,
     pub client_tls_ciphertext: Option<Vec<u8>>,
+    pub oauth2_key_id: Option<String>,
+    pub oauth2_ciphertext: Option<Vec<u8>>,
 }
 
-/// Up to 100 endpoints with a secret, custom headers or a client key not under
+/// Up to 100 endpoints with a secret, custom headers, a client key or OAuth2 credentials not under
 /// `active_key_id`, locked.
 pub async fn lock_not_under_key(tx: &mut PgConnection, active_key_id: &str) -> AppResult<Vec<StoredSecrets>> {
     Ok(sqlx::query_as!(
         StoredSecrets,
         "SELECT id, secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, headers_key_id, headers_ciphertext,
-                client_tls_key_id, client_tls_ciphertext
+                client_tls_key_id, client_tls_ciphertext, oauth2_key_id, oauth2_ciphertext
          FROM webhook_endpoints
          WHERE secret_key_id <> $1 OR (previous_secret_key_id IS NOT NULL AND previous_secret_key_id <> $1)
             OR (headers_key_id IS NOT NULL AND headers_key_id <> $1)
             OR (client_tls_key_id IS NOT NULL AND client_tls_key_id <> $1)
+            OR (oauth2_key_id IS NOT NULL AND oauth2_key_id <> $1)
          ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED",
         active_key_id,
     )
@@ -465,11 +490,12 @@ pub async fn store_secrets(
     previous: Option<(&str, &[u8])>,
     headers: Option<(&str, &[u8])>,
     client_tls: Option<(&str, &[u8])>,
+    oauth2: Option<(&str, &[u8])>,
 ) -> AppResult<()> {
     sqlx::query!(
         "UPDATE webhook_endpoints SET secret_key_id = $2, secret_ciphertext = $3,
            previous_secret_key_id = $4, previous_secret_ciphertext = $5, headers_key_id = $6, headers_ciphertext = $7,
-           client_tls_key_id = $8, client_tls_ciphertext = $9 WHERE id = $1",
+           client_tls_key_id = $8, client_tls_ciphertext = $9, oauth2_key_id = $10, oauth2_ciphertext = $11 WHERE id = $1",
         id as _,
         current.0,
         current.1,
@@ -479,6 +505,8 @@ pub async fn store_secrets(
         headers.map(|h| h.1),
         client_tls.map(|t| t.0),
         client_tls.map(|t| t.1),
+        oauth2.map(|o| o.0),
+        oauth2.map(|o| o.1),
     )
     .execute(&mut *tx)
     .await?;

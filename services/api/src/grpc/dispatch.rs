@@ -48,8 +48,15 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         traceparent: m.traceparent.unwrap_or_default(),
         signature_scheme: scheme_message(m.scheme) as i32,
         headers: m.headers.pairs().iter().cloned().collect(),
-        client_identity_pem: m.tls.identity_pem.unwrap_or_default(),
-        ca_bundle: m.tls.ca_bundle.unwrap_or_default(),
+        client_identity_pem: m.auth.identity_pem.unwrap_or_default(),
+        ca_bundle: m.auth.ca_bundle.unwrap_or_default(),
+        oauth2: m.auth.oauth2.map(|o| pb::OAuth2ClientCredentials {
+            token_url: o.token_url,
+            client_id: o.client_id,
+            client_secret: o.client_secret,
+            scope: o.scope,
+            audience: o.audience,
+        }),
     }
 }
 

@@ -61,6 +61,23 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
             fingerprint_sha256: c.fingerprint_sha256,
         }),
         ca_bundle: e.ca_bundle.unwrap_or_default(),
+        oauth2: e.oauth2.map(|o| pb::OAuth2ClientCredentials {
+            token_url: o.token_url,
+            client_id: o.client_id,
+            client_secret: String::new(),
+            scope: o.scope,
+            audience: o.audience,
+        }),
+    }
+}
+
+fn oauth2_asked(o: pb::OAuth2ClientCredentials) -> relay_domain::models::OAuth2Credentials {
+    relay_domain::models::OAuth2Credentials {
+        token_url: o.token_url,
+        client_id: o.client_id,
+        client_secret: o.client_secret,
+        scope: o.scope,
+        audience: o.audience,
     }
 }
 
@@ -181,6 +198,7 @@ impl WebhookEndpointService for TenantApi {
             client_certificate: r.client_certificate,
             client_key: r.client_key,
             ca_bundle: r.ca_bundle,
+            oauth2: r.oauth2.map(oauth2_asked),
         };
         let (e, secret) = self.app.create_endpoint(tenant, new).await.map_err(status)?;
         Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
@@ -209,6 +227,8 @@ impl WebhookEndpointService for TenantApi {
             clear_client_certificate: r.clear_client_certificate,
             ca_bundle: r.ca_bundle,
             clear_ca_bundle: r.clear_ca_bundle,
+            oauth2: r.oauth2.map(oauth2_asked),
+            clear_oauth2: r.clear_oauth2,
         };
         let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
         Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))

@@ -56,6 +56,8 @@ pub struct EndpointView {
     /// client certificate's subject and expiry, and whether a CA is pinned.
     pub client_certificate: String,
     pub ca_pinned: bool,
+    /// Its OAuth2 client id and token URL; empty: none.
+    pub oauth2: String,
 }
 
 impl From<Endpoint> for EndpointView {
@@ -100,6 +102,7 @@ impl From<Endpoint> for EndpointView {
             rate_burst: e.rate_limit.map(|r| r.burst().to_string()).unwrap_or_default(),
             client_certificate: e.client_certificate.map(|c| format!("{} (expires {})", c.subject, c.not_after)).unwrap_or_default(),
             ca_pinned: e.ca_bundle.is_some(),
+            oauth2: e.oauth2.map(|o| format!("{} at {}", o.client_id, o.token_url)).unwrap_or_default(),
         }
     }
 }

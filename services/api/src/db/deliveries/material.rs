@@ -40,6 +40,8 @@ pub struct MaterialRow {
     pub client_tls_key_id: Option<String>,
     pub client_tls_ciphertext: Option<Vec<u8>>,
     pub ca_bundle: Option<String>,
+    pub oauth2_key_id: Option<String>,
+    pub oauth2_ciphertext: Option<Vec<u8>>,
     /// Absent when the reply's payload budget was spent on earlier items.
     pub envelope: Option<Vec<u8>>,
 }
@@ -61,7 +63,7 @@ pub async fn read_material(
                   e.url, e.enabled, e.disabled_reason, e.deleted_at IS NOT NULL AS deleted,
                   e.signature_scheme, e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
                   e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext, e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle,
-                  v.envelope, d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
+                  e.oauth2_key_id, e.oauth2_ciphertext, v.envelope, d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
                     AND (e.enabled OR e.disabled_reason = 'failing') AND e.deleted_at IS NULL AS servable
            FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
            JOIN webhook_deliveries d ON d.id = w.id
@@ -81,6 +83,7 @@ pub async fn read_material(
                 previous_secret_key_id AS "previous_secret_key_id?", previous_secret_ciphertext AS "previous_secret_ciphertext?",
                 secret_rotated_at AS "secret_rotated_at?", headers_key_id AS "headers_key_id?", headers_ciphertext AS "headers_ciphertext?",
                 client_tls_key_id AS "client_tls_key_id?", client_tls_ciphertext AS "client_tls_ciphertext?", ca_bundle AS "ca_bundle?",
+                oauth2_key_id AS "oauth2_key_id?", oauth2_ciphertext AS "oauth2_ciphertext?",
                 CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS "envelope?"
          FROM sized"#,
         ids as _,
@@ -113,6 +116,8 @@ pub struct RefillRow {
     pub client_tls_key_id: Option<String>,
     pub client_tls_ciphertext: Option<Vec<u8>>,
     pub ca_bundle: Option<String>,
+    pub oauth2_key_id: Option<String>,
+    pub oauth2_ciphertext: Option<Vec<u8>>,
     pub envelope: Vec<u8>,
 }
 
@@ -188,7 +193,7 @@ pub async fn refill<'e>(
                 l.attempt AS "attempt!", l.generation AS "generation!", l.trace_context, e.url, e.signature_scheme, e.secret_key_id,
                 e.secret_ciphertext,
                 e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
-                e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, v.envelope
+                e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, v.envelope
          FROM leased l
          JOIN webhook_endpoints e ON e.id = l.endpoint_id
          JOIN events v ON v.environment_id = l.environment_id AND v.id = l.event_id"#,
