@@ -200,6 +200,14 @@ ensure_browser() {
   fi
 }
 
+# A real forwarding proxy for the egress proxy's tests (CONNECT included).
+ensure_tinyproxy() {
+  if ! command -v tinyproxy >/dev/null && [ ! -x /usr/bin/tinyproxy ] && [ ! -x /usr/sbin/tinyproxy ]; then
+    log "installing Debian's tinyproxy (the egress proxy's tests)"
+    apt_install tinyproxy
+  fi
+}
+
 ensure_services() {
   ensure_postgres
   ensure_nats

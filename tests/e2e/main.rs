@@ -7,6 +7,7 @@ mod custom_headers;
 mod delivery;
 mod deploy;
 mod edges;
+mod egress_proxy;
 mod failover;
 mod faults;
 mod filters;
