@@ -168,7 +168,7 @@ impl App {
         let mut rewrapped = 0u32;
         loop {
             let mut tx = self.db.begin().await?;
-            let batch = db::endpoints::lock_not_under_key(&mut tx, &active).await?;
+            let batch = db::endpoint_secrets::lock_not_under_key(&mut tx, &active).await?;
             if batch.is_empty() {
                 return Ok(rewrapped);
             }
@@ -191,7 +191,7 @@ impl App {
                 let headers = reseal((row.headers_key_id, row.headers_ciphertext), "decrypting stored custom headers")?;
                 let client_tls = reseal((row.client_tls_key_id, row.client_tls_ciphertext), "decrypting a stored client key")?;
                 let oauth2 = reseal((row.oauth2_key_id, row.oauth2_ciphertext), "decrypting stored OAuth2 credentials")?;
-                db::endpoints::store_secrets(
+                db::endpoint_secrets::store_secrets(
                     &mut tx,
                     row.id,
                     (&key_id, &ciphertext),

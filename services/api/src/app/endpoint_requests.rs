@@ -6,7 +6,7 @@ use anyhow::Context;
 use relay_domain::{Reason, filter::Filter, headers::CustomHeaders, models::OAuth2Credentials, rate::RateLimit};
 
 use super::App;
-use crate::db::endpoints::{SealedHeaders, SealedShown};
+use crate::db::endpoint_secrets::Sealed;
 use crate::error::{AppError, AppResult};
 
 /// A new endpoint as asked for.
@@ -248,50 +248,10 @@ impl std::fmt::Debug for EndpointChange {
     }
 }
 
-/// Custom headers checked and sealed for storage: encrypted under the key
-/// ring like a secret, with the masked form reads show.
-pub(super) struct SealedPairs {
-    key_id: String,
-    ciphertext: Vec<u8>,
-    shown: serde_json::Value,
-}
-
-impl SealedPairs {
-    pub(super) fn as_stored(&self) -> SealedHeaders<'_> {
-        SealedHeaders { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
-    }
-}
-
-/// A client certificate and key checked and sealed for storage.
-pub(super) struct SealedIdentity {
-    key_id: String,
-    ciphertext: Vec<u8>,
-    shown: serde_json::Value,
-}
-
-impl SealedIdentity {
-    pub(super) fn as_stored(&self) -> SealedShown<'_> {
-        SealedShown { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
-    }
-}
-
-/// OAuth2 client credentials sealed for storage (the secret with them).
-pub(super) struct SealedOAuth2 {
-    key_id: String,
-    ciphertext: Vec<u8>,
-    shown: serde_json::Value,
-}
-
-impl SealedOAuth2 {
-    pub(super) fn as_stored(&self) -> SealedShown<'_> {
-        SealedShown { key_id: &self.key_id, ciphertext: &self.ciphertext, shown: self.shown.clone() }
-    }
-}
-
 impl App {
     /// Checks OAuth2 client credentials (the token URL as strictly as an
     /// endpoint's) and seals them.
-    pub(super) async fn seal_oauth2(&self, credentials: OAuth2Credentials) -> AppResult<SealedOAuth2> {
+    pub(super) async fn seal_oauth2(&self, credentials: OAuth2Credentials) -> AppResult<Sealed> {
         check_oauth2_fields(&credentials)?;
         let token_url = self
             .check_endpoint_url(credentials.token_url.trim())
@@ -301,19 +261,19 @@ impl App {
         let plain = serde_json::to_vec(&credentials).context("encoding OAuth2 client credentials")?;
         let (key_id, ciphertext) = self.keyring.seal(&plain);
         let shown = serde_json::to_value(credentials.shown()).context("encoding shown OAuth2 client credentials")?;
-        Ok(SealedOAuth2 { key_id, ciphertext, shown })
+        Ok(Sealed { key_id, ciphertext, shown })
     }
 
     /// Checks a client certificate and key (at this instant) and seals them.
-    pub(super) fn seal_client_tls(&self, (certificate, key): (String, String)) -> AppResult<SealedIdentity> {
+    pub(super) fn seal_client_tls(&self, (certificate, key): (String, String)) -> AppResult<Sealed> {
         let identity = super::client_tls::check_client_identity(&certificate, &key, self.clock.now())?;
         let (key_id, ciphertext) = self.keyring.seal(identity.pem.as_bytes());
         let shown = serde_json::to_value(&identity.shown).context("encoding a shown client certificate")?;
-        Ok(SealedIdentity { key_id, ciphertext, shown })
+        Ok(Sealed { key_id, ciphertext, shown })
     }
 
     /// Checks custom headers and seals them; none at all is `None`.
-    pub(super) fn seal_headers(&self, pairs: Vec<(String, String)>) -> AppResult<Option<SealedPairs>> {
+    pub(super) fn seal_headers(&self, pairs: Vec<(String, String)>) -> AppResult<Option<Sealed>> {
         let headers = CustomHeaders::parse(pairs).map_err(|e| AppError::invalid(Reason::InvalidHeaders, e.0))?;
         if headers.is_empty() {
             return Ok(None);
@@ -321,6 +281,6 @@ impl App {
         let plain = serde_json::to_vec(headers.pairs()).context("encoding custom headers")?;
         let (key_id, ciphertext) = self.keyring.seal(&plain);
         let shown = serde_json::to_value(headers.masked()).context("encoding masked custom headers")?;
-        Ok(Some(SealedPairs { key_id, ciphertext, shown }))
+        Ok(Some(Sealed { key_id, ciphertext, shown }))
     }
 }

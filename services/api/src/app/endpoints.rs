@@ -17,8 +17,8 @@ use url::Host;
 
 pub use super::endpoint_requests::{EndpointChange, NewEndpoint};
 use super::endpoint_requests::{
-    SealedIdentity, SealedOAuth2, SealedPairs, ca_bundle_change, check_filter, check_max_in_flight, check_rate_limit, client_tls_change,
-    filter_change, header_change, oauth2_change, rate_limit_change,
+    ca_bundle_change, check_filter, check_max_in_flight, check_rate_limit, client_tls_change, filter_change, header_change, oauth2_change,
+    rate_limit_change,
 };
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
@@ -175,13 +175,13 @@ impl App {
             event_types: &event_types,
             scheme,
             material,
-            headers: headers.as_ref().map(SealedPairs::as_stored),
+            headers: headers.as_ref(),
             max_in_flight,
             filter: filter.as_deref(),
             rate_limit,
-            client_tls: client_tls.as_ref().map(SealedIdentity::as_stored),
+            client_tls: client_tls.as_ref(),
             ca_bundle: ca_bundle.as_deref(),
-            oauth2: oauth2.as_ref().map(SealedOAuth2::as_stored),
+            oauth2: oauth2.as_ref(),
         };
         let id = db::endpoints::insert(&mut tx, row).await?;
         db::health::insert(&mut tx, id).await?;
@@ -268,13 +268,13 @@ impl App {
             event_types: event_types.as_deref(),
             scheme,
             material,
-            headers: headers.as_ref().map(|h| h.as_ref().map(SealedPairs::as_stored)),
+            headers: headers.as_ref().map(Option::as_ref),
             max_in_flight,
             filter: filter.as_ref().map(Option::as_deref),
             rate_limit,
-            client_tls: client_tls.as_ref().map(|t| t.as_ref().map(SealedIdentity::as_stored)),
+            client_tls: client_tls.as_ref().map(Option::as_ref),
             ca_bundle: ca_bundle.as_ref().map(Option::as_deref),
-            oauth2: oauth2.as_ref().map(|o| o.as_ref().map(SealedOAuth2::as_stored)),
+            oauth2: oauth2.as_ref().map(Option::as_ref),
         };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =

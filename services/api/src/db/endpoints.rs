@@ -6,6 +6,7 @@ use sqlx::{PgConnection, PgPool};
 
 use relay_signing::Scheme;
 
+pub use super::endpoint_secrets::Sealed;
 use super::models::{Circuit, DisabledReason, Endpoint, EndpointHealth, FailureWindow, Timestamp};
 use crate::error::AppResult;
 
@@ -146,14 +147,6 @@ pub struct NewSigningMaterial<'a> {
     pub public_key: Option<&'a str>,
 }
 
-/// Custom headers as stored: the pairs encrypted under a key id, and the
-/// names with masked values that reads show.
-pub struct SealedHeaders<'a> {
-    pub key_id: &'a str,
-    pub ciphertext: &'a [u8],
-    pub shown: serde_json::Value,
-}
-
 /// A new endpoint's row, checked and sealed.
 pub struct NewEndpointRow<'a> {
     pub environment_id: EnvironmentId,
@@ -161,22 +154,14 @@ pub struct NewEndpointRow<'a> {
     pub event_types: &'a [String],
     pub scheme: Scheme,
     pub material: NewSigningMaterial<'a>,
-    pub headers: Option<SealedHeaders<'a>>,
+    pub headers: Option<&'a Sealed>,
     pub max_in_flight: Option<i32>,
     /// The payload filter's text, checked.
     pub filter: Option<&'a str>,
     pub rate_limit: Option<RateLimit>,
-    pub client_tls: Option<SealedShown<'a>>,
+    pub client_tls: Option<&'a Sealed>,
     pub ca_bundle: Option<&'a str>,
-    pub oauth2: Option<SealedShown<'a>>,
-}
-
-/// Something sealed under a key id (a client certificate and key as one
-/// PEM text, OAuth2 client credentials as JSON), and what reads show of it.
-pub struct SealedShown<'a> {
-    pub key_id: &'a str,
-    pub ciphertext: &'a [u8],
-    pub shown: serde_json::Value,
+    pub oauth2: Option<&'a Sealed>,
 }
 
 /// The new endpoint's id.
@@ -210,20 +195,20 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         material.key_id,
         material.ciphertext,
         material.public_key,
-        headers.as_ref().map(|h| h.key_id),
-        headers.as_ref().map(|h| h.ciphertext),
-        headers.as_ref().map(|h| &h.shown),
+        headers.map(|h| h.key_id.as_str()),
+        headers.map(|h| h.ciphertext.as_slice()),
+        headers.map(|h| &h.shown),
         max_in_flight,
         filter,
         rate_limit.map(|r| r.per_second() as i32),
         rate_limit.map(|r| r.burst() as i32),
-        client_tls.as_ref().map(|t| t.key_id),
-        client_tls.as_ref().map(|t| t.ciphertext),
-        client_tls.as_ref().map(|t| &t.shown),
+        client_tls.map(|t| t.key_id.as_str()),
+        client_tls.map(|t| t.ciphertext.as_slice()),
+        client_tls.map(|t| &t.shown),
         ca_bundle,
-        oauth2.as_ref().map(|o| o.key_id),
-        oauth2.as_ref().map(|o| o.ciphertext),
-        oauth2.as_ref().map(|o| &o.shown),
+        oauth2.map(|o| o.key_id.as_str()),
+        oauth2.map(|o| o.ciphertext.as_slice()),
+        oauth2.map(|o| &o.shown),
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -318,7 +303,7 @@ pub struct EndpointUpdate<'a> {
     /// under the new scheme).
     pub material: Option<NewSigningMaterial<'a>>,
     /// New custom headers: `Some(None)` removes them all.
-    pub headers: Option<Option<SealedHeaders<'a>>>,
+    pub headers: Option<Option<&'a Sealed>>,
     /// A new in-flight cap: `Some(None)` returns to the platform's.
     pub max_in_flight: Option<Option<i32>>,
     /// A new payload filter (checked): `Some(None)` removes it.
@@ -326,19 +311,17 @@ pub struct EndpointUpdate<'a> {
     /// A new rate limit: `Some(None)` removes it.
     pub rate_limit: Option<Option<RateLimit>>,
     /// A new client certificate: `Some(None)` removes it.
-    pub client_tls: Option<Option<SealedShown<'a>>>,
+    pub client_tls: Option<Option<&'a Sealed>>,
     /// A new CA bundle: `Some(None)` removes it.
     pub ca_bundle: Option<Option<&'a str>>,
     /// New OAuth2 client credentials: `Some(None)` removes them.
-    pub oauth2: Option<Option<SealedShown<'a>>>,
+    pub oauth2: Option<Option<&'a Sealed>>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
 pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdate<'_>) -> AppResult<()> {
     let material = change.material.as_ref();
-    let headers = change.headers.as_ref().and_then(Option::as_ref);
-    let client_tls = change.client_tls.as_ref().and_then(Option::as_ref);
-    let oauth2 = change.oauth2.as_ref().and_then(Option::as_ref);
+    let (headers, client_tls, oauth2) = (change.headers.flatten(), change.client_tls.flatten(), change.oauth2.flatten());
     sqlx::query!(
         "UPDATE webhook_endpoints SET
            url = COALESCE($2, url),
@@ -375,8 +358,8 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         material.map(|m| m.ciphertext),
         material.and_then(|m| m.public_key),
         change.headers.is_some(),
-        headers.map(|h| h.key_id),
-        headers.map(|h| h.ciphertext),
+        headers.map(|h| h.key_id.as_str()),
+        headers.map(|h| h.ciphertext.as_slice()),
         headers.map(|h| &h.shown),
         change.max_in_flight.is_some(),
         change.max_in_flight.flatten(),
@@ -386,14 +369,14 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         change.rate_limit.flatten().map(|r| r.per_second() as i32),
         change.rate_limit.flatten().map(|r| r.burst() as i32),
         change.client_tls.is_some(),
-        client_tls.map(|t| t.key_id),
-        client_tls.map(|t| t.ciphertext),
+        client_tls.map(|t| t.key_id.as_str()),
+        client_tls.map(|t| t.ciphertext.as_slice()),
         client_tls.map(|t| &t.shown),
         change.ca_bundle.is_some(),
         change.ca_bundle.flatten(),
         change.oauth2.is_some(),
-        oauth2.map(|o| o.key_id),
-        oauth2.map(|o| o.ciphertext),
+        oauth2.map(|o| o.key_id.as_str()),
+        oauth2.map(|o| o.ciphertext.as_slice()),
         oauth2.map(|o| &o.shown),
     )
     .execute(&mut *tx)
@@ -447,70 +430,6 @@ pub async fn soft_delete(tx: &mut PgConnection, environment_id: EnvironmentId, i
     .await?
     .rows_affected()
         == 1)
-}
-
-/// An endpoint's stored secrets, for re-encryption under another key.
-pub struct StoredSecrets {
-    pub id: EndpointId,
-    pub secret_key_id: String,
-    pub secret_ciphertext: Vec<u8>,
-    pub previous_secret_key_id: Option<String>,
-    pub previous_secret_ciphertext: Option<Vec<u8>>,
-    pub headers_key_id: Option<String>,
-    pub headers_ciphertext: Option<Vec<u8>>,
-    pub client_tls_key_id: Option<String>,
-    pub client_tls_ciphertext: Option<Vec<u8>>,
-    pub oauth2_key_id: Option<String>,
-    pub oauth2_ciphertext: Option<Vec<u8>>,
-}
-
-/// Up to 100 endpoints with a secret, custom headers, a client key or OAuth2 credentials not under
-/// `active_key_id`, locked.
-pub async fn lock_not_under_key(tx: &mut PgConnection, active_key_id: &str) -> AppResult<Vec<StoredSecrets>> {
-    Ok(sqlx::query_as!(
-        StoredSecrets,
-        "SELECT id, secret_key_id, secret_ciphertext, previous_secret_key_id, previous_secret_ciphertext, headers_key_id, headers_ciphertext,
-                client_tls_key_id, client_tls_ciphertext, oauth2_key_id, oauth2_ciphertext
-         FROM webhook_endpoints
-         WHERE secret_key_id <> $1 OR (previous_secret_key_id IS NOT NULL AND previous_secret_key_id <> $1)
-            OR (headers_key_id IS NOT NULL AND headers_key_id <> $1)
-            OR (client_tls_key_id IS NOT NULL AND client_tls_key_id <> $1)
-            OR (oauth2_key_id IS NOT NULL AND oauth2_key_id <> $1)
-         ORDER BY id LIMIT 100 FOR UPDATE SKIP LOCKED",
-        active_key_id,
-    )
-    .fetch_all(&mut *tx)
-    .await?)
-}
-
-pub async fn store_secrets(
-    tx: &mut PgConnection,
-    id: EndpointId,
-    current: (&str, &[u8]),
-    previous: Option<(&str, &[u8])>,
-    headers: Option<(&str, &[u8])>,
-    client_tls: Option<(&str, &[u8])>,
-    oauth2: Option<(&str, &[u8])>,
-) -> AppResult<()> {
-    sqlx::query!(
-        "UPDATE webhook_endpoints SET secret_key_id = $2, secret_ciphertext = $3,
-           previous_secret_key_id = $4, previous_secret_ciphertext = $5, headers_key_id = $6, headers_ciphertext = $7,
-           client_tls_key_id = $8, client_tls_ciphertext = $9, oauth2_key_id = $10, oauth2_ciphertext = $11 WHERE id = $1",
-        id as _,
-        current.0,
-        current.1,
-        previous.map(|p| p.0),
-        previous.map(|p| p.1),
-        headers.map(|h| h.0),
-        headers.map(|h| h.1),
-        client_tls.map(|t| t.0),
-        client_tls.map(|t| t.1),
-        oauth2.map(|o| o.0),
-        oauth2.map(|o| o.1),
-    )
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
 }
 
 /// The environment a live endpoint belongs to (an operator's call names

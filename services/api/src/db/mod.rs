@@ -95,6 +95,7 @@ pub mod batcher;
 pub mod dead_letters;
 pub mod deliveries;
 pub mod depths;
+pub mod endpoint_secrets;
 pub mod endpoints;
 pub mod environments;
 pub mod events;
