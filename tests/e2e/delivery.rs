@@ -26,7 +26,7 @@ async fn seven_attempts_on_the_tiers_then_a_dead_letter_then_replay_delivers_the
     // Test tiers: 0, 150, 200, 250, 300, 350, 400 ms.
     let stack = Stack::start(Options::default().tiers("0,150,200,250,300,350,400")).await?;
     let tenant = stack.tenant("schedule").await?;
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start_https().await?;
     receiver.reply("/fail", Reply::Status(500));
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let (endpoint_id, secret) = rest.endpoint(&receiver.url("/fail"), &["order.created"]).await?;

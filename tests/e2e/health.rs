@@ -59,7 +59,7 @@ async fn a_dead_endpoint_opens_on_evidence_holds_its_work_where_no_pass_looks_is
 -> anyhow::Result<()> {
     let stack = Stack::start(Options::default().probes(Duration::from_secs(5), Duration::from_secs(10))).await?;
     let tenant = stack.tenant("circuit").await?;
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start_https().await?;
     receiver.reply("/down", Reply::Status(500));
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let (endpoint, _) = rest.endpoint(&receiver.url("/down"), &["t"]).await?;
@@ -154,7 +154,7 @@ async fn a_dead_endpoint_opens_on_evidence_holds_its_work_where_no_pass_looks_is
 async fn a_receiver_that_refuses_each_first_request_gets_every_event_on_its_retry() -> anyhow::Result<()> {
     let stack = Stack::start(Options::default().tiers("0,200,200,200,200,200,200")).await?;
     let tenant = stack.tenant("not-ready").await?;
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start_https().await?;
     receiver.reply("/not-ready", Reply::Flaky(Flaky::new(Behaviour::FailFirst(500))));
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let (endpoint, _) = rest.endpoint(&receiver.url("/not-ready"), &["t"]).await?;
@@ -194,7 +194,7 @@ async fn a_delivery_held_past_its_environments_bound_becomes_a_replayable_dead_l
     assert_eq!(env.max_held_secs, 7 * 24 * 3600, "the default: the dead-letter window");
     admin.set_disable_policy(policy(2)).await?;
 
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start_https().await?;
     receiver.reply("/gone", Reply::Status(410));
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let (endpoint, _) = rest.endpoint(&receiver.url("/gone"), &["t"]).await?;

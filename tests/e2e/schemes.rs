@@ -74,7 +74,7 @@ async fn patch(rest: &Rest, id: &str, body: Value) -> Result<(u16, Value)> {
 async fn standard_webhooks_deliveries_verify_with_the_published_libraries_during_a_rotation_too() -> Result<()> {
     let stack = Stack::start(Options::default()).await?;
     let tenant = stack.tenant("schemes").await?;
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start_https().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
 
     let hmac = create(&rest, &receiver.url("/hmac"), Some("standard-webhooks")).await?;
@@ -137,7 +137,7 @@ async fn standard_webhooks_deliveries_verify_with_the_published_libraries_during
 async fn a_scheme_change_signs_the_next_attempt_and_crossing_to_a_key_pair_and_back_mints_material() -> Result<()> {
     let stack = Stack::start(Options::default().tiers("0,300,300,300,300,300,300")).await?;
     let tenant = stack.tenant("switch").await?;
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start_https().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let created = create(&rest, &receiver.url("/r"), None).await?;
     let id = created["endpoint"]["id"].as_str().unwrap().to_owned();
@@ -211,7 +211,7 @@ async fn a_scheme_change_signs_the_next_attempt_and_crossing_to_a_key_pair_and_b
 async fn a_secret_minted_before_standard_webhooks_must_be_rotated_before_the_switch() -> Result<()> {
     let stack = Stack::start(Options::default()).await?;
     let tenant = stack.tenant("legacy").await?;
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start_https().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     let created = create(&rest, &receiver.url("/r"), None).await?;
     let id = created["endpoint"]["id"].as_str().unwrap().to_owned();

@@ -87,6 +87,13 @@ impl Receiver {
         Self::start_with(None).await
     }
 
+    /// A receiver over HTTPS with a certificate of the shared test PKI,
+    /// which every test dispatcher trusts: for suites that should run over
+    /// TLS as production does.
+    pub async fn start_https() -> Result<Self> {
+        Self::start_with(Some(shared_pki().server_config(false)?)).await
+    }
+
     /// A receiver over HTTPS with this TLS (see `TestPki::server_config`):
     /// a request whose handshake fails is never recorded.
     pub async fn start_tls(tls: Arc<rustls::ServerConfig>) -> Result<Self> {

@@ -227,6 +227,9 @@ impl Stack {
             resolver: self.opts.dispatcher_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),
             egress_proxy: self.opts.egress_proxy.clone(),
             source_address: None,
+            // Every test dispatcher trusts the shared test CA, so any
+            // receiver may answer over HTTPS (`Receiver::start_https`).
+            receiver_ca: Some(crate::shared_ca_file().clone()),
         }
     }
 
@@ -261,6 +264,7 @@ impl Stack {
             ("RELAY_TLS_CA", c.tls_ca.display().to_string()),
             ("RELAY_TLS_CERT", c.tls_cert.display().to_string()),
             ("RELAY_TLS_KEY", c.tls_key.display().to_string()),
+            ("RELAY_RECEIVER_CA_FILE", crate::shared_ca_file().display().to_string()),
             ("RELAY_ATTEMPT_TIMEOUT_MS", c.attempt_timeout.as_millis().to_string()),
             ("RELAY_SEAM_TIMEOUT_MS", c.seam_timeout.as_millis().to_string()),
             ("RELAY_DEV_ALLOW_HTTP_ENDPOINTS", "true".into()),

@@ -95,3 +95,20 @@ impl TestPki {
         Ok(Arc::new(config))
     }
 }
+
+/// One test PKI for the whole test process: every stack's dispatchers trust
+/// its CA (`RELAY_RECEIVER_CA_FILE`), so any receiver may answer over HTTPS.
+pub fn shared_pki() -> &'static TestPki {
+    static PKI: std::sync::LazyLock<TestPki> = std::sync::LazyLock::new(|| TestPki::new().expect("a test PKI"));
+    &PKI
+}
+
+/// The shared PKI's CA, as a PEM file (written once per test process).
+pub fn shared_ca_file() -> &'static PathBuf {
+    static FILE: std::sync::LazyLock<PathBuf> = std::sync::LazyLock::new(|| {
+        let path = std::env::temp_dir().join(format!("relay-test-receiver-ca-{}.pem", std::process::id()));
+        std::fs::write(&path, &shared_pki().ca).expect("writing the test receivers' CA");
+        path
+    });
+    &FILE
+}

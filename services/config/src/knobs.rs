@@ -200,6 +200,12 @@ pub const KNOBS: &[Knob] = &[
     ),
     knob("RELAY_EGRESS_PROXY", Dispatcher, "", "send webhooks through this HTTP proxy; the URL rules still apply"),
     knob(
+        "RELAY_RECEIVER_CA_FILE",
+        Dispatcher,
+        "",
+        "PEM certificates of CAs the dispatcher trusts for receivers besides the platform's roots (a private CA every endpoint may use); an endpoint's own ca_bundle pins instead",
+    ),
+    knob(
         "RELAY_DEV_SOURCE_ADDRESS",
         Dispatcher,
         "",

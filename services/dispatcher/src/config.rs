@@ -36,6 +36,9 @@ pub struct DispatcherConfig {
     /// webhooks leave from, so a test's receiver can tell which dispatcher
     /// sent a request.
     pub source_address: Option<std::net::IpAddr>,
+    /// CAs trusted for receivers besides the platform's roots
+    /// (`RELAY_RECEIVER_CA_FILE`, PEM); an endpoint's `ca_bundle` pins instead.
+    pub receiver_ca: Option<PathBuf>,
 }
 
 impl DispatcherConfig {
@@ -66,6 +69,7 @@ impl DispatcherConfig {
                 .string("RELAY_DEV_SOURCE_ADDRESS")
                 .map(|a| a.parse().with_context(|| format!("RELAY_DEV_SOURCE_ADDRESS is not an IP address: {a:?}")))
                 .transpose()?,
+            receiver_ca: env.string("RELAY_RECEIVER_CA_FILE").map(PathBuf::from),
         };
         cfg.validate()?;
         Ok(cfg)
@@ -128,6 +132,7 @@ mod tests {
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             egress_proxy: None,
             source_address: None,
+            receiver_ca: None,
         }
     }
 

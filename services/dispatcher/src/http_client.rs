@@ -62,6 +62,9 @@ struct Shape {
     proxy: Option<String>,
     source_address: Option<std::net::IpAddr>,
     timeout: Duration,
+    /// CAs trusted besides the platform's roots (PEM), for endpoints that
+    /// pin none of their own.
+    receiver_ca: Option<Vec<u8>>,
 }
 
 /// Clients with an endpoint's own TLS kept at once; past this the cache
@@ -84,7 +87,7 @@ impl Sender {
         if let Some(c) = self.with_tls.lock().expect("not poisoned").get(&key) {
             return Ok(c.clone());
         }
-        let mut b = builder(&self.policy, &self.resolver, &self.shape).map_err(|e| format!("tls: {e:#}"))?;
+        let mut b = builder(&self.policy, &self.resolver, &self.shape, !ca_bundle.is_empty()).map_err(|e| format!("tls: {e:#}"))?;
         if !identity_pem.is_empty() {
             let identity = reqwest::Identity::from_pem(identity_pem.as_bytes())
                 .map_err(|e| format!("tls: the endpoint's client certificate cannot be loaded: {e}"))?;
@@ -114,14 +117,17 @@ pub fn build(
     proxy: Option<&str>,
     source_address: Option<std::net::IpAddr>,
     timeout: Duration,
+    receiver_ca: Option<Vec<u8>>,
 ) -> Result<Sender> {
-    let shape = Shape { proxy: proxy.map(str::to_owned), source_address, timeout };
-    let client = builder(&policy, &resolver, &shape)?.build().context("building the webhook HTTP client")?;
+    let shape = Shape { proxy: proxy.map(str::to_owned), source_address, timeout, receiver_ca };
+    let client = builder(&policy, &resolver, &shape, false)?.build().context("building the webhook HTTP client")?;
     Ok(Sender { client, policy, resolver, via_proxy: proxy.is_some(), shape, with_tls: Arc::default(), tokens: Arc::default() })
 }
 
-fn builder(policy: &Arc<Policy>, resolver: &Arc<dyn Resolve>, shape: &Shape) -> Result<reqwest::ClientBuilder> {
-    let Shape { proxy, source_address, timeout } = shape;
+/// A client's common shape; `pinned`: the endpoint brings its own CAs, so
+/// the platform-wide extra ones are not added.
+fn builder(policy: &Arc<Policy>, resolver: &Arc<dyn Resolve>, shape: &Shape, pinned: bool) -> Result<reqwest::ClientBuilder> {
+    let Shape { proxy, source_address, timeout, receiver_ca } = shape;
     let (source_address, timeout) = (*source_address, *timeout);
     let b = reqwest::Client::builder()
         .redirect(reqwest::redirect::Policy::none())
@@ -138,6 +144,12 @@ fn builder(policy: &Arc<Policy>, resolver: &Arc<dyn Resolve>, shape: &Shape) -> 
         .user_agent(concat!("Relay-Webhooks/", env!("CARGO_PKG_VERSION")))
         .local_address(source_address)
         .dns_resolver(Arc::new(GuardedResolver { policy: policy.clone(), resolver: resolver.clone() }));
+    let b = match receiver_ca.as_deref().filter(|_| !pinned) {
+        Some(pem) => {
+            b.tls_certs_merge(reqwest::Certificate::from_pem_bundle(pem).context("RELAY_RECEIVER_CA_FILE is not PEM certificates")?)
+        }
+        None => b,
+    };
     Ok(match proxy {
         Some(p) => b.proxy(reqwest::Proxy::all(p).context("RELAY_EGRESS_PROXY is not a proxy URL")?),
         // Ignore HTTP(S)_PROXY from the environment: a proxy is a decision.

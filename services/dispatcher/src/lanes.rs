@@ -106,12 +106,18 @@ impl LaneSet {
         let claim_hold = MATERIAL_FRESH + cfg.attempt_timeout + CLAIM_MARGIN;
         let claimant = uuid::Uuid::new_v4().to_string();
         relay_config::timing::check_claim(claim_hold)?;
+        let receiver_ca = cfg
+            .receiver_ca
+            .as_ref()
+            .map(|p| std::fs::read(p).map_err(|e| anyhow::anyhow!("reading RELAY_RECEIVER_CA_FILE {}: {e}", p.display())))
+            .transpose()?;
         let sender = crate::http_client::build(
             Arc::new(cfg.url_policy.clone()),
             cfg.resolver.clone(),
             cfg.egress_proxy.as_deref(),
             cfg.source_address,
             cfg.attempt_timeout,
+            receiver_ca,
         )?;
         let shared = Arc::new(LaneShared {
             lanes: Default::default(),
