@@ -120,14 +120,14 @@ async fn oauth2_credentials_are_checked_and_the_token_url_held_to_endpoint_rules
         (with(json!({"scope": "a\r\nInjected: 1"})), "oauth2.scope may not hold control characters"),
     ] {
         let (status, reply) = rest.post("/v1/webhooks", body).await?;
-        assert_eq!((status, reply["reason"].as_str()), (400, Some("invalid_oauth2")), "{reply}");
+        assert_eq!((status, reply["reason"].as_str()), (400, Some("invalid_oauth_credentials")), "{reply}");
         assert!(reply["message"].as_str().unwrap_or_default().contains(words), "{reply} should say {words}");
     }
     let (status, created) = rest.post("/v1/webhooks", with(json!({}))).await?;
     assert_eq!(status, 201, "{created}");
     let path = format!("/v1/webhooks/{}", created["endpoint"]["id"].as_str().unwrap());
     let (status, body) = rest.call(reqwest::Method::PATCH, &path, Some(json!({"oauth2": good, "clear_oauth2": true}))).await?;
-    assert_eq!((status, body["reason"].as_str()), (400, Some("invalid_oauth2")), "{body}");
+    assert_eq!((status, body["reason"].as_str()), (400, Some("invalid_oauth_credentials")), "{body}");
     let (status, body) = rest.call(reqwest::Method::PATCH, &path, Some(json!({"clear_oauth2": true}))).await?;
     assert_eq!((status, &body["endpoint"]["oauth2"]), (200, &Value::Null), "{body}");
     Ok(())

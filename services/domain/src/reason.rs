@@ -140,7 +140,7 @@ catalogue! {
     InvalidCaBundle = "invalid_ca_bundle",
     /// OAuth2 client credentials outside the rules (a token URL Relay may
     /// not call, an empty or oversized field).
-    InvalidOauth2 = "invalid_oauth2",
+    InvalidOauthCredentials = "invalid_oauth_credentials",
     /// A payload filter that is not valid JSON, not within its bounds or
     /// not in the filter language (the message names the JSON pointer).
     InvalidFilter = "invalid_filter",

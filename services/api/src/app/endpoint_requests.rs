@@ -58,7 +58,7 @@ const MAX_OAUTH2_FIELD: usize = 1024;
 /// OAuth2 client credentials' fields, but the token URL (which the caller
 /// checks like an endpoint URL, resolving its host).
 pub(super) fn check_oauth2_fields(c: &OAuth2Credentials) -> AppResult<()> {
-    let refuse = |m: String| Err(AppError::invalid(Reason::InvalidOauth2, m));
+    let refuse = |m: String| Err(AppError::invalid(Reason::InvalidOauthCredentials, m));
     for (name, value, required, max) in [
         ("client_id", &c.client_id, true, MAX_CLIENT_ID),
         ("client_secret", &c.client_secret, true, MAX_OAUTH2_FIELD),
@@ -85,9 +85,10 @@ pub(super) fn check_oauth2_fields(c: &OAuth2Credentials) -> AppResult<()> {
 /// What a request does to the OAuth2 credentials, as for the rate limit.
 pub(super) fn oauth2_change(clear: bool, asked: Option<OAuth2Credentials>) -> AppResult<Option<Option<OAuth2Credentials>>> {
     match (clear, asked) {
-        (true, Some(_)) => {
-            Err(AppError::invalid(Reason::InvalidOauth2, "clear_oauth2 removes the credentials: ask for it or for new ones, not both"))
-        }
+        (true, Some(_)) => Err(AppError::invalid(
+            Reason::InvalidOauthCredentials,
+            "clear_oauth2 removes the credentials: ask for it or for new ones, not both",
+        )),
         (true, None) => Ok(Some(None)),
         (false, None) => Ok(None),
         (false, Some(c)) => Ok(Some(Some(c))),
@@ -256,7 +257,7 @@ impl App {
         let token_url = self
             .check_endpoint_url(credentials.token_url.trim())
             .await
-            .map_err(|e| AppError::invalid(Reason::InvalidOauth2, format!("oauth2.token_url: {}", e.message)))?;
+            .map_err(|e| AppError::invalid(Reason::InvalidOauthCredentials, format!("oauth2.token_url: {}", e.message)))?;
         let credentials = OAuth2Credentials { token_url, ..credentials };
         let plain = serde_json::to_vec(&credentials).context("encoding OAuth2 client credentials")?;
         let (key_id, ciphertext) = self.keyring.seal(&plain);
