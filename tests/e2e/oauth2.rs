@@ -132,3 +132,36 @@ async fn oauth2_credentials_are_checked_and_the_token_url_held_to_endpoint_rules
     assert_eq!((status, &body["endpoint"]["oauth2"]), (200, &Value::Null), "{body}");
     Ok(())
 }
+
+/// The token URL is checked again at every fetch, as an endpoint URL is at
+/// every send: a name that resolved to a permitted address at registration
+/// and resolves to a private one later is refused, and the token server is
+/// never asked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_token_url_that_later_resolves_to_a_blocked_address_is_never_called() -> anyhow::Result<()> {
+    use relay_netguard::StaticResolver;
+    let tokens = TokenServer::start().await?;
+    let (at_registration, at_send) = (std::sync::Arc::new(StaticResolver::default()), std::sync::Arc::new(StaticResolver::default()));
+    at_registration.set("tokens.test", &["127.0.0.1".parse()?]);
+    at_send.set("tokens.test", &["10.0.0.9".parse()?]);
+    let stack =
+        Stack::start(Options { api_resolver: Some(at_registration), dispatcher_resolver: Some(at_send), ..Options::default().tiers("0") })
+            .await?;
+    let tenant = stack.tenant("oauth2-rebind").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/o", Reply::Bearer(tokens.valid.clone()));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let token_url = format!("http://tokens.test:{}/token", tokens.addr.port());
+    let oauth2 = json!({"token_url": token_url, "client_id": "c", "client_secret": "s"});
+    let (status, created) = rest.post("/v1/webhooks", json!({"url": receiver.url("/o"), "event_types": ["o"], "oauth2": oauth2})).await?;
+    assert_eq!(status, 201, "permitted at registration: {created}");
+    let event = rest.publish("o", json!({"n": 1})).await?;
+    let attempts = attempts_of(&rest, &event, 1).await?;
+    let error = attempts[0]["error"].as_str().unwrap_or_default();
+    // Refused by the guarded resolver at connect time (one lookup, checked,
+    // then connected to), as an endpoint's host is.
+    assert!(error.starts_with("oauth2:") && error.contains("10.0.0.9") && error.contains("may not target"), "{error:?}");
+    assert!(tokens.requests().is_empty(), "the token server was never asked");
+    assert!(receiver.at("/o").is_empty(), "nothing was sent without a token");
+    stack.stop().await
+}
