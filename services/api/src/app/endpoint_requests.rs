@@ -84,15 +84,12 @@ pub(super) fn check_oauth2_fields(c: &OAuth2Credentials) -> AppResult<()> {
 
 /// What a request does to the OAuth2 credentials, as for the rate limit.
 pub(super) fn oauth2_change(clear: bool, asked: Option<OAuth2Credentials>) -> AppResult<Option<Option<OAuth2Credentials>>> {
-    match (clear, asked) {
-        (true, Some(_)) => Err(AppError::invalid(
-            Reason::InvalidOauthCredentials,
-            "clear_oauth2 removes the credentials: ask for it or for new ones, not both",
-        )),
-        (true, None) => Ok(Some(None)),
-        (false, None) => Ok(None),
-        (false, Some(c)) => Ok(Some(Some(c))),
-    }
+    clear_or_replace(
+        clear,
+        asked,
+        Reason::InvalidOauthCredentials,
+        "clear_oauth2 removes the credentials: ask for it or for new ones, not both",
+    )
 }
 
 /// What a request does to the client certificate: both parts replace it,
@@ -100,26 +97,25 @@ pub(super) fn oauth2_change(clear: bool, asked: Option<OAuth2Credentials>) -> Ap
 /// `clear`, is a mistake.
 pub(super) fn client_tls_change(clear: bool, certificate: String, key: String) -> AppResult<Option<Option<(String, String)>>> {
     let refuse = |m: &str| AppError::invalid(Reason::InvalidClientCertificate, m.to_owned());
-    match (clear, certificate.trim().is_empty(), key.trim().is_empty()) {
-        (true, true, true) => Ok(Some(None)),
-        (true, _, _) => Err(refuse("clear_client_certificate removes the certificate: ask for it or for a new one, not both")),
-        (false, true, true) => Ok(None),
-        (false, false, false) => Ok(Some(Some((certificate, key)))),
-        (false, false, true) => Err(refuse("client_certificate needs its client_key")),
-        (false, true, false) => Err(refuse("client_key needs its client_certificate")),
-    }
+    let asked = match (certificate.trim().is_empty(), key.trim().is_empty()) {
+        (true, true) => None,
+        (false, false) => Some((certificate, key)),
+        _ if clear => Some((certificate, key)),
+        (false, true) => return Err(refuse("client_certificate needs its client_key")),
+        (true, false) => return Err(refuse("client_key needs its client_certificate")),
+    };
+    clear_or_replace(
+        clear,
+        asked,
+        Reason::InvalidClientCertificate,
+        "clear_client_certificate removes the certificate: ask for it or for a new one, not both",
+    )
 }
 
 /// What a request does to the CA bundle, as for the filter.
 pub(super) fn ca_bundle_change(clear: bool, pem: String) -> AppResult<Option<Option<String>>> {
-    match (clear, pem.trim().is_empty()) {
-        (true, false) => {
-            Err(AppError::invalid(Reason::InvalidCaBundle, "clear_ca_bundle removes the bundle: ask for it or for a new one, not both"))
-        }
-        (true, true) => Ok(Some(None)),
-        (false, true) => Ok(None),
-        (false, false) => Ok(Some(Some(pem))),
-    }
+    let asked = (!pem.trim().is_empty()).then_some(pem);
+    clear_or_replace(clear, asked, Reason::InvalidCaBundle, "clear_ca_bundle removes the bundle: ask for it or for a new one, not both")
 }
 
 /// A rate limit checked against its bounds.
@@ -130,15 +126,12 @@ pub(super) fn check_rate_limit((per_second, burst): (u32, u32)) -> AppResult<Rat
 /// What an update does to the rate limit, as for headers: `clear` removes
 /// it, a new one replaces it, neither keeps it.
 pub(super) fn rate_limit_change(clear: bool, asked: Option<(u32, u32)>) -> AppResult<Option<Option<(u32, u32)>>> {
-    match (clear, asked) {
-        (true, Some(_)) => Err(AppError::invalid(
-            Reason::RateLimitOutOfRange,
-            "clear_rate_limit removes the rate limit: ask for it or for a new limit, not both",
-        )),
-        (true, None) => Ok(Some(None)),
-        (false, None) => Ok(None),
-        (false, Some(r)) => Ok(Some(Some(r))),
-    }
+    clear_or_replace(
+        clear,
+        asked,
+        Reason::RateLimitOutOfRange,
+        "clear_rate_limit removes the rate limit: ask for it or for a new limit, not both",
+    )
 }
 
 /// A payload filter checked (`relay_domain::filter`), kept as written.
@@ -153,26 +146,34 @@ pub(super) fn filter_change(clear: bool, text: String) -> AppResult<Option<Optio
     if text.trim() == "null" && !clear {
         return Ok(Some(None));
     }
-    match (clear, text.trim().is_empty()) {
-        (true, false) => {
-            Err(AppError::invalid(Reason::InvalidFilter, "clear_filter removes the filter: ask for it or for a new filter, not both"))
-        }
-        (true, true) => Ok(Some(None)),
-        (false, true) => Ok(None),
-        (false, false) => Ok(Some(Some(text))),
-    }
+    let asked = (!text.trim().is_empty()).then_some(text);
+    clear_or_replace(clear, asked, Reason::InvalidFilter, "clear_filter removes the filter: ask for it or for a new filter, not both")
 }
 
 /// What an update does to the custom headers: `clear` removes them all, new
 /// pairs replace them, neither keeps them; both at once is a mistake.
 pub(super) fn header_change(clear: bool, pairs: Vec<(String, String)>) -> AppResult<Option<Vec<(String, String)>>> {
-    match (clear, pairs.is_empty()) {
-        (true, false) => {
-            Err(AppError::invalid(Reason::InvalidHeaders, "clear_headers removes every header: ask for it or for new headers, not both"))
-        }
-        (true, true) => Ok(Some(Vec::new())),
-        (false, true) => Ok(None),
-        (false, false) => Ok(Some(pairs)),
+    let asked = (!pairs.is_empty()).then_some(pairs);
+    let change = clear_or_replace(
+        clear,
+        asked,
+        Reason::InvalidHeaders,
+        "clear_headers removes every header: ask for it or for new headers, not both",
+    )?;
+    // Cleared: no pairs at all.
+    Ok(change.map(Option::unwrap_or_default))
+}
+
+/// The rule every optional setting of an update follows: a new value
+/// replaces it (`Some(Some)`), `clear` removes it (`Some(None)`), neither
+/// keeps it (`None`); a new value and `clear` at once is refused with
+/// `reason` and `both`.
+fn clear_or_replace<T>(clear: bool, asked: Option<T>, reason: Reason, both: &str) -> AppResult<Option<Option<T>>> {
+    match (clear, asked) {
+        (true, Some(_)) => Err(AppError::invalid(reason, both.to_owned())),
+        (true, None) => Ok(Some(None)),
+        (false, None) => Ok(None),
+        (false, Some(value)) => Ok(Some(Some(value))),
     }
 }
 
