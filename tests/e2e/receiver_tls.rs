@@ -3,8 +3,11 @@
 //! pins that CA and presents its certificate is delivered to (the first
 //! attempt and a retry), one without a certificate, one whose certificate
 //! comes from a stranger CA and one that does not pin the receiver's CA are
-//! not, and the attempt log says why. Certificates and bundles are checked
-//! when they are uploaded; the key is never shown.
+//! not, and the attempt log says why. A new certificate overlaps the one it
+//! replaced for 24 hours: a receiver that refuses the new one in the
+//! handshake is presented the previous one, until the tenant ends the
+//! overlap. Certificates and bundles are checked when they are uploaded; the
+//! key is never shown.
 
 use std::time::Duration;
 
@@ -15,18 +18,23 @@ async fn create(rest: &Rest, body: Value) -> anyhow::Result<(u16, Value)> {
     rest.post("/v1/webhooks", body).await
 }
 
-/// The first attempt's error of the endpoint's delivery of `event`, once recorded.
-async fn first_error(rest: &Rest, event: &str, endpoint: &str) -> anyhow::Result<String> {
+/// The endpoint's attempts at its delivery of `event`, once one is recorded.
+async fn attempts(rest: &Rest, event: &str, endpoint: &str) -> anyhow::Result<Vec<Value>> {
     for _ in 0..200 {
         let deliveries = rest.deliveries(event).await?;
         if let Some(a) =
-            deliveries.iter().find(|d| d["endpoint_id"] == endpoint).and_then(|d| d["attempts"].as_array().and_then(|a| a.first().cloned()))
+            deliveries.iter().find(|d| d["endpoint_id"] == endpoint).and_then(|d| d["attempts"].as_array()).filter(|a| !a.is_empty())
         {
-            return Ok(a["error"].as_str().unwrap_or_default().to_owned());
+            return Ok(a.clone());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     anyhow::bail!("no attempt of {endpoint} recorded for {event}")
+}
+
+/// The first attempt's error of the endpoint's delivery of `event`, once recorded.
+async fn first_error(rest: &Rest, event: &str, endpoint: &str) -> anyhow::Result<String> {
+    Ok(attempts(rest, event, endpoint).await?[0]["error"].as_str().unwrap_or_default().to_owned())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,6 +91,91 @@ async fn a_client_certificate_is_presented_to_a_receiver_that_requires_it() -> a
     let path = format!("/v1/webhooks/{}", good["endpoint"]["id"].as_str().unwrap());
     let (status, body) = rest.call(reqwest::Method::PATCH, &path, Some(json!({"clear_client_certificate": true}))).await?;
     assert_eq!((status, &body["endpoint"]["client_certificate"]), (200, &Value::Null), "{body}");
+    stack.stop().await
+}
+
+/// The delivery of `event` at `path`, once it arrived (bounded wait).
+async fn arrived(receiver: &Receiver, path: &str, event: &str) -> Option<relay_tests::Received> {
+    for _ in 0..400 {
+        if let Some(r) = receiver.at(path).into_iter().find(|r| r.header("relay-webhook-id") == event) {
+            return Some(r);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_client_certificate_overlaps_the_one_it_replaced_until_the_overlap_ends() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("mtls-rotation").await?;
+    let pki = TestPki::new()?;
+    // Trusts certificates of `pki.ca` only: `pki.stranger` plays a new
+    // certificate the receiver's operators have not yet learnt to trust.
+    let receiver = Receiver::start_tls(pki.server_config(true)?).await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let with = |pair: &relay_tests::PemPair| json!({"client_certificate": pair.cert, "client_key": pair.key});
+    let mut body = json!({"url": receiver.url("/r"), "event_types": ["tls"], "ca_bundle": pki.ca});
+    body.as_object_mut().unwrap().extend(with(&pki.client).as_object().unwrap().clone());
+    let (status, created) = create(&rest, body).await?;
+    assert_eq!(status, 201, "{created}");
+    let trusted = created["endpoint"]["client_certificate"]["fingerprint_sha256"].as_str().unwrap_or_default().to_owned();
+    assert!(created["endpoint"]["previous_client_certificate"].is_null(), "no overlap before a change: {created}");
+    let path = format!("/v1/webhooks/{}", created["endpoint"]["id"].as_str().unwrap());
+    let id = created["endpoint"]["id"].as_str().unwrap().to_owned();
+
+    let asked_at = chrono::Utc::now();
+    let (status, rotated) = rest.call(reqwest::Method::PATCH, &path, Some(with(&pki.stranger))).await?;
+    assert_eq!(status, 200, "{rotated}");
+    let (current, previous) = (&rotated["endpoint"]["client_certificate"], &rotated["endpoint"]["previous_client_certificate"]);
+    assert!(current["subject"].as_str().unwrap_or_default().contains("not-acme"), "{rotated}");
+    assert_eq!(previous["fingerprint_sha256"].as_str(), Some(trusted.as_str()), "the replaced one overlaps: {rotated}");
+    let until = chrono::DateTime::parse_from_rfc3339(previous["presented_until"].as_str().unwrap_or_default())?;
+    let window = until.signed_duration_since(asked_at);
+    assert!(
+        window > chrono::Duration::hours(24) - chrono::Duration::minutes(1)
+            && window <= chrono::Duration::hours(24) + chrono::Duration::seconds(5),
+        "the overlap lasts 24 h: {window}"
+    );
+    let read = rest.get(&path).await?;
+    assert_eq!(read["previous_client_certificate"], *previous, "reads show it too: {read}");
+    assert!(read["client_certificate"].get("presented_until").is_none(), "only the previous one has an end: {read}");
+
+    // The receiver refuses the new certificate in the handshake: the same
+    // attempt presents the previous one, and the webhook arrives once, at
+    // its first attempt.
+    let first = rest.publish("tls", json!({"n": 1})).await?;
+    let got = arrived(&receiver, "/r", &first).await.expect("delivered with the previous certificate");
+    assert_eq!(got.client_certificate.as_deref(), Some(trusted.as_str()));
+    let recorded = attempts(&rest, &first, &id).await?;
+    assert_eq!((recorded.len(), &recorded[0]["http_status"]), (1, &json!(200)), "{recorded:?}");
+    assert_eq!(receiver.at("/r").len(), 1, "sent once: a refused handshake carries no request");
+
+    // Ending the overlap: only the new certificate, which the receiver refuses.
+    let (status, ended) = rest.call(reqwest::Method::PATCH, &path, Some(json!({"end_client_certificate_overlap": true}))).await?;
+    assert_eq!(status, 200, "{ended}");
+    assert!(ended["endpoint"]["previous_client_certificate"].is_null(), "{ended}");
+    assert_eq!(ended["endpoint"]["client_certificate"], *current, "the current certificate stays");
+    let second = rest.publish("tls", json!({"n": 2})).await?;
+    let error = first_error(&rest, &second, &id).await?.to_lowercase();
+    assert!(error.contains("certificate") && !error.contains("previous"), "refused, no fallback left: {error:?}");
+    assert_eq!(receiver.at("/r").len(), 1, "nothing arrived without a certificate it trusts");
+
+    // Back to a certificate the receiver trusts: the waiting retry and a new
+    // event both arrive with it; the refused one is the fallback now.
+    let (status, back) = rest.call(reqwest::Method::PATCH, &path, Some(with(&pki.client))).await?;
+    assert_eq!(status, 200, "{back}");
+    assert!(back["endpoint"]["previous_client_certificate"]["subject"].as_str().unwrap_or_default().contains("not-acme"), "{back}");
+    let third = rest.publish("tls", json!({"n": 3})).await?;
+    for event in [&second, &third] {
+        let got = arrived(&receiver, "/r", event).await.expect("delivered with the trusted certificate");
+        assert_eq!(got.client_certificate.as_deref(), Some(trusted.as_str()));
+    }
+    // A replacement that ends the overlap at once (a key that leaked).
+    let outright = json!({"client_certificate": pki.stranger.cert, "client_key": pki.stranger.key, "end_client_certificate_overlap": true});
+    let (status, replaced) = rest.call(reqwest::Method::PATCH, &path, Some(outright)).await?;
+    assert_eq!(status, 200, "{replaced}");
+    assert!(replaced["endpoint"]["previous_client_certificate"].is_null(), "{replaced}");
     stack.stop().await
 }
 

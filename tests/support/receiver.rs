@@ -12,7 +12,15 @@ pub struct Received {
     pub at: Instant,
     /// The sender's address: the torture tells its dispatchers apart by it.
     pub peer: SocketAddr,
+    /// Over mutual TLS: the SHA-256 (hex) of the client certificate the
+    /// sender presented, as reads show `fingerprint_sha256`.
+    pub client_certificate: Option<String>,
 }
+
+/// The fingerprint of the client certificate a TLS connection presented,
+/// handed from the handshake to the handler.
+#[derive(Clone)]
+struct PresentedCertificate(String);
 
 impl Received {
     pub fn header(&self, name: &str) -> String {
@@ -108,7 +116,11 @@ impl Receiver {
         let concurrency: Concurrency = Default::default();
         let (sink, table, counting) = (got.clone(), replies.clone(), concurrency.clone());
         let app = Router::new().fallback(
-            move |peer: axum::extract::ConnectInfo<SocketAddr>, uri: axum::http::Uri, headers: HeaderMap, body: Bytes| {
+            move |peer: axum::extract::ConnectInfo<SocketAddr>,
+                  presented: Option<axum::Extension<PresentedCertificate>>,
+                  uri: axum::http::Uri,
+                  headers: HeaderMap,
+                  body: Bytes| {
                 let (sink, table, counting) = (sink.clone(), table.clone(), counting.clone());
                 async move {
                     let path = uri.path().to_owned();
@@ -120,6 +132,7 @@ impl Receiver {
                         body,
                         at: Instant::now(),
                         peer: peer.0,
+                        client_certificate: presented.map(|p| p.0.0),
                     });
                     let reply = table.lock().expect("not poisoned").get(&path).cloned().unwrap_or(Reply::Status(200));
                     use axum::response::IntoResponse;
@@ -220,9 +233,16 @@ async fn serve_tls(listener: TcpListener, tls: Arc<rustls::ServerConfig>, app: R
         tokio::spawn(async move {
             // A refused handshake (no client certificate, an unknown CA) ends here.
             let Ok(stream) = acceptor.accept(stream).await else { return };
+            let presented = stream.get_ref().1.peer_certificates().and_then(|chain| chain.first()).map(|leaf| {
+                use sha2::Digest;
+                PresentedCertificate(hex::encode(sha2::Sha256::digest(leaf.as_ref())))
+            });
             let service = hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
                 let mut req = req.map(axum::body::Body::new);
                 req.extensions_mut().insert(axum::extract::ConnectInfo(peer));
+                if let Some(presented) = presented.clone() {
+                    req.extensions_mut().insert(presented);
+                }
                 tower::ServiceExt::oneshot(app.clone(), req)
             });
             let _ = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())

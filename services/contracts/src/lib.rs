@@ -78,6 +78,7 @@ impl fmt::Debug for relay::tenant::v1::UpdateWebhookEndpointRequest {
             .field("client_certificate_len", &self.client_certificate.len())
             .field("client_key", &REDACTED)
             .field("clear_client_certificate", &self.clear_client_certificate)
+            .field("end_client_certificate_overlap", &self.end_client_certificate_overlap)
             .field("ca_bundle_len", &self.ca_bundle.len())
             .field("clear_ca_bundle", &self.clear_ca_bundle)
             .field("oauth2", &self.oauth2)
@@ -123,6 +124,7 @@ impl fmt::Debug for relay::dispatch::v1::MaterialResponse {
             .field("secrets", &format_args!("[{} redacted]", self.secrets.len()))
             .field("headers", &header_names(&self.headers))
             .field("client_identity", &if self.client_identity_pem.is_empty() { "none" } else { REDACTED })
+            .field("previous_client_identity", &if self.previous_client_identity_pem.is_empty() { "none" } else { REDACTED })
             .field("ca_bundle_len", &self.ca_bundle.len())
             .field("oauth2", &self.oauth2)
             .field("payload_len", &self.payload.len())
@@ -155,9 +157,14 @@ mod tests {
 
     #[test]
     fn material_debug_never_shows_a_secret() {
-        let m = MaterialResponse { secrets: vec!["whsec-very-secret".into()], ..Default::default() };
+        let m = MaterialResponse {
+            secrets: vec!["whsec-very-secret".into()],
+            client_identity_pem: "-----BEGIN PRIVATE KEY-----current".into(),
+            previous_client_identity_pem: "-----BEGIN PRIVATE KEY-----previous".into(),
+            ..Default::default()
+        };
         let shown = format!("{m:?}");
-        assert!(!shown.contains("whsec-very-secret"), "{shown}");
+        assert!(!shown.contains("whsec-very-secret") && !shown.contains("PRIVATE"), "{shown}");
         assert!(shown.contains("1 redacted"), "{shown}");
     }
 }

@@ -125,12 +125,33 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
         headers.remove(reqwest::header::AUTHORIZATION);
     }
     let body = bytes::Bytes::from(m.payload);
+    // Inside a client certificate's overlap, the certificate it replaced.
+    let previous = if m.previous_client_identity_pem.is_empty() {
+        None
+    } else {
+        Some(sender.client_for(&m.previous_client_identity_pem, &m.ca_bundle)?)
+    };
     let send = async |bearer: Option<&str>| {
-        let mut request = client.post(url.clone()).headers(headers.clone()).body(body.clone());
-        if let Some(token) = bearer {
-            request = request.bearer_auth(token);
+        let try_with = async |client: &reqwest::Client| {
+            let mut request = client.post(url.clone()).headers(headers.clone()).body(body.clone());
+            if let Some(token) = bearer {
+                request = request.bearer_auth(token);
+            }
+            request.send().await
+        };
+        let presents = !m.client_identity_pem.is_empty();
+        match try_with(&client).await {
+            // Refused in the handshake, the receiver never saw the request:
+            // presenting the previous certificate sends it once, not twice.
+            Err(e) if previous.is_some() && refused_client_certificate(&e) => {
+                let refused = explain(e, presents);
+                let previous = previous.as_ref().expect("checked");
+                try_with(previous).await.map_err(|e| {
+                    format!("{refused}; the previous client certificate, still in its overlap, failed too: {}", explain(e, presents))
+                })
+            }
+            other => other.map_err(|e| explain(e, presents)),
         }
-        request.send().await.map_err(describe)
     };
     let response = match &m.oauth2 {
         None => send(None).await?,
@@ -273,6 +294,55 @@ fn describe(e: reqwest::Error) -> String {
         source = s.source();
     }
     msg
+}
+
+/// A transport error for the attempt log, saying so in words when the
+/// receiver refused the client certificate (the TLS alert alone reads
+/// `unknownca` or `certificaterequired`).
+fn explain(e: reqwest::Error, presented_certificate: bool) -> String {
+    let refused = refused_client_certificate(&e);
+    let mut message = describe(e);
+    if refused {
+        message.push_str(if presented_certificate {
+            " (the receiver refused the client certificate in the TLS handshake)"
+        } else {
+            " (the receiver refused the TLS handshake: it may require a client certificate, and this endpoint has none)"
+        });
+    }
+    message
+}
+
+/// Whether the receiver refused the client certificate in the handshake: a
+/// TLS alert about the certificate (or, as TLS 1.2 servers often put it, a
+/// handshake failure) received. Under TLS 1.3 the alert arrives after the
+/// client's side of the handshake, so it surfaces on the request, not the
+/// connect; either way the receiver's application saw nothing.
+fn refused_client_certificate(e: &reqwest::Error) -> bool {
+    use rustls::AlertDescription as A;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        // An io::Error's `source` skips the error it wraps: look inside.
+        let wrapped =
+            err.downcast_ref::<std::io::Error>().and_then(|io| io.get_ref()).map(|inner| inner as &(dyn std::error::Error + 'static));
+        for candidate in [Some(err), wrapped].into_iter().flatten() {
+            if let Some(rustls::Error::AlertReceived(alert)) = candidate.downcast_ref::<rustls::Error>() {
+                return matches!(
+                    alert,
+                    A::BadCertificate
+                        | A::UnsupportedCertificate
+                        | A::CertificateRevoked
+                        | A::CertificateExpired
+                        | A::CertificateUnknown
+                        | A::UnknownCA
+                        | A::AccessDenied
+                        | A::CertificateRequired
+                        | A::HandshakeFailure
+                );
+            }
+        }
+        source = err.source();
+    }
+    false
 }
 
 fn chrono_free_unix_now() -> u64 {

@@ -93,6 +93,9 @@ pub struct Endpoint {
     /// What reads show of its client certificate (subject, issuer,
     /// not_after, fingerprint_sha256); `None`: none is presented.
     pub client_certificate: Option<ClientCertificateShown>,
+    /// The certificate the current one replaced, while the overlap lasts:
+    /// presented when the receiver refuses the current one.
+    pub previous_client_certificate: Option<ClientCertificateShown>,
     /// The CA bundle it pins; `None`: the platform's trusted roots.
     pub ca_bundle: Option<String>,
     /// Its OAuth2 client credentials as reads show them (no secret).
@@ -192,6 +195,28 @@ pub struct ClientCertificateShown {
     pub not_after: String,
     /// SHA-256 of the leaf certificate's DER, hex.
     pub fingerprint_sha256: String,
+    /// Only on a previous certificate: when its overlap ends (see
+    /// [`crate::client_identity`]).
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub presented_until: Option<crate::Timestamp>,
+}
+
+/// What is stored to show of an endpoint's client certificates: the current
+/// one and, after a change, the one it replaced.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+pub struct ClientCertificatesShown {
+    #[cfg_attr(feature = "serde", serde(flatten))]
+    pub current: ClientCertificateShown,
+    #[cfg_attr(feature = "serde", serde(default, skip_serializing_if = "Option::is_none"))]
+    pub previous: Option<ClientCertificateShown>,
+}
+
+impl ClientCertificatesShown {
+    /// The previous certificate while its overlap lasts at `now`.
+    pub fn previous_at(&self, now: crate::Timestamp) -> Option<&ClientCertificateShown> {
+        self.previous.as_ref().filter(|p| p.presented_until.is_some_and(|until| now < until))
+    }
 }
 
 /// An endpoint's OAuth2 client credentials (RFC 6749 §4.4): where the

@@ -93,6 +93,7 @@ pub fn check_client_identity(certificate_pem: &str, key_pem: &str, now: Timestam
         issuer: leaf.issuer().to_string(),
         not_after: at(validity.not_after),
         fingerprint_sha256: hex::encode(Sha256::digest(chain[0].as_ref())),
+        presented_until: None,
     };
     Ok(ClientIdentity { pem: format!("{}\n{}\n", certificate_pem.trim(), key_pem.trim()), shown })
 }

@@ -65,6 +65,8 @@ pub struct Material {
 #[derive(Clone, Default)]
 pub struct ReceiverAuth {
     pub identity_pem: Option<String>,
+    /// Inside a client certificate's overlap: the identity it replaced.
+    pub previous_identity_pem: Option<String>,
     pub ca_bundle: Option<String>,
     pub oauth2: Option<relay_domain::models::OAuth2Credentials>,
 }
@@ -73,6 +75,7 @@ impl std::fmt::Debug for ReceiverAuth {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReceiverAuth")
             .field("identity", &self.identity_pem.as_ref().map(|_| "[redacted]"))
+            .field("previous_identity", &self.previous_identity_pem.as_ref().map(|_| "[redacted]"))
             .field("ca_bundle_len", &self.ca_bundle.as_ref().map(String::len))
             .field("oauth2", &self.oauth2)
             .finish()

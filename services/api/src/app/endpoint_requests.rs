@@ -3,10 +3,17 @@
 //! custom headers, sealed for storage with the key ring).
 
 use anyhow::Context;
-use relay_domain::{Reason, filter::Filter, headers::CustomHeaders, models::OAuth2Credentials, rate::RateLimit};
+use relay_domain::{
+    Reason,
+    client_identity::ClientIdentities,
+    filter::Filter,
+    headers::CustomHeaders,
+    models::{ClientCertificateShown, ClientCertificatesShown, OAuth2Credentials},
+    rate::RateLimit,
+};
 
-use super::App;
-use crate::db::endpoint_secrets::Sealed;
+use super::{App, client_tls::ClientIdentity};
+use crate::db::{endpoint_secrets::Sealed, endpoints::LockedSigning};
 use crate::error::{AppError, AppResult};
 
 /// A new endpoint as asked for.
@@ -214,6 +221,9 @@ pub struct EndpointChange {
     pub client_key: String,
     /// …or removing them (see [`client_tls_change`]).
     pub clear_client_certificate: bool,
+    /// Ends the client certificate's overlap now (see
+    /// [`App::client_tls_after`]).
+    pub end_client_certificate_overlap: bool,
     /// A new CA bundle (empty: kept)…
     pub ca_bundle: String,
     /// …or removing it.
@@ -242,6 +252,7 @@ impl std::fmt::Debug for EndpointChange {
             .field("client_certificate", &self.client_certificate.len())
             .field("client_key", &"[redacted]")
             .field("clear_client_certificate", &self.clear_client_certificate)
+            .field("end_client_certificate_overlap", &self.end_client_certificate_overlap)
             .field("ca_bundle", &self.ca_bundle.len())
             .field("clear_ca_bundle", &self.clear_ca_bundle)
             .field("oauth2", &self.oauth2)
@@ -266,12 +277,71 @@ impl App {
         Ok(Sealed { key_id, ciphertext, shown })
     }
 
-    /// Checks a client certificate and key (at this instant) and seals them.
-    pub(super) fn seal_client_tls(&self, (certificate, key): (String, String)) -> AppResult<Sealed> {
-        let identity = super::client_tls::check_client_identity(&certificate, &key, self.clock.now())?;
-        let (key_id, ciphertext) = self.keyring.seal(identity.pem.as_bytes());
-        let shown = serde_json::to_value(&identity.shown).context("encoding a shown client certificate")?;
+    /// Checks a client certificate and key (at this instant).
+    pub(super) fn check_client_tls(&self, (certificate, key): (String, String)) -> AppResult<ClientIdentity> {
+        super::client_tls::check_client_identity(&certificate, &key, self.clock.now())
+    }
+
+    /// A new endpoint's client identity, sealed: no overlap.
+    pub(super) fn seal_client_tls(&self, identity: ClientIdentity) -> AppResult<Sealed> {
+        let shown = ClientCertificatesShown { current: identity.shown, previous: None };
+        self.seal_identities(&ClientIdentities::single(identity.pem), &shown)
+    }
+
+    fn seal_identities(&self, identities: &ClientIdentities, shown: &ClientCertificatesShown) -> AppResult<Sealed> {
+        let (key_id, ciphertext) = self.keyring.seal(identities.encode().as_bytes());
+        let shown = serde_json::to_value(shown).context("encoding a shown client certificate")?;
         Ok(Sealed { key_id, ciphertext, shown })
+    }
+
+    /// What an update makes of the endpoint's sealed client identity, given
+    /// the row as locked (`None`: left as it is). A new certificate replacing
+    /// another starts an overlap (see `relay_domain::client_identity`) unless
+    /// `end_overlap` asks for an outright replacement; `end_overlap` alone
+    /// drops the previous certificate now.
+    pub(super) fn client_tls_after(
+        &self,
+        locked: &LockedSigning,
+        asked: Option<Option<ClientIdentity>>,
+        end_overlap: bool,
+    ) -> AppResult<Option<Option<Sealed>>> {
+        let stored = || -> AppResult<Option<(ClientIdentities, ClientCertificatesShown)>> {
+            let (Some(key_id), Some(ciphertext), Some(shown)) =
+                (&locked.client_tls_key_id, &locked.client_tls_ciphertext, &locked.client_certificate_shown)
+            else {
+                return Ok(None);
+            };
+            let plain = self.keyring.open(key_id, ciphertext).context("decrypting a client key")?;
+            let identities = ClientIdentities::decode(&String::from_utf8(plain).context("reading a decrypted client key")?)
+                .context("reading a sealed client identity")?;
+            let shown = serde_json::from_value(shown.clone()).context("reading a shown client certificate")?;
+            Ok(Some((identities, shown)))
+        };
+        match asked {
+            Some(None) => Ok(Some(None)),
+            Some(Some(new)) => {
+                let replaced = if end_overlap { None } else { stored()? };
+                let (identities, shown) = match replaced {
+                    // The same certificate again is no rotation.
+                    Some((old, old_shown)) if old_shown.current.fingerprint_sha256 != new.shown.fingerprint_sha256 => {
+                        let identities = old.rotated(new.pem, self.clock.now());
+                        let until = identities.previous.as_ref().map(|(_, until)| *until);
+                        let previous = ClientCertificateShown { presented_until: until, ..old_shown.current };
+                        (identities, ClientCertificatesShown { current: new.shown, previous: Some(previous) })
+                    }
+                    _ => (ClientIdentities::single(new.pem), ClientCertificatesShown { current: new.shown, previous: None }),
+                };
+                Ok(Some(Some(self.seal_identities(&identities, &shown)?)))
+            }
+            None if end_overlap => match stored()? {
+                Some((identities, shown)) if identities.previous.is_some() => {
+                    let shown = ClientCertificatesShown { previous: None, ..shown };
+                    Ok(Some(Some(self.seal_identities(&identities.without_previous(), &shown)?)))
+                }
+                _ => Ok(None),
+            },
+            None => Ok(None),
+        }
     }
 
     /// Checks custom headers and seals them; none at all is `None`.

@@ -146,7 +146,7 @@ impl App {
         let rate_limit = new.rate_limit.map(check_rate_limit).transpose()?;
         let client_tls = client_tls_change(false, new.client_certificate, new.client_key)?
             .flatten()
-            .map(|pair| self.seal_client_tls(pair))
+            .map(|pair| self.check_client_tls(pair).and_then(|identity| self.seal_client_tls(identity)))
             .transpose()?;
         let ca_bundle =
             ca_bundle_change(false, new.ca_bundle)?.flatten().map(|pem| super::client_tls::check_ca_bundle(&pem)).transpose()?;
@@ -221,7 +221,7 @@ impl App {
         let rate_limit =
             rate_limit_change(change.clear_rate_limit, change.rate_limit)?.map(|r| r.map(check_rate_limit).transpose()).transpose()?;
         let client_tls = client_tls_change(change.clear_client_certificate, change.client_certificate, change.client_key)?
-            .map(|pair| pair.map(|pair| self.seal_client_tls(pair)).transpose())
+            .map(|pair| pair.map(|pair| self.check_client_tls(pair)).transpose())
             .transpose()?;
         let ca_bundle = ca_bundle_change(change.clear_ca_bundle, change.ca_bundle)?
             .map(|pem| pem.map(|pem| super::client_tls::check_ca_bundle(&pem)).transpose())
@@ -257,6 +257,7 @@ impl App {
             }
             _ => None,
         };
+        let client_tls = self.client_tls_after(&locked, client_tls, change.end_client_certificate_overlap)?;
         let sealed = minted.as_ref().map(|m| self.keyring.encrypt(&m.stored));
         let material = sealed.as_ref().zip(minted.as_ref()).map(|((key_id, ciphertext), m)| NewSigningMaterial {
             key_id,

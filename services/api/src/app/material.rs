@@ -7,6 +7,7 @@ use anyhow::Context;
 
 use relay_domain::{
     DeliveryId, EndpointId, Reason,
+    client_identity::ClientIdentities,
     delivery::{DeadLetterReason, DeliveryState},
     headers::CustomHeaders,
     health::DisabledReason,
@@ -297,12 +298,15 @@ impl App {
             }
             None => CustomHeaders::default(),
         };
-        let identity_pem = match stored.client_tls {
+        let (identity_pem, previous_identity_pem) = match stored.client_tls {
             Some((key_id, ct)) => {
                 let plain = self.keyring.open(key_id, ct).context("decrypting a client key")?;
-                Some(String::from_utf8(plain).context("reading a decrypted client key")?)
+                let identities = ClientIdentities::decode(&String::from_utf8(plain).context("reading a decrypted client key")?)
+                    .with_context(|| format!("endpoint {endpoint_id}'s sealed client identity"))?;
+                let previous = identities.previous_at(now).map(str::to_owned);
+                (Some(identities.current), previous)
             }
-            None => None,
+            None => (None, None),
         };
         let oauth2 = match stored.oauth2 {
             Some((key_id, ct)) => {
@@ -311,7 +315,7 @@ impl App {
             }
             None => None,
         };
-        let auth = ReceiverAuth { identity_pem, ca_bundle: stored.ca_bundle.map(str::to_owned), oauth2 };
+        let auth = ReceiverAuth { identity_pem, previous_identity_pem, ca_bundle: stored.ca_bundle.map(str::to_owned), oauth2 };
         let sending = Sending { scheme, secrets, headers, auth };
         decrypted.insert(endpoint_id, sending.clone());
         Ok(sending)

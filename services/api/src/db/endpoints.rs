@@ -1,7 +1,7 @@
 //! `webhook_endpoints`. Reads never select a ciphertext; only material and
 //! the rewrap read secrets.
 
-use relay_domain::{EndpointId, EnvironmentId, rate::RateLimit};
+use relay_domain::{EndpointId, EnvironmentId, models::ClientCertificatesShown, rate::RateLimit};
 use sqlx::{PgConnection, PgPool};
 
 use relay_signing::Scheme;
@@ -69,13 +69,18 @@ struct EndpointRow {
 
 impl EndpointRow {
     /// The endpoint as read at `now`: its previous public key is shown while
-    /// it still signs.
+    /// it still signs, its previous client certificate while its overlap lasts.
     fn read_at(self, now: Timestamp) -> anyhow::Result<Endpoint> {
         let r = self;
         let signature_scheme = super::models::stored_scheme(r.id, &r.signature_scheme)?;
         let headers: Vec<(String, String)> = serde_json::from_value(r.headers_shown)
             .map_err(|e| anyhow::anyhow!("endpoint {} has shown headers this api cannot read: {e}", r.id))?;
         let previous_public_key = r.previous_public_key.filter(|_| relay_domain::signing::previous_still_signs(r.secret_rotated_at, now));
+        let certificates: Option<ClientCertificatesShown> = r
+            .client_certificate_shown
+            .map(serde_json::from_value)
+            .transpose()
+            .map_err(|e| anyhow::anyhow!("endpoint {} has a shown client certificate this api cannot read: {e}", r.id))?;
         let window = FailureWindow {
             length_ms: r.window_ms,
             bucket: r.window_bucket,
@@ -114,11 +119,8 @@ impl EndpointRow {
             max_in_flight: r.max_in_flight.and_then(|n| u32::try_from(n).ok()),
             filter: r.filter,
             rate_limit: stored_rate(r.id, r.rate_per_second, r.rate_burst)?,
-            client_certificate: r
-                .client_certificate_shown
-                .map(serde_json::from_value)
-                .transpose()
-                .map_err(|e| anyhow::anyhow!("endpoint {} has a shown client certificate this api cannot read: {e}", r.id))?,
+            previous_client_certificate: certificates.as_ref().and_then(|c| c.previous_at(now)).cloned(),
+            client_certificate: certificates.map(|c| c.current),
             ca_bundle: r.ca_bundle,
             oauth2: r
                 .oauth2_shown
@@ -253,19 +255,22 @@ pub async fn get(conn: &mut PgConnection, environment_id: EnvironmentId, id: End
     Ok(select(conn, environment_id, Some(id), now).await?.pop())
 }
 
-/// A live endpoint's scheme and current secret, its row locked for a change
-/// of either; `None` when there is no such endpoint.
+/// A live endpoint's scheme, current secret and sealed client identity, its
+/// row locked for a change of any; `None` when there is no such endpoint.
 pub struct LockedSigning {
     pub signature_scheme: String,
     pub secret_key_id: String,
     pub secret_ciphertext: Vec<u8>,
+    pub client_tls_key_id: Option<String>,
+    pub client_tls_ciphertext: Option<Vec<u8>>,
+    pub client_certificate_shown: Option<serde_json::Value>,
 }
 
 pub async fn lock_signing(tx: &mut PgConnection, environment_id: EnvironmentId, id: EndpointId) -> AppResult<Option<LockedSigning>> {
     Ok(sqlx::query_as!(
         LockedSigning,
-        "SELECT signature_scheme, secret_key_id, secret_ciphertext FROM webhook_endpoints
-         WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL FOR UPDATE",
+        "SELECT signature_scheme, secret_key_id, secret_ciphertext, client_tls_key_id, client_tls_ciphertext, client_certificate_shown
+         FROM webhook_endpoints WHERE id = $1 AND environment_id = $2 AND deleted_at IS NULL FOR UPDATE",
         id as _,
         environment_id as _,
     )

@@ -49,6 +49,7 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         signature_scheme: scheme_message(m.scheme) as i32,
         headers: m.headers.pairs().iter().cloned().collect(),
         client_identity_pem: m.auth.identity_pem.unwrap_or_default(),
+        previous_client_identity_pem: m.auth.previous_identity_pem.unwrap_or_default(),
         ca_bundle: m.auth.ca_bundle.unwrap_or_default(),
         oauth2: m.auth.oauth2.map(|o| pb::OAuth2ClientCredentials {
             token_url: o.token_url,

@@ -27,6 +27,16 @@ pub struct TenantApi {
     pub app: App,
 }
 
+fn client_certificate(c: relay_domain::models::ClientCertificateShown) -> pb::ClientCertificate {
+    pb::ClientCertificate {
+        subject: c.subject,
+        issuer: c.issuer,
+        not_after: c.not_after,
+        fingerprint_sha256: c.fingerprint_sha256,
+        presented_until: c.presented_until.map(super::ts),
+    }
+}
+
 pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
     pb::WebhookEndpoint {
         id: e.id.to_string(),
@@ -54,12 +64,8 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         max_in_flight: e.max_in_flight,
         filter: e.filter.unwrap_or_default(),
         rate_limit: e.rate_limit.map(|r| pb::RateLimit { per_second: r.per_second(), burst: r.burst() }),
-        client_certificate: e.client_certificate.map(|c| pb::ClientCertificate {
-            subject: c.subject,
-            issuer: c.issuer,
-            not_after: c.not_after,
-            fingerprint_sha256: c.fingerprint_sha256,
-        }),
+        client_certificate: e.client_certificate.map(client_certificate),
+        previous_client_certificate: e.previous_client_certificate.map(client_certificate),
         ca_bundle: e.ca_bundle.unwrap_or_default(),
         oauth2: e.oauth2.map(|o| pb::OAuth2ClientCredentials {
             token_url: o.token_url,
@@ -225,6 +231,7 @@ impl WebhookEndpointService for TenantApi {
             client_certificate: r.client_certificate,
             client_key: r.client_key,
             clear_client_certificate: r.clear_client_certificate,
+            end_client_certificate_overlap: r.end_client_certificate_overlap,
             ca_bundle: r.ca_bundle,
             clear_ca_bundle: r.clear_ca_bundle,
             oauth2: r.oauth2.map(oauth2_asked),

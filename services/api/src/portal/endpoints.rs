@@ -100,7 +100,16 @@ impl From<Endpoint> for EndpointView {
             filter: e.filter.unwrap_or_default(),
             rate_per_second: e.rate_limit.map(|r| r.per_second().to_string()).unwrap_or_default(),
             rate_burst: e.rate_limit.map(|r| r.burst().to_string()).unwrap_or_default(),
-            client_certificate: e.client_certificate.map(|c| format!("{} (expires {})", c.subject, c.not_after)).unwrap_or_default(),
+            client_certificate: e
+                .client_certificate
+                .map(|c| {
+                    let previous = e.previous_client_certificate.and_then(|p| {
+                        p.presented_until
+                            .map(|until| format!("; the previous one, {}, is presented when refused until {}", p.subject, when(until)))
+                    });
+                    format!("{} (expires {}){}", c.subject, c.not_after, previous.unwrap_or_default())
+                })
+                .unwrap_or_default(),
             ca_pinned: e.ca_bundle.is_some(),
             oauth2: e.oauth2.map(|o| format!("{} at {}", o.client_id, o.token_url)).unwrap_or_default(),
         }
