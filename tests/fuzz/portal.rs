@@ -42,6 +42,20 @@ const fn route(method: &'static str, template: &'static str, fields: &'static [&
 
 pub(crate) const ENDPOINT_FORM: &[&str] =
     &["url", "event_types", "signature_scheme", "headers", "max_in_flight", "filter", "rate_per_second", "rate_burst"];
+/// The endpoint page's receiver-authentication form.
+pub(crate) const AUTH_FORM: &[&str] = &[
+    "client_certificate",
+    "client_key",
+    "end_overlap",
+    "clear_client_certificate",
+    "ca_bundle",
+    "token_url",
+    "client_id",
+    "client_secret",
+    "scope",
+    "audience",
+    "clear_oauth2",
+];
 pub(crate) const ROUTES: &[PortalRoute] = &[
     route("GET", "/portal/", &[]),
     route("GET", "/portal", &[]),
@@ -56,6 +70,7 @@ pub(crate) const ROUTES: &[PortalRoute] = &[
     route("POST", "/portal/logout", &[]),
     route("POST", "/portal/endpoints", ENDPOINT_FORM),
     route("POST", "/portal/endpoints/{endpoint}", ENDPOINT_FORM),
+    route("POST", "/portal/endpoints/{endpoint}/auth", AUTH_FORM),
     route("POST", "/portal/endpoints/{endpoint}/rotate", &[]),
     route("POST", "/portal/endpoints/{endpoint}/enable", &[]),
     route("POST", "/portal/endpoints/{endpoint}/disable", &[]),
@@ -122,6 +137,11 @@ pub(crate) fn valid_value(name: &str, rng: &mut Rng, pw: &PortalWorld) -> String
         "filter" => rng.pick(&["", "%7B%22n%22%3A%7B%22%24gte%22%3A0%7D%7D"]).to_string(),
         "rate_per_second" => rng.pick(&["", "5", "100"]).to_string(),
         "rate_burst" => rng.pick(&["", "1", "10"]).to_string(),
+        // Empty keeps what is stored (a key or secret is never shown to copy back).
+        "client_certificate" | "client_key" | "ca_bundle" | "token_url" | "client_id" | "client_secret" | "scope" | "audience" => {
+            String::new()
+        }
+        "end_overlap" | "clear_client_certificate" | "clear_oauth2" => "on".into(),
         _ => "x".into(),
     }
 }

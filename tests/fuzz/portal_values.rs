@@ -91,6 +91,19 @@ pub(crate) const FILTER_TEXTS: &[&str] = &[
     "%7B%7D",
     "null",
 ];
+/// PEM as pasted wrong: not base64, a key where a certificate goes, a
+/// header only, a NUL, CR/LF injection (all URL-encoded).
+pub(crate) const PEM_TEXTS: &[&str] = &[
+    "-----BEGIN%20CERTIFICATE-----%0Anot%20base64!%0A-----END%20CERTIFICATE-----",
+    "-----BEGIN%20PRIVATE%20KEY-----%0AMC4CAQAwBQYDK2VwBCIEIA%3D%3D%0A-----END%20PRIVATE%20KEY-----",
+    "-----BEGIN%20CERTIFICATE-----",
+    "%00",
+    "a%0D%0AX-Injected%3A%201",
+];
+/// OAuth2 fields as typed wrong: an address Relay never calls, not a URL,
+/// control characters.
+pub(crate) const OAUTH2_TEXTS: &[&str] =
+    &["http%3A%2F%2F10.0.0.1%2Ftoken", "not%20a%20url", "%00", "a%0D%0Ab", "https%3A%2F%2F%5B%3A%3A1%5D%2F"];
 /// Rates and bursts out of range or not numbers.
 pub(crate) const RATES: &[&str] = &["0", "10001", "-5", "2.5", "1e4", "99999999999999999999", "%00", "five"];
 /// In-flight caps out of range or not numbers.
@@ -115,6 +128,12 @@ pub(crate) const FIELD_NAMES: &[&str] = &[
     "filter",
     "rate_per_second",
     "rate_burst",
+    "client_certificate",
+    "client_key",
+    "ca_bundle",
+    "token_url",
+    "client_id",
+    "client_secret",
 ];
 
 /// The hostile values of a field's own kind (times, cursors, URLs, types).
@@ -128,6 +147,8 @@ pub(crate) fn values_for(field: &str) -> &'static [&'static str] {
         "max_in_flight" => CAPS,
         "filter" => FILTER_TEXTS,
         "rate_per_second" | "rate_burst" => RATES,
+        "client_certificate" | "client_key" | "ca_bundle" => PEM_TEXTS,
+        "token_url" | "client_id" | "client_secret" | "scope" | "audience" => OAUTH2_TEXTS,
         _ => &[],
     }
 }

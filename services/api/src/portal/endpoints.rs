@@ -12,7 +12,8 @@ use relay_domain::EndpointId;
 use relay_signing::{Scheme, SigningSecret};
 
 use super::{
-    Frame, Posted, Section, callers_mistake, chart, failed, html, not_found, outcome_text, path_id, query_param, redirect, session, when,
+    Frame, Posted, Section, auth_view::ReceiverAuthView, callers_mistake, chart, failed, html, not_found, outcome_text, path_id,
+    query_param, redirect, session, when,
 };
 use relay_domain::{
     health::{Circuit, DisabledReason},
@@ -52,16 +53,13 @@ pub struct EndpointView {
     /// Its rate limit's two numbers; empty: unlimited.
     pub rate_per_second: String,
     pub rate_burst: String,
-    /// How Relay authenticates to the receiver beyond the signature: its
-    /// client certificate's subject and expiry, and whether a CA is pinned.
-    pub client_certificate: String,
-    pub ca_pinned: bool,
-    /// Its OAuth2 client id and token URL; empty: none.
-    pub oauth2: String,
+    /// How Relay authenticates to the receiver beyond the signature.
+    pub auth: ReceiverAuthView,
 }
 
 impl From<Endpoint> for EndpointView {
     fn from(e: Endpoint) -> Self {
+        let auth = ReceiverAuthView::of(&e);
         // What the circuit decided, not every failure: a receiver whose
         // retries succeed is active, however many first attempts it refuses.
         let (status, status_class) = match (e.enabled, e.health.circuit) {
@@ -100,18 +98,7 @@ impl From<Endpoint> for EndpointView {
             filter: e.filter.unwrap_or_default(),
             rate_per_second: e.rate_limit.map(|r| r.per_second().to_string()).unwrap_or_default(),
             rate_burst: e.rate_limit.map(|r| r.burst().to_string()).unwrap_or_default(),
-            client_certificate: e
-                .client_certificate
-                .map(|c| {
-                    let previous = e.previous_client_certificate.and_then(|p| {
-                        p.presented_until
-                            .map(|until| format!("; the previous one, {}, is presented when refused until {}", p.subject, when(until)))
-                    });
-                    format!("{} (expires {}){}", c.subject, c.not_after, previous.unwrap_or_default())
-                })
-                .unwrap_or_default(),
-            ca_pinned: e.ca_bundle.is_some(),
-            oauth2: e.oauth2.map(|o| format!("{} at {}", o.client_id, o.token_url)).unwrap_or_default(),
+            auth,
         }
     }
 }
@@ -354,7 +341,7 @@ struct Show {
     notice: Option<&'static str>,
 }
 
-async fn show_page(
+pub(super) async fn show_page(
     app: &App,
     s: &PortalSession,
     id: EndpointId,
@@ -437,7 +424,7 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
         // Shown too: an empty rate removes the limit.
         clear_rate_limit: rate_limit.is_none(),
         rate_limit,
-        // Client certificates and CA bundles are kept: set through the API.
+        // Receiver authentication has its own form (`receiver_auth`).
         ..EndpointChange::default()
     };
     match app.update_endpoint(s.tenant, id, change).await {

@@ -24,13 +24,14 @@ use crate::{
     body::{BodyError, declared_length, read_bounded},
 };
 
-/// The largest form body read. The largest form, an endpoint's, holds a URL
-/// (at most 2 KiB) and its event types (at most 100 of 128 bytes each),
-/// percent-encoded: well under this.
-pub const MAX_FORM_BYTES: usize = 64 * 1024;
+/// The largest form body read. The largest form, an endpoint's receiver
+/// authentication, holds at most 112 KiB of PEM (a 32 KiB certificate chain,
+/// a 16 KiB key, a 64 KiB CA bundle) and a few short OAuth2 fields;
+/// percent-encoded (base64 text grows by about a sixth): under this.
+pub const MAX_FORM_BYTES: usize = 192 * 1024;
 /// How long a form's body may take to arrive once its head is in. A browser
-/// sends a form's few bytes with its head; a caller that trickles (at the
-/// limit, under 13 KiB/s) or never finishes is answered 408.
+/// sends a form's bytes with its head; a caller that trickles (at the limit,
+/// under 39 KiB/s) or never finishes is answered 408.
 pub const FORM_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The field every form carries: the session's CSRF token.

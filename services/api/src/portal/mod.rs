@@ -16,12 +16,14 @@
 //! take, a form it cannot read) are the portal's pages too, with the same
 //! headers.
 
+mod auth_view;
 mod chart;
 mod dead_letters;
 mod endpoints;
 mod events;
 mod form;
 mod page;
+mod receiver_auth;
 mod session;
 
 use askama::Template;
@@ -61,6 +63,7 @@ pub fn routes(app: App) -> Router {
         .route("/portal/endpoints/new", get(endpoints::new_form))
         .route("/portal/endpoints", post(endpoints::create))
         .route("/portal/endpoints/{id}", get(endpoints::show).post(endpoints::update))
+        .route("/portal/endpoints/{id}/auth", post(receiver_auth::update))
         .route("/portal/endpoints/{id}/rotate", post(endpoints::rotate))
         .route("/portal/endpoints/{id}/enable", post(endpoints::enable))
         .route("/portal/endpoints/{id}/disable", post(endpoints::disable))
