@@ -1,6 +1,7 @@
 //! Deliveries, one lane per endpoint: one attempt per endpoint is in
-//! flight, so a hanging endpoint holds up only its own lane; lanes run
-//! concurrently, bounded overall by `max_in_flight`. A lane fetches material
+//! flight (or as many as the endpoint's own `max_in_flight`, which the api
+//! never exceeds in what it hands out), so a hanging endpoint holds up only
+//! its own lane; lanes run concurrently, bounded overall by `max_in_flight`. A lane fetches material
 //! for a chunk of jobs (those that did not come with it), sends them one
 //! after another and reports each outcome.
 //!
@@ -278,8 +279,9 @@ impl Lane {
 
     /// Fetches material, in one go, for the jobs of the chunk that do not
     /// hold fresh material, then sends the chunk's attempts one after
-    /// another. Returns the jobs it did not get to (material gone stale
-    /// behind a slow attempt, or shutdown), in order. Copies of an attempt
+    /// another, or as many at once as the endpoint's own `max_in_flight`.
+    /// Returns the jobs it did not get to (material gone stale behind a slow
+    /// attempt, or shutdown), in order. Copies of an attempt
     /// already in hand are acked before anything is asked for them.
     async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
         let mut mine = Vec::with_capacity(chunk.len());
@@ -308,20 +310,34 @@ impl Lane {
         for (i, material) in asked.into_iter().zip(fetched) {
             mine[i].material = Some((material, fetched_at));
         }
-        let mut rest = mine.into_iter().enumerate();
-        while let Some((i, job)) = rest.next() {
-            let old = job.material.as_ref().is_none_or(|(_, at)| at.elapsed() > MATERIAL_FRESH);
-            if i > 0 && (old || *self.shared.stop.borrow()) {
-                let leftover: Vec<Job> = std::iter::once(job).chain(rest.map(|(_, j)| j)).collect();
-                let mut unsettled = self.shared.unsettled.lock().expect("unpoisoned");
-                for job in &leftover {
-                    unsettled.remove(&AttemptKey::of(&job.job));
+        // As many at once as the endpoint's own cap says (the api handed out
+        // no more than it across dispatchers); without one, one at a time.
+        let at_once = mine
+            .iter()
+            .filter_map(|j| j.material.as_ref().and_then(|(m, _)| m.as_ref().ok()).map(|m| m.max_in_flight as usize))
+            .max()
+            .unwrap_or(0)
+            .clamp(1, PREFETCH);
+        let leftover = std::sync::Mutex::new(Vec::new());
+        futures::StreamExt::for_each_concurrent(futures::stream::iter(mine.into_iter().enumerate()), at_once, |(i, job)| {
+            let leftover = &leftover;
+            async move {
+                // The first `at_once` start now; a later one starts only as
+                // an earlier one ends, and not with material gone stale
+                // behind it, nor after shutdown.
+                let old = job.material.as_ref().is_none_or(|(_, at)| at.elapsed() > MATERIAL_FRESH);
+                if i >= at_once && (old || *self.shared.stop.borrow()) {
+                    self.shared.unsettled.lock().expect("unpoisoned").remove(&AttemptKey::of(&job.job));
+                    leftover.lock().expect("unpoisoned").push((i, job));
+                } else {
+                    self.send_one(job).await;
                 }
-                return leftover;
             }
-            self.send_one(job).await;
-        }
-        Vec::new()
+        })
+        .await;
+        let mut leftover = leftover.into_inner().expect("unpoisoned");
+        leftover.sort_by_key(|(i, _)| *i);
+        leftover.into_iter().map(|(_, job)| job).collect()
     }
 
     async fn send_one(&self, Job { source, job, material }: Job) {

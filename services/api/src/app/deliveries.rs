@@ -53,6 +53,9 @@ pub struct Material {
     pub headers: relay_domain::headers::CustomHeaders,
     /// How to authenticate to the receiver (`Debug` redacts keys and secrets).
     pub auth: ReceiverAuth,
+    /// The endpoint's own in-flight cap, if it set one: a dispatcher sends
+    /// up to this many of its attempts at once.
+    pub max_in_flight: Option<u32>,
     pub payload: Vec<u8>,
     /// The trace the delivery's attempts continue, for an attempt handed
     /// over in a reply rather than asked for.

@@ -206,6 +206,7 @@ impl App {
             secrets: sending.secrets,
             headers: sending.headers,
             auth: sending.auth,
+            max_in_flight: row.max_in_flight.and_then(|n| u32::try_from(n).ok()),
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
         })

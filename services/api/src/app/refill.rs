@@ -105,6 +105,7 @@ impl App {
             secrets: sending.secrets,
             headers: sending.headers,
             auth: sending.auth,
+            max_in_flight: row.max_in_flight.and_then(|n| u32::try_from(n).ok()),
             payload: row.envelope,
             traceparent: row.trace_context,
         })

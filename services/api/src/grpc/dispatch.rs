@@ -50,6 +50,7 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         headers: m.headers.pairs().iter().cloned().collect(),
         client_identity_pem: m.auth.identity_pem.unwrap_or_default(),
         previous_client_identity_pem: m.auth.previous_identity_pem.unwrap_or_default(),
+        max_in_flight: m.max_in_flight.unwrap_or(0),
         ca_bundle: m.auth.ca_bundle.unwrap_or_default(),
         oauth2: m.auth.oauth2.map(|o| pb::OAuth2ClientCredentials {
             token_url: o.token_url,

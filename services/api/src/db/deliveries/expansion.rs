@@ -62,6 +62,8 @@ pub struct ExpandedRow {
     pub ca_bundle: Option<String>,
     pub oauth2_key_id: Option<String>,
     pub oauth2_ciphertext: Option<Vec<u8>>,
+    /// The endpoint's own in-flight cap, if it set one.
+    pub max_in_flight: Option<i32>,
     /// …and its body, on the first such row of each event.
     pub envelope: Option<Vec<u8>>,
 }
@@ -110,7 +112,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  live AS (
                    SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
-                          e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext,
+                          e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight,
                           h.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding,
                           e.rate_per_second IS NOT NULL AS gated,
                           CASE WHEN h.one_at_a_time THEN 1 ELSE LEAST(COALESCE(e.max_in_flight, $8::bigint), $8::bigint) END AS cap
@@ -141,7 +143,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                    SELECT relay_uuid_v7() AS id, c.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, c.lease_ms,
                           c.claimant, c.ord, c.size, e.holding, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
-                          e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext,
+                          e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight,
                           e.gated AND NOT e.holding AS gated,
                           -- A rate-limited endpoint's rows wait for its gate
                           -- (see `claim_and_lease`): none is leased here.
@@ -183,7 +185,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
                  NULL::timestamptz AS "secret_rotated_at?", NULL::text AS "headers_key_id?", NULL::bytea AS "headers_ciphertext?",
                  NULL::text AS "client_tls_key_id?", NULL::bytea AS "client_tls_ciphertext?", NULL::text AS "ca_bundle?",
-                 NULL::text AS "oauth2_key_id?", NULL::bytea AS "oauth2_ciphertext?",
+                 NULL::text AS "oauth2_key_id?", NULL::bytea AS "oauth2_ciphertext?", NULL::int AS "max_in_flight?",
                  NULL::bytea AS "envelope?"
           FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
           UNION ALL
@@ -194,7 +196,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  CASE WHEN h.in_hand THEN h.headers_key_id END, CASE WHEN h.in_hand THEN h.headers_ciphertext END,
                  CASE WHEN h.in_hand THEN h.client_tls_key_id END, CASE WHEN h.in_hand THEN h.client_tls_ciphertext END,
                  CASE WHEN h.in_hand THEN h.ca_bundle END, CASE WHEN h.in_hand THEN h.oauth2_key_id END,
-                 CASE WHEN h.in_hand THEN h.oauth2_ciphertext END,
+                 CASE WHEN h.in_hand THEN h.oauth2_ciphertext END, CASE WHEN h.in_hand THEN h.max_in_flight END,
                  -- The body once per event, on its first row in hand.
                  CASE WHEN h.in_hand AND h.nth = 1 THEN
                    (SELECT v.envelope FROM events v WHERE v.environment_id = h.environment_id AND v.id = h.event_id) END

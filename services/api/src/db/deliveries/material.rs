@@ -42,6 +42,7 @@ pub struct MaterialRow {
     pub ca_bundle: Option<String>,
     pub oauth2_key_id: Option<String>,
     pub oauth2_ciphertext: Option<Vec<u8>>,
+    pub max_in_flight: Option<i32>,
     /// Absent when the reply's payload budget was spent on earlier items.
     pub envelope: Option<Vec<u8>>,
 }
@@ -63,7 +64,7 @@ pub async fn read_material(
                   e.url, e.enabled, e.disabled_reason, e.deleted_at IS NOT NULL AS deleted,
                   e.signature_scheme, e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
                   e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext, e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle,
-                  e.oauth2_key_id, e.oauth2_ciphertext, v.envelope, d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
+                  e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight, v.envelope, d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
                     AND (e.enabled OR e.disabled_reason = 'failing') AND e.deleted_at IS NULL AS servable
            FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
            JOIN webhook_deliveries d ON d.id = w.id
@@ -83,7 +84,7 @@ pub async fn read_material(
                 previous_secret_key_id AS "previous_secret_key_id?", previous_secret_ciphertext AS "previous_secret_ciphertext?",
                 secret_rotated_at AS "secret_rotated_at?", headers_key_id AS "headers_key_id?", headers_ciphertext AS "headers_ciphertext?",
                 client_tls_key_id AS "client_tls_key_id?", client_tls_ciphertext AS "client_tls_ciphertext?", ca_bundle AS "ca_bundle?",
-                oauth2_key_id AS "oauth2_key_id?", oauth2_ciphertext AS "oauth2_ciphertext?",
+                oauth2_key_id AS "oauth2_key_id?", oauth2_ciphertext AS "oauth2_ciphertext?", max_in_flight AS "max_in_flight?",
                 CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS "envelope?"
          FROM sized"#,
         ids as _,
@@ -118,6 +119,7 @@ pub struct RefillRow {
     pub ca_bundle: Option<String>,
     pub oauth2_key_id: Option<String>,
     pub oauth2_ciphertext: Option<Vec<u8>>,
+    pub max_in_flight: Option<i32>,
     pub envelope: Vec<u8>,
 }
 
@@ -193,7 +195,7 @@ pub async fn refill<'e>(
                 l.attempt AS "attempt!", l.generation AS "generation!", l.trace_context, e.url, e.signature_scheme, e.secret_key_id,
                 e.secret_ciphertext,
                 e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
-                e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, v.envelope
+                e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight, v.envelope
          FROM leased l
          JOIN webhook_endpoints e ON e.id = l.endpoint_id
          JOIN events v ON v.environment_id = l.environment_id AND v.id = l.event_id"#,
