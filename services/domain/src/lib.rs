@@ -14,6 +14,7 @@ pub mod headers;
 pub mod health;
 pub mod ids;
 pub mod models;
+pub mod ordering;
 pub mod rate;
 pub mod reason;
 pub mod schedule;

@@ -144,6 +144,8 @@ catalogue! {
     /// A payload filter that is not valid JSON, not within its bounds or
     /// not in the filter language (the message names the JSON pointer).
     InvalidFilter = "invalid_filter",
+    /// An ordering key beyond 256 bytes or holding control characters.
+    InvalidOrderingKey = "invalid_ordering_key",
     /// A secret that Standard Webhooks cannot use (its scheme needs `whsec_`).
     SecretNotStandardWebhooks = "secret_not_standard_webhooks",
     /// A destructive operation asked without `confirm`.

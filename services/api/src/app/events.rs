@@ -142,19 +142,43 @@ pub struct NewEvent {
     pub envelope: Vec<u8>,
     pub occurred_at: Timestamp,
     pub trace_context: Option<String>,
+    pub ordering_key: Option<String>,
+}
+
+/// What a publish wrote: the event's place in the outbox and, with an
+/// ordering key, in its key's publish order.
+#[derive(Debug, Clone, Copy)]
+pub struct Written {
+    pub seq: i64,
+    pub ordering_sequence: Option<i64>,
 }
 
 #[derive(Debug, Clone, Copy)]
 pub struct Published {
     pub event_id: EventId,
     pub duplicate: bool,
+    /// The event's number in its key's publish order (from 1, no gaps);
+    /// `None` without a key, or for a duplicate.
+    pub ordering_sequence: Option<i64>,
 }
 
 impl App {
-    pub async fn publish_event(&self, tenant: Tenant, id: Option<EventId>, event_type: &str, payload: &str) -> AppResult<Published> {
+    pub async fn publish_event(
+        &self,
+        tenant: Tenant,
+        id: Option<EventId>,
+        event_type: &str,
+        payload: &str,
+        ordering_key: &str,
+    ) -> AppResult<Published> {
         require_nonempty("type", event_type)?;
         let event_type = event_type.trim();
         check_event_type(event_type)?;
+        // Taken as sent (no trimming): a key is an id the tenant compares.
+        let ordering_key = (!ordering_key.is_empty()).then(|| ordering_key.to_owned());
+        if let Some(key) = &ordering_key {
+            relay_domain::ordering::check_key(key).map_err(|m| AppError::invalid(Reason::InvalidOrderingKey, m))?;
+        }
         let payload = checked_payload(payload)?;
         let event_id = id.unwrap_or_else(EventId::mint);
         let occurred_at = self.clock.now();
@@ -179,9 +203,10 @@ impl App {
             envelope,
             occurred_at,
             trace_context: trace_context.clone(),
+            ordering_key,
         };
-        let seq = self.batchers().publishes.call(new).await?;
-        if let Some(seq) = seq {
+        let written = self.batchers().publishes.call(new).await?;
+        if let Some(Written { seq, .. }) = written {
             // Straight to this process's outbox relay, which publishes it
             // without looking for it, unless it is catching up on a backlog.
             self.outbox_offers.offer(crate::db::events::OutboxRow {
@@ -194,17 +219,18 @@ impl App {
             });
             self.outbox_wake.wake();
         }
-        Ok(Published { event_id, duplicate: seq.is_none() })
+        Ok(Published { event_id, duplicate: written.is_none(), ordering_sequence: written.and_then(|w| w.ordering_sequence) })
     }
 
-    /// One batch of the publish batcher: every event in one insert. Each
-    /// answers with its outbox sequence number if this publish wrote it,
-    /// `None` if the environment already had an event with its id.
+    /// One batch of the publish batcher: every event in one insert (and the
+    /// keyed ones numbered in a second statement). Each answers with what
+    /// this publish wrote, `None` if the environment already had an event
+    /// with its id.
     pub(crate) async fn insert_events_on(
         &self,
         conn: &mut sqlx::PgConnection,
         events: &[NewEvent],
-    ) -> AppResult<Vec<AppResult<Option<i64>>>> {
+    ) -> AppResult<Vec<AppResult<Option<Written>>>> {
         let mut rows = db::events::NewEvents::default();
         for e in events {
             rows.id.push(e.id);
@@ -213,11 +239,36 @@ impl App {
             rows.envelope.push(e.envelope.clone());
             rows.occurred_at.push(e.occurred_at);
             rows.trace_context.push(e.trace_context.clone());
+            rows.ordering_key.push(e.ordering_key.clone());
         }
-        let mut seq_of: std::collections::HashMap<(EnvironmentId, EventId), i64> =
-            db::events::insert(conn, &rows).await?.into_iter().map(|(env, id, seq)| ((env, id), seq)).collect();
+        let (key_environments, keys): (Vec<EnvironmentId>, Vec<String>) =
+            events.iter().filter_map(|e| e.ordering_key.clone().map(|k| (e.environment_id, k))).unzip();
+        let (inserted, mut number_of) = if keys.is_empty() {
+            // The common case: one statement, committed by itself.
+            (db::events::insert(conn, &rows).await?, std::collections::HashMap::new())
+        } else {
+            // Keys first (see `lock_keys`), then the events, then their
+            // numbers, in one transaction: nobody sees a keyed event without
+            // its number, and the keys stay locked until the commit. Only
+            // events this insert wrote take a number: a repeat publish must
+            // not leave a gap in its key's order.
+            let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+            db::events::lock_keys(&mut tx, &key_environments, &keys).await?;
+            let inserted = db::events::insert(&mut tx, &rows).await?;
+            let keyed: Vec<&db::events::Inserted> = inserted.iter().filter(|e| e.ordering_key.is_some()).collect();
+            let numbers = if keyed.is_empty() { Vec::new() } else { db::events::number_by_key(&mut tx, &keyed).await? };
+            tx.commit().await?;
+            (inserted, numbers.into_iter().map(|(env, id, n)| ((env, id), n)).collect())
+        };
+        let mut written_of: std::collections::HashMap<(EnvironmentId, EventId), Written> = inserted
+            .iter()
+            .map(|e| {
+                let key = (e.environment_id, e.id);
+                (key, Written { seq: e.seq, ordering_sequence: number_of.remove(&key) })
+            })
+            .collect();
         // The same id twice in one batch: the first is the one written.
-        Ok(events.iter().map(|e| Ok(seq_of.remove(&(e.environment_id, e.id)))).collect())
+        Ok(events.iter().map(|e| Ok(written_of.remove(&(e.environment_id, e.id)))).collect())
     }
 
     pub async fn list_event_deliveries(&self, tenant: Tenant, event_id: EventId) -> AppResult<Vec<Delivery>> {

@@ -209,7 +209,7 @@ impl App {
 pub struct Batchers {
     pub outcomes: Batcher<deliveries::OutcomeAsk, deliveries::Recorded>,
     pub expansions: Batcher<expansion::ExpandAsk, deliveries::Expanded>,
-    pub publishes: Batcher<events::NewEvent, Option<i64>>,
+    pub publishes: Batcher<events::NewEvent, Option<events::Written>>,
 }
 
 /// The outcome batcher: two connections, one commits while the other gathers.

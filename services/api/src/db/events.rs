@@ -101,28 +101,97 @@ pub struct NewEvents {
     pub envelope: Vec<Vec<u8>>,
     pub occurred_at: Vec<Timestamp>,
     pub trace_context: Vec<Option<String>>,
+    pub ordering_key: Vec<Option<String>>,
 }
 
-/// Inserts the events in one statement; returns (environment, id, seq) of
-/// each one inserted. An event whose environment already has one with its
-/// id (a repeat publish, or the same id twice in the batch) is not.
-pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<(EnvironmentId, EventId, i64)>> {
+/// An event this insert wrote.
+pub struct Inserted {
+    pub environment_id: EnvironmentId,
+    pub id: EventId,
+    /// Its place in the outbox.
+    pub seq: i64,
+    pub ordering_key: Option<String>,
+}
+
+/// Inserts the events in one statement; returns each one inserted. An event
+/// whose environment already has one with its id (a repeat publish, or the
+/// same id twice in the batch) is not.
+pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<Inserted>> {
     Ok(sqlx::query!(
-        "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context)
-         SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::timestamptz[], $6::text[])
+        "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context, ordering_key)
+         SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::timestamptz[], $6::text[], $7::text[])
          ON CONFLICT (environment_id, id) DO NOTHING
-         RETURNING environment_id, id, seq",
+         RETURNING environment_id, id, seq, ordering_key",
         &events.id as _,
         &events.environment_id as _,
         &events.event_type,
         &events.envelope,
         &events.occurred_at,
         &events.trace_context as &[Option<String>],
+        &events.ordering_key as &[Option<String>],
     )
     .fetch_all(&mut *db)
     .await?
     .into_iter()
-    .map(|r| (r.environment_id.into(), r.id.into(), r.seq))
+    .map(|r| Inserted { environment_id: r.environment_id.into(), id: r.id.into(), seq: r.seq, ordering_key: r.ordering_key })
+    .collect())
+}
+
+/// Takes the counter rows of these keys (creating those never used), locked
+/// until the transaction ends, in key order so that two batches sharing keys
+/// cannot deadlock. Taken before the events are written: a batch that waits
+/// for a key writes its events, and takes their outbox places, after the
+/// batch holding the key has committed.
+pub async fn lock_keys(db: &mut PgConnection, environment_ids: &[EnvironmentId], keys: &[String]) -> AppResult<()> {
+    sqlx::query!(
+        "INSERT INTO ordering_keys (environment_id, ordering_key, last_sequence)
+         SELECT DISTINCT environment_id, ordering_key, 0 FROM UNNEST($1::uuid[], $2::text[]) AS a(environment_id, ordering_key)
+         ORDER BY environment_id, ordering_key
+         ON CONFLICT (environment_id, ordering_key) DO UPDATE SET last_sequence = ordering_keys.last_sequence",
+        environment_ids as _,
+        keys,
+    )
+    .execute(&mut *db)
+    .await?;
+    Ok(())
+}
+
+/// Numbers the keyed events just inserted (in this transaction, after
+/// [`lock_keys`]) in their keys' publish order: each key's counter is
+/// advanced by its events in the batch, and the events get the numbers in
+/// outbox order. Returns (environment, id, number).
+pub async fn number_by_key(db: &mut PgConnection, keyed: &[&Inserted]) -> AppResult<Vec<(EnvironmentId, EventId, i64)>> {
+    let environment_ids: Vec<EnvironmentId> = keyed.iter().map(|e| e.environment_id).collect();
+    let ids: Vec<EventId> = keyed.iter().map(|e| e.id).collect();
+    let seqs: Vec<i64> = keyed.iter().map(|e| e.seq).collect();
+    let keys: Vec<String> = keyed.iter().map(|e| e.ordering_key.clone().unwrap_or_default()).collect();
+    Ok(sqlx::query!(
+        r#"WITH asked AS (SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::bigint[], $4::text[]) AS a(environment_id, id, seq, ordering_key)),
+             counts AS (SELECT environment_id, ordering_key, count(*) AS n FROM asked GROUP BY environment_id, ordering_key),
+             -- In key order: two batches sharing keys lock them in the same order.
+             taken AS (
+               INSERT INTO ordering_keys (environment_id, ordering_key, last_sequence)
+               SELECT environment_id, ordering_key, n FROM counts ORDER BY environment_id, ordering_key
+               ON CONFLICT (environment_id, ordering_key) DO UPDATE SET last_sequence = ordering_keys.last_sequence + EXCLUDED.last_sequence
+               RETURNING environment_id, ordering_key, last_sequence),
+             numbered AS (
+               SELECT a.environment_id, a.id,
+                      t.last_sequence - c.n + row_number() OVER (PARTITION BY a.environment_id, a.ordering_key ORDER BY a.seq) AS number
+               FROM asked a
+               JOIN counts c ON c.environment_id = a.environment_id AND c.ordering_key = a.ordering_key
+               JOIN taken t ON t.environment_id = a.environment_id AND t.ordering_key = a.ordering_key)
+           UPDATE events e SET ordering_sequence = n.number FROM numbered n
+           WHERE e.environment_id = n.environment_id AND e.id = n.id
+           RETURNING e.environment_id, e.id, e.ordering_sequence AS "number!""#,
+        &environment_ids as _,
+        &ids as _,
+        &seqs,
+        &keys,
+    )
+    .fetch_all(&mut *db)
+    .await?
+    .into_iter()
+    .map(|r| (r.environment_id.into(), r.id.into(), r.number))
     .collect())
 }
 

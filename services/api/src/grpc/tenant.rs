@@ -371,12 +371,16 @@ impl EventService for TenantApi {
                      (numbers become doubles, key order is lost); send the payload as JSON text in payload (field 4)",
                 )));
             }
-            let p = self.app.publish_event(tenant, event_id, &r.r#type, &r.payload).await.map_err(status)?;
+            let p = self.app.publish_event(tenant, event_id, &r.r#type, &r.payload, &r.ordering_key).await.map_err(status)?;
             let span = tracing::Span::current();
             span.record("environment_id", tracing::field::display(tenant.environment_id));
             span.record("event_id", tracing::field::display(p.event_id));
             span.record("duplicate", p.duplicate);
-            Ok(Response::new(pb::PublishEventResponse { event_id: p.event_id.to_string(), duplicate: p.duplicate }))
+            Ok(Response::new(pb::PublishEventResponse {
+                event_id: p.event_id.to_string(),
+                duplicate: p.duplicate,
+                ordering_sequence: p.ordering_sequence.map_or(0, |n| n as u64),
+            }))
         }
         .instrument(span)
         .await

@@ -291,7 +291,18 @@ fn bind_body(b: &Binding, body: &[u8]) -> Result<DynamicMessage, Response> {
     }
     rest.push('}');
     let mut de = serde_json::Deserializer::from_str(&rest);
-    let mut msg = DynamicMessage::deserialize(b.input.clone(), &mut de).and_then(|m| de.end().map(|()| m)).map_err(|e| not_valid(&e))?;
+    let mut msg = DynamicMessage::deserialize(b.input.clone(), &mut de).and_then(|m| de.end().map(|()| m)).map_err(|e| {
+        // Name the member that does not fit its field: on this error path
+        // only, each member is read on its own until one fails.
+        let misfit = members.iter().filter(|(key, _)| !raw.iter().any(|(f, _)| f.name() == key.as_str())).find(|(key, value)| {
+            let one = format!("{{{}:{}}}", serde_json::to_string(key).expect("a string serialises"), value.get());
+            DynamicMessage::deserialize(b.input.clone(), &mut serde_json::Deserializer::from_str(&one)).is_err()
+        });
+        match misfit {
+            Some((key, _)) => not_valid(&format!("field {}: {e}", crate::error::quoted(key))),
+            None => not_valid(&e),
+        }
+    })?;
     for (field, text) in raw {
         msg.set_field(field, Value::String(text.to_owned()));
     }
