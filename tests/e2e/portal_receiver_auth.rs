@@ -9,21 +9,10 @@
 use std::time::Duration;
 
 use fantoccini::{Locator, elements::Element};
-use relay_tests::{Browser, Options, Received, Receiver, Rest, Stack, TestPki};
+use relay_tests::{Browser, Options, Receiver, Rest, Stack, TestPki};
 use serde_json::json;
 
 use crate::portal::mint;
-
-/// The delivery of `event`, once arrived (bounded).
-async fn arrival(receiver: &Receiver, event: &str) -> Option<Received> {
-    for _ in 0..400 {
-        if let Some(r) = receiver.received().into_iter().find(|r| r.header("relay-webhook-id") == event) {
-            return Some(r);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    None
-}
 
 /// Fills the authentication form's named fields (emptying each first) and
 /// submits it; the page it lands on.
@@ -96,7 +85,7 @@ async fn in_a_browser_a_client_certificate_a_pinned_ca_and_oauth2_are_set_rotate
     let trusted = read["client_certificate"]["fingerprint_sha256"].as_str().unwrap_or_default().to_owned();
     assert_eq!(read["ca_bundle"].as_str().map(str::trim), Some(pki.ca.trim()), "{read}");
     let first = rest.publish("tls", json!({"n": 1})).await?;
-    let got = arrival(&receiver, &first).await.expect("delivered over mutual TLS");
+    let got = receiver.wait_for_event(&first, Duration::from_secs(20)).await.expect("delivered over mutual TLS");
     assert_eq!(got.client_certificate.as_deref(), Some(trusted.as_str()));
 
     // A certificate the receiver does not trust yet: the page shows the
@@ -105,7 +94,7 @@ async fn in_a_browser_a_client_certificate_a_pinned_ca_and_oauth2_are_set_rotate
     let previous = text(&browser, "dd#previous-certificate").await?;
     assert!(previous.contains("CN=acme-dispatch") && previous.contains("presented when the new one is refused until"), "{previous}");
     let second = rest.publish("tls", json!({"n": 2})).await?;
-    let got = arrival(&receiver, &second).await.expect("delivered with the previous certificate");
+    let got = receiver.wait_for_event(&second, Duration::from_secs(20)).await.expect("delivered with the previous certificate");
     assert_eq!(got.client_certificate.as_deref(), Some(trusted.as_str()));
 
     // OAuth2: a change without the secret is refused by name; with it, stored

@@ -94,17 +94,6 @@ async fn a_client_certificate_is_presented_to_a_receiver_that_requires_it() -> a
     stack.stop().await
 }
 
-/// The delivery of `event` at `path`, once it arrived (bounded wait).
-async fn arrived(receiver: &Receiver, path: &str, event: &str) -> Option<relay_tests::Received> {
-    for _ in 0..400 {
-        if let Some(r) = receiver.at(path).into_iter().find(|r| r.header("relay-webhook-id") == event) {
-            return Some(r);
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    None
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_client_certificate_overlaps_the_one_it_replaced_until_the_overlap_ends() -> anyhow::Result<()> {
     let stack = Stack::start(Options::default()).await?;
@@ -145,7 +134,7 @@ async fn a_new_client_certificate_overlaps_the_one_it_replaced_until_the_overlap
     // attempt presents the previous one, and the webhook arrives once, at
     // its first attempt.
     let first = rest.publish("tls", json!({"n": 1})).await?;
-    let got = arrived(&receiver, "/r", &first).await.expect("delivered with the previous certificate");
+    let got = receiver.wait_for_event(&first, Duration::from_secs(20)).await.expect("delivered with the previous certificate");
     assert_eq!(got.client_certificate.as_deref(), Some(trusted.as_str()));
     let recorded = attempts(&rest, &first, &id).await?;
     assert_eq!((recorded.len(), &recorded[0]["http_status"]), (1, &json!(200)), "{recorded:?}");
@@ -168,7 +157,7 @@ async fn a_new_client_certificate_overlaps_the_one_it_replaced_until_the_overlap
     assert!(back["endpoint"]["previous_client_certificate"]["subject"].as_str().unwrap_or_default().contains("not-acme"), "{back}");
     let third = rest.publish("tls", json!({"n": 3})).await?;
     for event in [&second, &third] {
-        let got = arrived(&receiver, "/r", event).await.expect("delivered with the trusted certificate");
+        let got = receiver.wait_for_event(event, Duration::from_secs(20)).await.expect("delivered with the trusted certificate");
         assert_eq!(got.client_certificate.as_deref(), Some(trusted.as_str()));
     }
     // A replacement that ends the overlap at once (a key that leaked).

@@ -213,6 +213,21 @@ impl Receiver {
         self.received()
     }
 
+    /// Waits (bounded) for the first request carrying webhook `event`
+    /// (its `relay-webhook-id`).
+    pub async fn wait_for_event(&self, event: &str, within: Duration) -> Option<Received> {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(r) = self.received().into_iter().find(|r| r.header("relay-webhook-id") == event) {
+                return Some(r);
+            }
+            if Instant::now() >= deadline {
+                return None;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    }
+
     /// Waits (bounded) until at least `n` requests arrived at `path`.
     pub async fn wait_at(&self, path: &str, n: usize, within: Duration) -> Vec<Received> {
         let deadline = Instant::now() + within;
