@@ -93,6 +93,13 @@ async fn a_keys_events_are_numbered_in_publish_order_without_gaps_across_concurr
         assert_eq!(in_outbox, want, "{key}: outbox order is number order");
     }
     assert_eq!(rows.iter().filter(|(k, _)| k == "order-1").count() as u64, next, "every number has its event");
+
+    // The portal's event page shows the key and the number.
+    let http = crate::portal::browser();
+    let session = crate::portal::enter(&http, &crate::portal::mint(&rest).await?).await?;
+    let (status, _, html) = crate::portal::page(&http, format!("{}/portal/events/{id}", stack.rest_url), Some(&session)).await?;
+    assert_eq!(status, 200, "{html}");
+    assert!(html.contains(&format!("order-1 · number {first}")), "the event page shows its key and number");
     stack.stop().await
 }
 

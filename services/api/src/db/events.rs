@@ -357,12 +357,15 @@ pub struct StoredEvent {
     pub event_type: String,
     pub created_at: Timestamp,
     pub envelope: Vec<u8>,
+    /// Its ordering key and its number in the key's publish order.
+    pub ordering_key: Option<String>,
+    pub ordering_sequence: Option<i64>,
 }
 
 pub async fn get(db: &PgPool, environment_id: EnvironmentId, id: EventId) -> AppResult<Option<StoredEvent>> {
     Ok(sqlx::query_as!(
         StoredEvent,
-        "SELECT id, event_type, created_at, envelope FROM events WHERE environment_id = $1 AND id = $2",
+        "SELECT id, event_type, created_at, envelope, ordering_key, ordering_sequence FROM events WHERE environment_id = $1 AND id = $2",
         environment_id as _,
         id as _
     )

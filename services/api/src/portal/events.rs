@@ -203,6 +203,8 @@ struct Show {
     id: String,
     event_type: String,
     created_at: String,
+    /// Its ordering key and number in the key's publish order; empty: none.
+    ordering: String,
     payload: String,
     payload_cut: bool,
     deliveries: Vec<DeliveryView>,
@@ -291,6 +293,10 @@ pub async fn show(State(app): State<App>, headers: HeaderMap, Path(id): Path<Str
             id: event.id.to_string(),
             event_type: event.event_type,
             created_at: when(event.created_at),
+            ordering: event
+                .ordering_key
+                .map(|k| format!("{k} · number {}", event.ordering_sequence.unwrap_or_default()))
+                .unwrap_or_default(),
             payload_cut: event.envelope.len() > PAYLOAD_SHOWN,
             payload: snippet(&event.envelope, PAYLOAD_SHOWN),
             deliveries: deliveries.iter().map(|d| delivery_view(d, &urls)).collect(),
