@@ -15,6 +15,7 @@ mod health;
 mod in_flight;
 mod oauth2;
 mod operations;
+mod ordered_delivery;
 mod ordering;
 mod pipeline_edges;
 mod portal;

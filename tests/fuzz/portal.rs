@@ -41,7 +41,7 @@ const fn route(method: &'static str, template: &'static str, fields: &'static [&
 }
 
 pub(crate) const ENDPOINT_FORM: &[&str] =
-    &["url", "event_types", "signature_scheme", "headers", "max_in_flight", "filter", "rate_per_second", "rate_burst"];
+    &["url", "event_types", "signature_scheme", "headers", "max_in_flight", "filter", "rate_per_second", "rate_burst", "ordering"];
 /// The endpoint page's receiver-authentication form.
 pub(crate) const AUTH_FORM: &[&str] = &[
     "client_certificate",
@@ -137,6 +137,7 @@ pub(crate) fn valid_value(name: &str, rng: &mut Rng, pw: &PortalWorld) -> String
         "filter" => rng.pick(&["", "%7B%22n%22%3A%7B%22%24gte%22%3A0%7D%7D"]).to_string(),
         "rate_per_second" => rng.pick(&["", "5", "100"]).to_string(),
         "rate_burst" => rng.pick(&["", "1", "10"]).to_string(),
+        "ordering" => rng.pick(&["", "none", "per_key"]).to_string(),
         // Empty keeps what is stored (a key or secret is never shown to copy back).
         "client_certificate" | "client_key" | "ca_bundle" | "token_url" | "client_id" | "client_secret" | "scope" | "audience" => {
             String::new()

@@ -128,6 +128,7 @@ pub(crate) const FIELD_NAMES: &[&str] = &[
     "filter",
     "rate_per_second",
     "rate_burst",
+    "ordering",
     "client_certificate",
     "client_key",
     "ca_bundle",

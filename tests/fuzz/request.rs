@@ -271,6 +271,15 @@ pub(crate) fn seed_value(name: &str, ty: &str, rng: &mut Rng, world: &World) -> 
             0 => return None,
             _ => r#"{"token_url": "http://127.0.0.1:9/token", "client_id": "fz", "client_secret": "fz"}"#.into(),
         },
+        "ordering" => match rng.below(3) {
+            0 => return None,
+            1 => r#""none""#.into(),
+            _ => r#""per_key""#.into(),
+        },
+        "ordering_key" => match rng.below(2) {
+            0 => return None,
+            _ => format!(r#""fz-{}""#, rng.below(4)),
+        },
         "rate_limit" => match rng.below(2) {
             0 => return None,
             _ => r#"{"per_second": 50, "burst": 5}"#.into(),

@@ -39,6 +39,12 @@ pub enum Behaviour {
     /// 200 to every request, after holding it this long (within the
     /// attempt timeout): a receiver that works, slowly.
     Slow(Duration),
+    /// Every answer after holding the request for `hold`, and 500 to
+    /// `percent` of them at random (as `FailRandomly` picks them).
+    SlowAndFailingRandomly { percent: u32, hold: Duration },
+    /// 500 to every request whose payload's `fate` is this, 200 to the rest:
+    /// one webhook that never gets through among ones that do.
+    FailFate(&'static str),
 }
 
 /// What a flaky receiver answers one request.
@@ -146,6 +152,10 @@ impl Flaky {
             }
             Behaviour::AlwaysFail(status) => Answer::status(status),
             Behaviour::Slow(hold) => Answer { status: 200, retry_after: None, after: hold },
+            Behaviour::FailFate(fate) => Answer::status(if key == format!("{fate:?}") { 500 } else { 200 }),
+            Behaviour::SlowAndFailingRandomly { percent, hold } => {
+                Answer { status: if chance(key, nth) < percent { 500 } else { 200 }, retry_after: None, after: hold }
+            }
         }
     }
 }

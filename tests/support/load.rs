@@ -67,6 +67,12 @@ impl Publishers {
     /// at `rest_urls` in turn and retrying the same id (for up to 60 s)
     /// until it is answered 202.
     pub fn start(count: u64, rest_urls: &[String], api_key: &str, event_type: &str, pace: Pace) -> Self {
+        Self::start_keyed(count, rest_urls, api_key, event_type, pace, 0)
+    }
+
+    /// As [`Publishers::start`], each event with an ordering key `k0`…
+    /// (`keys` of them, picked at random per event; 0: none).
+    pub fn start_keyed(count: u64, rest_urls: &[String], api_key: &str, event_type: &str, pace: Pace, keys: usize) -> Self {
         let ledger: Arc<Mutex<Ledger>> = Default::default();
         let stop = Arc::new(AtomicBool::new(false));
         let tasks = (0..count)
@@ -92,6 +98,7 @@ impl Publishers {
                             tick.tick().await;
                         }
                         let id = Uuid::new_v4();
+                        let ordering_key = if keys == 0 { String::new() } else { format!("k{}", rng.below(keys)) };
                         ledger.lock().expect("unpoisoned").unconfirmed.insert(id);
                         let deadline = Instant::now() + Duration::from_secs(60);
                         while Instant::now() < deadline {
@@ -99,7 +106,7 @@ impl Publishers {
                             let sent = http
                                 .post(format!("{url}/v1/events"))
                                 .bearer_auth(&key)
-                                .json(&json!({"id": id.to_string(), "type": event_type, "payload": {"publisher": p}}))
+                                .json(&json!({"id": id.to_string(), "type": event_type, "payload": {"publisher": p}, "ordering_key": ordering_key}))
                                 .send()
                                 .await;
                             if sent.is_ok_and(|r| r.status().as_u16() == 202) {

@@ -436,6 +436,16 @@ pub const INVARIANTS: &[(&str, &str)] = &[
            SELECT 1 FROM delivery_attempts a WHERE a.delivery_id = d.id AND a.http_status BETWEEN 200 AND 299)",
     ),
     ("an attempt outside the schedule's seven", "SELECT id FROM webhook_deliveries WHERE attempt NOT BETWEEN 1 AND 7"),
+    (
+        "a lane of an ordered endpoint with two heads (two deliveries of one key pending or held at once)",
+        "SELECT min(id::text)::uuid FROM webhook_deliveries WHERE ordering_key IS NOT NULL AND state IN ('pending', 'held')
+         GROUP BY endpoint_id, ordering_key HAVING count(*) > 1",
+    ),
+    (
+        "a lane's position given twice",
+        "SELECT min(id::text)::uuid FROM webhook_deliveries WHERE ordering_position IS NOT NULL
+         GROUP BY endpoint_id, ordering_key, ordering_position HAVING count(*) > 1",
+    ),
 ];
 
 pub(crate) async fn delete_streams(nats_url: &str, prefix: &str) -> Result<()> {

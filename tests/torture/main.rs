@@ -8,7 +8,12 @@
 //! (attempts 1..=n once each), nothing stuck, the state machine's
 //! invariants, and every request beyond the recorded attempts explained by
 //! a kill of the dispatcher that sent it (each sends from its own loopback
-//! address) or of the api it reports to, around when it arrived.
+//! address) or of the api it reports to, around when it arrived. Every event
+//! carries one of 32 ordering keys, and two more endpoints order per key
+//! (one healthy, one failing 30 % at random): each must see every key's
+//! events in publish order — 0 order violations, where a request for an
+//! event older than one of its key already seen is one, and only a repeat
+//! of the key's latest event (a kill's duplicate) is not.
 //!
 //! `RELAY_TORTURE_SECONDS` (default 30) is how long the killing goes on;
 //! `RELAY_TORTURE_SEED` replays a run. `deploy/local/torture` runs a long one.
@@ -32,6 +37,51 @@ const READ_AFTER_KILL: Duration = Duration::from_secs(1);
 const OUTCOME_SPAN: Duration = Duration::from_secs(3);
 /// How long a restarted api takes to answer its dispatcher again.
 const API_START: Duration = Duration::from_secs(2);
+
+/// The endpoints that order per key, and how many keys the events spread over.
+const ORDERED: [&str; 2] = ["/ordered", "/ordered-fails-30"];
+const KEYS: usize = 32;
+
+/// The requests at an ordered endpoint that break its keys' order, in
+/// words: each key's requests in arrival order must name its events in
+/// their publish order (`events.ordering_sequence`), a repeat allowed only
+/// of the key's latest event, and carry rising sequence numbers.
+async fn order_violations(pg: &sqlx::PgPool, receiver: &Receiver, path: &str) -> Result<Vec<String>> {
+    let numbers: std::collections::HashMap<String, (String, i64)> = sqlx::query_as::<_, (String, String, i64)>(
+        "SELECT id::text, ordering_key, ordering_sequence FROM events WHERE ordering_key IS NOT NULL",
+    )
+    .fetch_all(pg)
+    .await?
+    .into_iter()
+    .map(|(id, key, n)| (id, (key, n)))
+    .collect();
+    let mut arrivals = receiver.at(path);
+    arrivals.sort_by_key(|r| r.at);
+    // Per key: the latest event seen, its number and its sequence header.
+    let mut latest: std::collections::HashMap<String, (String, i64, u64)> = std::collections::HashMap::new();
+    let mut found = Vec::new();
+    for r in arrivals {
+        let id = r.header("relay-webhook-id");
+        let Some((key, n)) = numbers.get(&id).cloned() else {
+            found.push(format!("{path}: {id} is not a keyed event"));
+            continue;
+        };
+        let sequence: u64 = r.header("relay-webhook-sequence").parse().unwrap_or(0);
+        match latest.get(&key) {
+            Some((last, _, last_sequence)) if *last == id && sequence != *last_sequence => {
+                found.push(format!("{path} {key}: a repeat of {id} numbered {sequence}, first {last_sequence}"))
+            }
+            // A repeat of the key's latest event: a kill's duplicate.
+            Some((last, _, _)) if *last == id => {}
+            Some((last, last_n, last_sequence)) if n <= *last_n || sequence <= *last_sequence => {
+                found.push(format!("{path} {key}: event {n} (sequence {sequence}) after {last} (event {last_n}, sequence {last_sequence})"))
+            }
+            _ => {}
+        }
+        latest.insert(key, (id, n, sequence));
+    }
+    Ok(found)
+}
 
 /// A random pause from `lo` to `hi` milliseconds.
 fn millis(rng: &mut Rng, lo: usize, hi: usize) -> Duration {
@@ -161,22 +211,32 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
     }
     stack.wait_for_api().await?;
 
-    let tenant = stack.tenant("torture").await?;
+    let tenant = stack.tenant_with_quota("torture", 7).await?;
     let receiver = Receiver::start().await?;
     let fails_first = Flaky::new(Behaviour::FailFirst(500));
     receiver.reply("/fails-first", Reply::Flaky(fails_first.clone()));
     receiver.reply("/slow", Reply::Flaky(Flaky::new(Behaviour::Slow(Duration::from_millis(100)))));
     receiver.reply("/fails-30", Reply::Flaky(Flaky::new(Behaviour::FailRandomly(30))));
-    let paths = ["/t1", "/t2", "/fails-first", "/slow", "/fails-30"];
+    receiver.reply("/ordered-fails-30", Reply::Flaky(Flaky::new(Behaviour::FailRandomly(30))));
+    let paths = ["/t1", "/t2", "/fails-first", "/slow", "/fails-30", "/ordered", "/ordered-fails-30"];
     let rest = relay_tests::Rest::new(&stack.rest_url, Some(&tenant.api_key));
-    for p in paths {
+    for p in &paths[..5] {
         rest.endpoint(&receiver.url(p), &["t"]).await?;
+    }
+    for p in ORDERED {
+        let (status, body) = rest
+            .post(
+                "/v1/webhooks",
+                serde_json::json!({"url": receiver.url(p), "event_types": ["t"], "ordering": "per_key", "max_in_flight": 16}),
+            )
+            .await?;
+        anyhow::ensure!(status == 201, "creating an ordered endpoint: {status} {body}");
     }
 
     // Publishers: each picks an api, publishes a fresh id, and retries that
     // same id (on either api) until it is answered 202; about 35 events a
     // second in all, which the failing endpoints' retries keep up with.
-    let publishers = Publishers::start(4, &rest_urls, &tenant.api_key, "t", Pace::Random { seed, lo: 80, hi: 140 });
+    let publishers = Publishers::start_keyed(4, &rest_urls, &tenant.api_key, "t", Pace::Random { seed, lo: 80, hi: 140 }, KEYS);
 
     // The killing.
     let started = Instant::now();
@@ -219,11 +279,15 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
         .filter(|k| retries_seen.iter().any(|r| k.lost(r) && r.at <= k.at))
         .count();
     let deliveries: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries").fetch_one(&pg).await?;
+    let mut violations = Vec::new();
+    for path in ORDERED {
+        violations.extend(order_violations(&pg, &receiver, path).await?);
+    }
     println!(
         "torture: {:.0} s, kills: {} api, {} dispatcher ({kills_mid_retry} with a retry in hand), {} broker; events accepted {} (+{} stored unanswered, {} publish retries); \
          deliveries {deliveries}, retries {}, dead-lettered after every attempt failed {}; missing {missing}; \
          duplicates {duplicates} ({} unexplained); attempts recorded but never seen {}; attempt logs broken {schedule_broken}; \
-         not settled {pending}; outbox left {outbox}; every owed event arrived {:.1} s and all settled {:.1} s after the last kill",
+         not settled {pending}; outbox left {outbox}; order violations {}; every owed event arrived {:.1} s and all settled {:.1} s after the last kill",
         killing.as_secs_f64(),
         by_kind(|v| matches!(v, Victim::Api(_))),
         by_kind(|v| matches!(v, Victim::Dispatcher(_))),
@@ -235,6 +299,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
         settled.dead_lettered,
         unexplained.len(),
         counted.unseen.len(),
+        violations.len(),
         settled.arrived_after.as_secs_f64(),
         settled.quiet_after.as_secs_f64(),
     );
@@ -251,6 +316,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
     println!("torture: repeats by the kill that explains them: {explained:?}");
     anyhow::ensure!(!ledger.accepted.is_empty() && !kills.is_empty(), "the run published and killed nothing");
     anyhow::ensure!(settled.all_arrived && missing == 0, "{missing} (event, endpoint) pairs never arrived (seed {seed})");
+    anyhow::ensure!(violations.is_empty(), "order violations (seed {seed}): {:?}", &violations[..violations.len().min(10)]);
     anyhow::ensure!(unexplained.is_empty(), "repeats no kill explains (seed {seed}): {:?}", &unexplained[..unexplained.len().min(10)]);
     anyhow::ensure!(
         counted.unseen.is_empty(),
@@ -276,8 +342,12 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
         "the fails-first endpoint's deliveries took {first_tried:?} attempts: each needs its retry, and one more only if a kill repeated the first (seed {seed})"
     );
     anyhow::ensure!(
-        settled.dead_lettered <= counted.attempts.get("/fails-30").map_or(0, |m| m.get(&7).copied().unwrap_or(0)) as i64,
-        "dead letters beyond the random endpoint's seven-times-failed deliveries (seed {seed})"
+        settled.dead_lettered
+            <= ["/fails-30", "/ordered-fails-30"]
+                .iter()
+                .map(|p| counted.attempts.get(*p).map_or(0, |m| m.get(&7).copied().unwrap_or(0)) as i64)
+                .sum::<i64>(),
+        "dead letters beyond the random endpoints' seven-times-failed deliveries (seed {seed})"
     );
     pg.close().await;
 

@@ -130,6 +130,12 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             relay::drive(&announcer, stop).await;
             Ok(())
         });
+        let sweep = relay::upkeep::LaneSweep { app: app.clone(), never: Default::default() };
+        let stop = stop_rx.clone();
+        tasks.spawn(async move {
+            relay::drive(&sweep, stop).await;
+            Ok(())
+        });
     }
     let retention = relay::upkeep::Retention {
         app: app.clone(),

@@ -34,6 +34,9 @@ pub struct Workload {
     /// Payload filters on the healthy endpoints (issue 27): what a filter
     /// costs at expansion, per delivery it lets through.
     pub filter: Option<FilterMix>,
+    /// Ordered delivery (issue 28): the healthy endpoints order per key and
+    /// the events spread round robin over this many ordering keys.
+    pub ordering_keys: Option<usize>,
 }
 
 /// How the healthy endpoints filter: `Half`: each endpoint takes half the
@@ -93,6 +96,7 @@ impl Workload {
             idle_secs: 0,
             replicas,
             filter: None,
+            ordering_keys: None,
         };
         // The measured environment of W4 and W5 publishes at a steady rate
         // unless the name says otherwise.
@@ -143,6 +147,11 @@ impl Workload {
             // (each event reaches 5, as under w1f), the baseline that tells
             // the filter's cost from the cost of events reaching fewer.
             "w1h" => w(2_000, 32, 5, 0, 0, 0),
+            // W1 to endpoints that order per key: its events over 1,000 keys
+            // (W6), or all of one key (w6-1: one delivery at a time per
+            // endpoint, each after the one before it has ended).
+            "w6" => Workload { ordering_keys: Some(1_000), ..w(2_000, 32, 10, 0, 0, 0) },
+            "w6-1" => Workload { ordering_keys: Some(1), ..w(500, 32, 10, 0, 0, 0) },
             // 200 publishes of 250 KiB at once beside 600 hostile bodies of
             // 1–1.9 MiB: what the api's memory does under that.
             "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
@@ -151,7 +160,7 @@ impl Workload {
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
             other => bail!(
-                "unknown workload {other:?}: w1, w1f, w1f-all, w1h, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
+                "unknown workload {other:?}: w1, w1f, w1f-all, w1h, w6, w6-1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
             ),
         })
     }

@@ -142,7 +142,8 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     }
     for (k, p) in paths.iter().enumerate() {
         let filter = if k < w.healthy { w.filter_for(k) } else { None };
-        register_endpoint(&http, &rest_url, &key, receiver.url(p), filter).await?;
+        let ordering = (k < w.healthy && w.ordering_keys.is_some()).then_some("per_key");
+        register_endpoint(&http, &rest_url, &key, receiver.url(p), filter, ordering).await?;
     }
     if w.backlog > 0 {
         seed_backlog(&db_url, &environment_id, w.backlog).await?;
@@ -174,7 +175,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     for _ in 0..w.publishers {
         let (http, ids, next, key, urls, filler) =
             (http.clone(), ids.clone(), next.clone(), key.clone(), rest_urls.clone(), filler.clone());
-        let rate = w.rate;
+        let (rate, keys) = (w.rate, w.ordering_keys);
         publishers.push(tokio::spawn(async move {
             let mut sent: Vec<(usize, Instant)> = Vec::new();
             loop {
@@ -185,7 +186,10 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
                 if let Some(rate) = rate {
                     tokio::time::sleep_until((started + Duration::from_secs_f64(i as f64 / rate)).into()).await;
                 }
-                let body = serde_json::json!({"id": ids[i], "type": "bench.event", "payload": {"n": i, "data": filler}});
+                let mut body = serde_json::json!({"id": ids[i], "type": "bench.event", "payload": {"n": i, "data": filler}});
+                if let Some(keys) = keys {
+                    body["ordering_key"] = format!("k{}", i % keys).into();
+                }
                 let at = Instant::now();
                 // An overloaded api says when to come back; a client that
                 // listens publishes the same id again then.
@@ -285,7 +289,7 @@ async fn neighbours(
             .chain((0..n.hanging_each).map(|i| format!("/hang/600/nb{e}-{i}")))
             .chain((0..n.failing_each).map(|i| format!("/status/500/nb{e}-{i}")));
         for p in paths {
-            register_endpoint(http, rest_url, &key, receiver.url(&p), None).await?;
+            register_endpoint(http, rest_url, &key, receiver.url(&p), None, None).await?;
         }
         keys.push(key);
     }
@@ -312,8 +316,9 @@ async fn register_endpoint(
     key: &str,
     url: String,
     filter: Option<serde_json::Value>,
+    ordering: Option<&str>,
 ) -> Result<()> {
-    let mut body = serde_json::json!({"url": url, "event_types": ["bench.event"]});
+    let mut body = serde_json::json!({"url": url, "event_types": ["bench.event"], "ordering": ordering.unwrap_or("none")});
     if let Some(f) = filter {
         body["filter"] = f;
     }

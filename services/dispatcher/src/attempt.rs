@@ -95,6 +95,10 @@ async fn checked_url(sender: &Sender, raw: &str) -> Result<url::Url, String> {
     Ok(url)
 }
 
+/// What the ordering-key header escapes: controls, space, `%` and every
+/// byte beyond ASCII.
+const ORDERING_KEY_ESCAPES: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b' ').add(b'%');
+
 async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
     let url = checked_url(sender, &m.url).await?;
     let scheme = scheme_of(m.signature_scheme)
@@ -121,6 +125,15 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
         let value = reqwest::header::HeaderValue::from_str(&value).map_err(|_| format!("signing: {name} is not sendable"))?;
         headers.insert(name, value);
     }
+    if !m.ordering_key.is_empty() {
+        let (key_name, sequence_name) = scheme.ordering_headers();
+        // Percent-encoded beyond visible ASCII (a key may be any UTF-8, a
+        // header value should not): "order-42" goes as it is.
+        let encoded = percent_encoding::utf8_percent_encode(&m.ordering_key, ORDERING_KEY_ESCAPES).to_string();
+        let key = reqwest::header::HeaderValue::from_str(&encoded).map_err(|_| "ordering: the key is not sendable".to_owned())?;
+        headers.insert(key_name, key);
+        headers.insert(sequence_name, reqwest::header::HeaderValue::from(m.ordering_position));
+    }
     if m.oauth2.is_some() {
         headers.remove(reqwest::header::AUTHORIZATION);
     }
@@ -143,7 +156,9 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
         match try_with(&client).await {
             // Refused in the handshake, the receiver never saw the request:
             // presenting the previous certificate sends it once, not twice.
-            Err(e) if previous.is_some() && refused_client_certificate(&e) => {
+            // So is a connection the receiver closed (after its alert) before
+            // the request could be written, which surfaces as canceled.
+            Err(e) if previous.is_some() && (refused_client_certificate(&e) || never_written(&e)) => {
                 let refused = explain(e, presents);
                 let previous = previous.as_ref().expect("checked");
                 try_with(previous).await.map_err(|e| {
@@ -310,6 +325,20 @@ fn explain(e: reqwest::Error, presented_certificate: bool) -> String {
         });
     }
     message
+}
+
+/// The request was never written to the connection: hyper canceled it
+/// because the connection closed first (a receiver that refused the
+/// handshake may close it before its alert is read).
+fn never_written(e: &reqwest::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if err.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_canceled) {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// Whether the receiver refused the client certificate in the handshake: a

@@ -20,12 +20,16 @@ use crate::{
     config::DispatcherConfig,
     lanes::LaneSet,
     seam::Seam,
-    verdict::{Verdict, settle, settle_by, verdict},
+    verdict::{Verdict, is_deferred, settle, settle_by, verdict},
 };
 
 /// Redeliveries of a job we could not process, before the broker gives up on
 /// it. The api's leases re-publish anything dropped here.
 const MAX_DELIVER: i64 = 50;
+/// How an expansion deferred by the api is asked again in-process: after
+/// 20 ms, doubling, the last after 640 ms (1.3 s in all).
+const DEFERRED_FIRST_PAUSE: std::time::Duration = std::time::Duration::from_millis(20);
+const DEFERRED_LAST_PAUSE: std::time::Duration = std::time::Duration::from_millis(640);
 
 /// Creates the durable consumer, or updates it to this configuration (ack
 /// wait, redelivery budget and ack-pending limit follow the current config
@@ -101,7 +105,21 @@ pub(crate) async fn expand_loop(
             // Batched with other events: the context rides in the item.
             let traceparent = relay_telemetry::current_traceparent();
             req.traceparent = traceparent.clone().unwrap_or_default();
-            match expansions.call(req).await {
+            // An event whose key's earlier event is still being expanded
+            // (by another batch or dispatcher) is asked for again here, a
+            // few times over about a second, before the broker is told to
+            // bring it back: each redelivery counts against MAX_DELIVER.
+            let mut pause = DEFERRED_FIRST_PAUSE;
+            let answer = loop {
+                match expansions.call(req.clone()).await {
+                    Err(st) if is_deferred(&st) && pause <= DEFERRED_LAST_PAUSE => {
+                        tokio::time::sleep(pause).await;
+                        pause *= 2;
+                    }
+                    answer => break answer,
+                }
+            };
+            match answer {
                 Ok(expanded) => {
                     for attempt in expanded.attempts {
                         lanes.hand(attempt, traceparent.clone());

@@ -40,6 +40,13 @@ pub(crate) fn verdict(st: &tonic::Status, for_event: bool) -> Verdict {
     reason.and_then(|r| by_reason(r, for_event)).unwrap_or_else(|| by_code(st.code(), for_event))
 }
 
+/// The api asked for the same call again shortly (an event waiting for an
+/// earlier event of its ordering key, a reply without room for an attempt).
+pub(crate) fn is_deferred(st: &tonic::Status) -> bool {
+    st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).and_then(Reason::parse)
+        == Some(Reason::Deferred)
+}
+
 /// The verdict for a reason in the contracts' catalogue, whatever the code.
 fn by_reason(reason: Reason, for_event: bool) -> Option<Verdict> {
     use Reason::*;

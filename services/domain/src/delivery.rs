@@ -15,6 +15,12 @@
 //!   dead by switch-off, attempt a in flight ──2xx──► delivered (dead letter withdrawn)
 //!                                           ──else─► dead (dead letter updated)
 //!   dead ──replay──► pending(generation g + 1, attempt 1)
+//!
+//!   in a lane (an ordered endpoint's deliveries of one ordering key, see
+//!   `crate::ordering`): expansion and replay write queued; the lane's
+//!   lowest-ranked queued row is promoted to pending (held, if its endpoint
+//!   is down) once no row of the lane is pending or held
+//!   queued ──endpoint disabled/deleted──► dead (+ dead letter with the reason)
 //! ```
 
 use chrono::SubsecRound;
@@ -33,6 +39,10 @@ pub enum DeliveryState {
     /// `gone` or `failing`): no relay pass looks at it. Released to pending
     /// in order when the endpoint recovers; the oldest is sent as the probe.
     Held,
+    /// Waiting behind the head of its lane (an ordered endpoint's
+    /// deliveries of one ordering key): no relay pass looks at it until it
+    /// is promoted, when every delivery ahead of it has ended.
+    Queued,
     /// An attempt got a 2xx. Final.
     Delivered,
     /// The attempts ran out, or the endpoint was switched off; a dead letter
@@ -41,12 +51,13 @@ pub enum DeliveryState {
 }
 
 impl DeliveryState {
-    pub const ALL: [Self; 4] = [Self::Pending, Self::Held, Self::Delivered, Self::Dead];
+    pub const ALL: [Self; 5] = [Self::Pending, Self::Held, Self::Queued, Self::Delivered, Self::Dead];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
             Self::Held => "held",
+            Self::Queued => "queued",
             Self::Delivered => "delivered",
             Self::Dead => "dead",
         }
@@ -115,7 +126,7 @@ impl Decision {
         match state {
             DeliveryState::Delivered => Self::Delivered,
             DeliveryState::Dead => Self::DeadLettered,
-            DeliveryState::Pending | DeliveryState::Held => Self::Rescheduled { next_attempt_at },
+            DeliveryState::Pending | DeliveryState::Held | DeliveryState::Queued => Self::Rescheduled { next_attempt_at },
         }
     }
 }
@@ -422,6 +433,6 @@ mod tests {
         assert_eq!(Decision::from_log("rescheduled", None), None, "a reschedule without its instant is not one");
         assert_eq!(Decision::from_log("dead", None), None);
         let spelled: Vec<&str> = DeliveryState::ALL.iter().map(|s| s.as_str()).collect();
-        assert_eq!(spelled, ["pending", "held", "delivered", "dead"]);
+        assert_eq!(spelled, ["pending", "held", "queued", "delivered", "dead"]);
     }
 }

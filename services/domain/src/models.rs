@@ -25,6 +25,10 @@ pub struct DeadLetter {
     /// Its delivery is no longer dead: replayed (or recovered) since. The
     /// record stays as the evidence that the attempts once ran out.
     pub replayed: bool,
+    /// At an endpoint that orders per key: its key, and how many later
+    /// deliveries of the key have been sent since it died.
+    pub ordering_key: Option<String>,
+    pub later_in_key: Option<i64>,
 }
 
 #[derive(Debug, Clone)]
@@ -40,6 +44,10 @@ pub struct Delivery {
     pub last_error: Option<String>,
     pub generation: i32,
     pub attempts: Vec<Attempt>,
+    /// In an ordered endpoint's lane: its key, and the number the lane gave
+    /// it when it became the key's next to send (`None` while queued).
+    pub ordering_key: Option<String>,
+    pub ordering_position: Option<i64>,
 }
 
 /// One row of the attempt log.
@@ -100,6 +108,8 @@ pub struct Endpoint {
     pub ca_bundle: Option<String>,
     /// Its OAuth2 client credentials as reads show them (no secret).
     pub oauth2: Option<OAuth2Shown>,
+    /// How it orders its deliveries (`crate::ordering::Ordering`).
+    pub ordering: crate::ordering::Ordering,
 }
 
 #[derive(Debug, Clone)]

@@ -5,6 +5,44 @@
 //! until it commits, so a key's numbers are also its commit order and its
 //! outbox order, and an event's predecessors are committed before it.
 
+/// How an endpoint orders its deliveries (`webhook_endpoints.ordering`).
+///
+/// Under [`Ordering::PerKey`] the deliveries of one ordering key to the
+/// endpoint form a lane: at most one of them (the head) is pending or held,
+/// and the next is promoted only when it has ended, delivered or dead. A
+/// dead head lets the key move on rather than block it for ever: a receiver
+/// waiting for one event must not stop receiving every later one, and the
+/// dead letter stays replayable (a replay joins the lane's tail). Events
+/// without a key, and endpoints without ordering, are unordered. Decided
+/// when a delivery is created, so a change applies to deliveries created
+/// after it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "sqlx", derive(sqlx::Type), sqlx(type_name = "text", rename_all = "snake_case"))]
+pub enum Ordering {
+    #[default]
+    None,
+    PerKey,
+}
+
+impl Ordering {
+    pub const ALL: [Self; 2] = [Self::None, Self::PerKey];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::None => "none",
+            Self::PerKey => "per_key",
+        }
+    }
+
+    /// The ordering a request names; the message says which ones exist.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::ALL.into_iter().find(|o| o.as_str() == name).ok_or_else(|| {
+            let shown: String = name.chars().take(40).flat_map(char::escape_default).collect();
+            format!("ordering must be \"none\" or \"per_key\"; got \"{shown}\"")
+        })
+    }
+}
+
 /// The longest ordering key, in bytes of UTF-8.
 pub const MAX_ORDERING_KEY_BYTES: usize = 256;
 
@@ -24,6 +62,15 @@ pub fn check_key(key: &str) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn orderings_parse_by_name_only() {
+        for o in Ordering::ALL {
+            assert_eq!(Ordering::parse(o.as_str()), Ok(o));
+        }
+        let e = Ordering::parse("PER_KEY\n").unwrap_err();
+        assert!(e.contains("per_key") && e.contains("PER_KEY\\n"), "{e}");
+    }
 
     #[test]
     fn keys_are_bounded_and_hold_no_control_characters() {

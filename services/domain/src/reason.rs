@@ -146,6 +146,8 @@ catalogue! {
     InvalidFilter = "invalid_filter",
     /// An ordering key beyond 256 bytes or holding control characters.
     InvalidOrderingKey = "invalid_ordering_key",
+    /// An endpoint `ordering` that is not "none" or "per_key".
+    InvalidOrdering = "invalid_ordering",
     /// A secret that Standard Webhooks cannot use (its scheme needs `whsec_`).
     SecretNotStandardWebhooks = "secret_not_standard_webhooks",
     /// A destructive operation asked without `confirm`.

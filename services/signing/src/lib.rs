@@ -99,6 +99,17 @@ impl Scheme {
         Self::ALL.into_iter().find(|s| s.as_str() == name)
     }
 
+    /// The names of the headers that carry a delivery's ordering key and its
+    /// place in the key's sequence at an endpoint that orders per key, in
+    /// this scheme's family (not signed: the signature covers the id, the
+    /// timestamp and the body, as every verifier library expects).
+    pub fn ordering_headers(self) -> (&'static str, &'static str) {
+        match self {
+            Self::RelayV1 => ("relay-webhook-ordering-key", "relay-webhook-sequence"),
+            Self::StandardWebhooks | Self::StandardWebhooksEd25519 => ("webhook-ordering-key", "webhook-sequence"),
+        }
+    }
+
     /// Signed with a key pair rather than a shared secret.
     pub fn is_asymmetric(self) -> bool {
         self == Self::StandardWebhooksEd25519

@@ -68,6 +68,7 @@ impl App {
         let mut tx = self.db.begin().await?;
         let ops = db::operations::lock_running(&mut tx).await?;
         let mut sent = 0;
+        let mut lanes = Vec::new();
         for op in ops {
             let endpoint = db::endpoints::get(&mut tx, op.environment_id, op.endpoint_id, self.clock.now()).await?;
             if !endpoint.is_some_and(|e| e.enabled) {
@@ -75,6 +76,7 @@ impl App {
                 continue;
             }
             let taken = db::operations::recover_next(&mut tx, &op, per_pass).await?;
+            lanes.extend(taken.iter().filter_map(|r| Some((op.endpoint_id, r.queued_in.clone()?))));
             let cursor = taken.iter().max_by_key(|r| (r.created_at, r.id)).map(|r| (r.created_at, r.id));
             let finished = (taken.len() as i64) < per_pass;
             db::operations::advance(&mut tx, op.id, taken.len() as i32, cursor, finished).await?;
@@ -86,6 +88,10 @@ impl App {
         tx.commit().await.context("committing a recovery pass")?;
         if sent > 0 {
             self.deliveries_wake.wake();
+        }
+        // Replays into lanes: each sent once what is ahead of it has ended.
+        if !lanes.is_empty() {
+            self.promote_lanes(lanes).await;
         }
         Ok(sent)
     }

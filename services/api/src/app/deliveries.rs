@@ -56,6 +56,9 @@ pub struct Material {
     /// The endpoint's own in-flight cap, if it set one: a dispatcher sends
     /// up to this many of its attempts at once.
     pub max_in_flight: Option<u32>,
+    /// In an ordered endpoint's lane: the key and the delivery's position
+    /// (sent as the sequence header).
+    pub ordering: Option<(String, i64)>,
     pub payload: Vec<u8>,
     /// The trace the delivery's attempts continue, for an attempt handed
     /// over in a reply rather than asked for.
@@ -166,15 +169,21 @@ impl App {
                 format!("endpoint {endpoint_id} is disabled or deleted; enable it before replaying its dead letters"),
             ));
         }
-        if !db::deliveries::reset_for_replay(&mut tx, delivery_id).await? {
+        let Some(lane) = db::deliveries::reset_for_replay(&mut tx, delivery_id).await? else {
             return Err(AppError::precondition(
                 Reason::AlreadyReplayed,
                 format!("delivery {delivery_id} is no longer dead: it was already replayed"),
             ));
+        };
+        if lane.is_none() {
+            db::deliveries::notify_due(&mut tx).await?;
         }
-        db::deliveries::notify_due(&mut tx).await?;
         tx.commit().await.context("committing a replay")?;
-        self.deliveries_wake.wake();
+        match lane {
+            // Queued at its lane's tail: sent when what is ahead has ended.
+            Some(key) => self.promote_lanes(vec![(endpoint_id, key)]).await,
+            None => self.deliveries_wake.wake(),
+        }
         Ok(delivery_id)
     }
 

@@ -37,6 +37,8 @@ pub struct NewEndpoint {
     pub ca_bundle: String,
     /// OAuth2 client credentials (their `Debug` redacts the secret).
     pub oauth2: Option<OAuth2Credentials>,
+    /// "none", "per_key"; empty: none.
+    pub ordering: String,
 }
 
 impl std::fmt::Debug for NewEndpoint {
@@ -54,6 +56,7 @@ impl std::fmt::Debug for NewEndpoint {
             .field("client_key", &"[redacted]")
             .field("ca_bundle", &self.ca_bundle.len())
             .field("oauth2", &self.oauth2)
+            .field("ordering", &self.ordering)
             .finish()
     }
 }
@@ -187,6 +190,11 @@ fn clear_or_replace<T>(clear: bool, asked: Option<T>, reason: Reason, both: &str
 /// The most attempts out at once an endpoint may ask for.
 const MAX_IN_FLIGHT: u32 = 1000;
 
+/// The ordering a request names ("none", "per_key").
+pub(super) fn parse_ordering(name: &str) -> AppResult<relay_domain::ordering::Ordering> {
+    relay_domain::ordering::Ordering::parse(name).map_err(|e| AppError::invalid(Reason::InvalidOrdering, e))
+}
+
 pub(super) fn check_max_in_flight(n: u32) -> AppResult<i32> {
     if !(1..=MAX_IN_FLIGHT).contains(&n) {
         return Err(AppError::invalid(Reason::MaxInFlightOutOfRange, format!("max_in_flight must be 1–{MAX_IN_FLIGHT}, got {n}")));
@@ -232,6 +240,8 @@ pub struct EndpointChange {
     pub oauth2: Option<OAuth2Credentials>,
     /// …or removing them.
     pub clear_oauth2: bool,
+    /// A new ordering, for deliveries created from now on (`None`: kept).
+    pub ordering: Option<String>,
 }
 
 impl std::fmt::Debug for EndpointChange {
@@ -257,6 +267,7 @@ impl std::fmt::Debug for EndpointChange {
             .field("clear_ca_bundle", &self.clear_ca_bundle)
             .field("oauth2", &self.oauth2)
             .field("clear_oauth2", &self.clear_oauth2)
+            .field("ordering", &self.ordering)
             .finish()
     }
 }

@@ -18,7 +18,7 @@ use url::Host;
 pub use super::endpoint_requests::{EndpointChange, NewEndpoint};
 use super::endpoint_requests::{
     ca_bundle_change, check_filter, check_max_in_flight, check_rate_limit, client_tls_change, filter_change, header_change, oauth2_change,
-    rate_limit_change,
+    parse_ordering, rate_limit_change,
 };
 use super::{App, Tenant, require_nonempty};
 pub use crate::db::models::{DisabledReason, Endpoint};
@@ -144,6 +144,7 @@ impl App {
         let max_in_flight = new.max_in_flight.map(check_max_in_flight).transpose()?;
         let filter = if matches!(new.filter.trim(), "" | "null") { None } else { Some(check_filter(&new.filter)?) };
         let rate_limit = new.rate_limit.map(check_rate_limit).transpose()?;
+        let ordering = if new.ordering.is_empty() { Default::default() } else { parse_ordering(&new.ordering)? };
         let client_tls = client_tls_change(false, new.client_certificate, new.client_key)?
             .flatten()
             .map(|pair| self.check_client_tls(pair).and_then(|identity| self.seal_client_tls(identity)))
@@ -182,6 +183,7 @@ impl App {
             client_tls: client_tls.as_ref(),
             ca_bundle: ca_bundle.as_deref(),
             oauth2: oauth2.as_ref(),
+            ordering,
         };
         let id = db::endpoints::insert(&mut tx, row).await?;
         db::health::insert(&mut tx, id).await?;
@@ -215,6 +217,7 @@ impl App {
         };
         let event_types = if change.event_types.is_empty() { None } else { Some(normalise_event_types(&change.event_types)?) };
         let scheme = change.signature_scheme.as_deref().map(parse_scheme).transpose()?;
+        let ordering = change.ordering.as_deref().map(parse_ordering).transpose()?;
         let headers = header_change(change.clear_headers, change.headers)?.map(|pairs| self.seal_headers(pairs)).transpose()?;
         let max_in_flight = change.max_in_flight.map(|n| n.map(check_max_in_flight).transpose()).transpose()?;
         let filter = filter_change(change.clear_filter, change.filter)?.map(|f| f.as_deref().map(check_filter).transpose()).transpose()?;
@@ -276,6 +279,7 @@ impl App {
             client_tls: client_tls.as_ref().map(Option::as_ref),
             ca_bundle: ca_bundle.as_ref().map(Option::as_deref),
             oauth2: oauth2.as_ref().map(Option::as_ref),
+            ordering,
         };
         db::endpoints::update(&mut tx, id, update).await?;
         let endpoint =

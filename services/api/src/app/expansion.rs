@@ -108,6 +108,14 @@ impl App {
             }
         }
 
+        // Rows queued in their lanes: each lane promotes its next row if it
+        // has no head (after the commit, so the promotion sees them).
+        let lanes: Vec<(EndpointId, String)> =
+            rows.iter().filter(|r| r.queued).filter_map(|r| Some((r.endpoint_id?, r.ordering_key.clone()?))).collect();
+        if !lanes.is_empty() {
+            self.promote_lanes(lanes).await;
+        }
+
         // Each item has a row for each delivery it created, or one row.
         let mut to_broker: Vec<crate::queue::Job<'_>> = Vec::new();
         let mut sending_of = SendingByEndpoint::new();
@@ -122,6 +130,13 @@ impl App {
                 Some(t) if *t != ask.item.event_type => Err(AppError::invalid(
                     Reason::EventMismatch,
                     format!("event {} does not have that environment and type", ask.item.event_id),
+                )),
+                // Every mention of the event, so that none of them is acked
+                // as done while it waits.
+                Some(_) if row.deferred => Err(AppError::new(
+                    crate::error::ErrorCode::Unavailable,
+                    Reason::Deferred,
+                    format!("event {} waits for an earlier event of its ordering key to be expanded; ask again", ask.item.event_id),
                 )),
                 Some(_) if !row.fresh => Ok(Expanded::duplicate()),
                 Some(_) => Ok(Expanded::none()),
@@ -207,6 +222,8 @@ impl App {
             headers: sending.headers,
             auth: sending.auth,
             max_in_flight: row.max_in_flight.and_then(|n| u32::try_from(n).ok()),
+            // A row in a lane is never handed out by its expansion.
+            ordering: None,
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
         })

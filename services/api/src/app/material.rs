@@ -192,6 +192,7 @@ impl App {
             headers: sending.headers,
             auth: sending.auth,
             max_in_flight: row.max_in_flight.and_then(|n| u32::try_from(n).ok()),
+            ordering: row.ordering_key.clone().zip(row.ordering_position),
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
             traceparent: None,
         })

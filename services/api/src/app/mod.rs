@@ -16,6 +16,7 @@ pub mod events;
 pub mod expansion;
 mod filtering;
 mod gauges;
+mod lanes;
 pub(crate) mod material;
 pub mod operational;
 mod outcomes;

@@ -10,7 +10,7 @@ use relay_signing::Scheme;
 use sqlx::{Connection, PgConnection};
 
 use relay_domain::{
-    delivery::{self as state, DeliveryStanding, Reported, Step},
+    delivery::{self as state, DeliveryStanding, DeliveryState, Reported, Step},
     health::Seen,
 };
 
@@ -157,6 +157,10 @@ impl App {
             self.follow_up(&mut tx, reports, &mut batch, now).await?;
             tx.commit().await.context("committing outcomes")?;
         }
+        // Committed: the lanes whose head ended send their next.
+        if !batch.ended_lanes.is_empty() {
+            self.promote_lanes(std::mem::take(&mut batch.ended_lanes)).await;
+        }
         // Committed: the charts count what the log now holds.
         self.attempt_stats.add(now, batch.seen.iter().map(|&(i, endpoint, seen)| (endpoint, seen == Seen::Success, reports[i].latency_ms)));
         for (decision, latency_ms) in &batch.decisions {
@@ -183,8 +187,9 @@ impl App {
     async fn follow_up(&self, tx: &mut PgConnection, reports: &[AttemptReport], batch: &mut OutcomeBatch, now: Timestamp) -> AppResult<()> {
         let rest = batch.rest();
         if !rest.is_empty() {
-            let (slow, slow_decisions, slow_seen) =
-                self.record_outcomes_locked(&mut *tx, rest.iter().map(|&i| reports[i].clone()).collect(), now).await?;
+            let (slow, slow_decisions, slow_seen) = self
+                .record_outcomes_locked(&mut *tx, rest.iter().map(|&i| reports[i].clone()).collect(), now, &mut batch.ended_lanes)
+                .await?;
             batch.seen.extend(slow_seen.into_iter().map(|(k, endpoint, s)| (rest[k], endpoint, s)));
             for (i, a) in rest.into_iter().zip(slow) {
                 batch.answers[i] = Some(a);
@@ -205,6 +210,7 @@ impl App {
         tx: &mut sqlx::PgConnection,
         reports: Vec<AttemptReport>,
         now: Timestamp,
+        ended_lanes: &mut Vec<(EndpointId, String)>,
     ) -> AppResult<(Vec<AppResult<Decision>>, Vec<(&'static str, i64)>, Vec<(usize, EndpointId, Seen)>)> {
         let ids: Vec<DeliveryId> = reports.iter().map(|r| r.delivery_id).collect();
         let rows = db::deliveries::lock_for_outcome(&mut *tx, &ids).await?;
@@ -266,6 +272,9 @@ impl App {
             row.next_attempt_at = moved.next_attempt_at;
             row.last_error = if decision == Decision::Delivered { None } else { error.clone() };
             row.last_status = status;
+            if let Some(key) = row.ordering_key.as_ref().filter(|_| matches!(row.state, DeliveryState::Delivered | DeliveryState::Dead)) {
+                ended_lanes.push((row.endpoint_id, key.clone()));
+            }
             match (step, decision) {
                 // The attempt in flight when the endpoint was switched off:
                 // a 2xx means the receiver has the event after all.
@@ -346,6 +355,9 @@ struct OutcomeBatch {
     candidate_of: HashMap<DeliveryId, (usize, Decision)>,
     seen_of: Vec<Seen>,
     latency_of: Vec<i64>,
+    /// The lanes whose head this batch ended (delivered or dead): each
+    /// promotes its next once the batch has committed.
+    ended_lanes: Vec<(EndpointId, String)>,
 }
 
 impl OutcomeBatch {
@@ -357,6 +369,7 @@ impl OutcomeBatch {
             candidate_of: candidates.iter().map(|&(i, d)| (reports[i].delivery_id, (i, d))).collect(),
             seen_of: reports.iter().map(seen_in).collect(),
             latency_of: reports.iter().map(|r| i64::try_from(r.latency_ms).unwrap_or(i64::MAX)).collect(),
+            ended_lanes: Vec::new(),
         }
     }
 
@@ -371,6 +384,9 @@ impl OutcomeBatch {
             self.seen.push((i, a.endpoint_id, self.seen_of[i]));
             self.decisions.push((decision.as_str(), self.latency_of[i]));
             self.answers[i] = Some(Ok(decision));
+            if let Some(key) = a.ordering_key.as_ref().filter(|_| decision.state() != DeliveryState::Pending) {
+                self.ended_lanes.push((a.endpoint_id, key.clone()));
+            }
         }
     }
 

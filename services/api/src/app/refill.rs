@@ -106,6 +106,7 @@ impl App {
             headers: sending.headers,
             auth: sending.auth,
             max_in_flight: row.max_in_flight.and_then(|n| u32::try_from(n).ok()),
+            ordering: row.ordering_key.zip(row.ordering_position),
             payload: row.envelope,
             traceparent: row.trace_context,
         })

@@ -160,7 +160,13 @@ pub async fn list(db: &PgPool, environment_id: EnvironmentId) -> AppResult<Vec<D
         r#"SELECT l.id, l.delivery_id, l.endpoint_id, l.event_id, l.attempts, l.last_status, l.last_error, l.reason AS "reason: DeadLetterReason", l.dead_lettered_at,
                   (d.state IS DISTINCT FROM 'dead'
                    OR EXISTS (SELECT 1 FROM webhook_dead_letters n WHERE n.delivery_id = l.delivery_id AND n.dead_lettered_at > l.dead_lettered_at))
-                    AS "replayed!"
+                    AS "replayed!",
+                  d.ordering_key AS "ordering_key?",
+                  -- The lane's numbers given out after this one's: each a
+                  -- later delivery of the key, sent once it had died.
+                  CASE WHEN d.state = 'dead' THEN
+                    (SELECT g.last_position - d.ordering_position FROM ordering_lanes g
+                     WHERE g.endpoint_id = d.endpoint_id AND g.ordering_key = d.ordering_key) END AS later_in_key
          FROM webhook_dead_letters l LEFT JOIN webhook_deliveries d ON d.id = l.delivery_id
          WHERE l.environment_id = $1 ORDER BY l.dead_lettered_at DESC, l.id DESC LIMIT 1000"#,
         environment_id as _,

@@ -1,7 +1,7 @@
 //! `webhook_endpoints`. Reads never select a ciphertext; only material and
 //! the rewrap read secrets.
 
-use relay_domain::{EndpointId, EnvironmentId, models::ClientCertificatesShown, rate::RateLimit};
+use relay_domain::{EndpointId, EnvironmentId, models::ClientCertificatesShown, ordering::Ordering, rate::RateLimit};
 use sqlx::{PgConnection, PgPool};
 
 use relay_signing::Scheme;
@@ -65,6 +65,7 @@ struct EndpointRow {
     client_certificate_shown: Option<serde_json::Value>,
     ca_bundle: Option<String>,
     oauth2_shown: Option<serde_json::Value>,
+    ordering: Ordering,
 }
 
 impl EndpointRow {
@@ -122,6 +123,7 @@ impl EndpointRow {
             previous_client_certificate: certificates.as_ref().and_then(|c| c.previous_at(now)).cloned(),
             client_certificate: certificates.map(|c| c.current),
             ca_bundle: r.ca_bundle,
+            ordering: r.ordering,
             oauth2: r
                 .oauth2_shown
                 .map(serde_json::from_value)
@@ -164,6 +166,7 @@ pub struct NewEndpointRow<'a> {
     pub client_tls: Option<&'a Sealed>,
     pub ca_bundle: Option<&'a str>,
     pub oauth2: Option<&'a Sealed>,
+    pub ordering: Ordering,
 }
 
 /// The new endpoint's id.
@@ -181,14 +184,15 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         client_tls,
         ca_bundle,
         oauth2,
+        ordering,
     } = row;
     Ok(sqlx::query_scalar!(
         r#"INSERT INTO webhook_endpoints (id, environment_id, url, event_types, signature_scheme, secret_key_id, secret_ciphertext, public_key,
                                         headers_key_id, headers_ciphertext, headers_shown, max_in_flight, filter,
                                         rate_per_second, rate_burst, client_tls_key_id, client_tls_ciphertext, client_certificate_shown,
-                                        ca_bundle, oauth2_key_id, oauth2_ciphertext, oauth2_shown)
+                                        ca_bundle, oauth2_key_id, oauth2_ciphertext, oauth2_shown, ordering)
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, COALESCE($11, '[]'::jsonb), $12, $13, $14, $15, $16, $17, $18, $19,
-                 $20, $21, $22) RETURNING id AS "id: EndpointId""#,
+                 $20, $21, $22, $23) RETURNING id AS "id: EndpointId""#,
         EndpointId::mint() as _,
         environment_id as _,
         url,
@@ -211,6 +215,7 @@ pub async fn insert(tx: &mut PgConnection, row: NewEndpointRow<'_>) -> AppResult
         oauth2.map(|o| o.key_id.as_str()),
         oauth2.map(|o| o.ciphertext.as_slice()),
         oauth2.map(|o| &o.shown),
+        ordering as _,
     )
     .fetch_one(&mut *tx)
     .await?)
@@ -233,7 +238,7 @@ async fn select(
                   h.window_failures, h.previous_attempts, h.previous_failures, h.failed_retries, h.one_at_a_time,
                   (SELECT count(*) FROM webhook_deliveries d WHERE d.endpoint_id = e.id AND d.state = 'held') AS "held!",
                   e.headers_shown, e.max_in_flight, e.filter, e.rate_per_second, e.rate_burst,
-                  e.client_certificate_shown, e.ca_bundle, e.oauth2_shown
+                  e.client_certificate_shown, e.ca_bundle, e.oauth2_shown, e.ordering AS "ordering: Ordering"
            FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
            WHERE e.environment_id = $1 AND e.deleted_at IS NULL AND ($2::uuid IS NULL OR e.id = $2)
            ORDER BY e.created_at, e.id"#,
@@ -321,6 +326,8 @@ pub struct EndpointUpdate<'a> {
     pub ca_bundle: Option<Option<&'a str>>,
     /// New OAuth2 client credentials: `Some(None)` removes them.
     pub oauth2: Option<Option<&'a Sealed>>,
+    /// A new ordering, for deliveries created from now on.
+    pub ordering: Option<Ordering>,
 }
 
 /// Applies an update to an endpoint locked by `lock_signing`.
@@ -353,7 +360,8 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
            ca_bundle = CASE WHEN $23 THEN $24 ELSE ca_bundle END,
            oauth2_key_id = CASE WHEN $25 THEN $26 ELSE oauth2_key_id END,
            oauth2_ciphertext = CASE WHEN $25 THEN $27 ELSE oauth2_ciphertext END,
-           oauth2_shown = CASE WHEN $25 THEN $28 ELSE oauth2_shown END
+           oauth2_shown = CASE WHEN $25 THEN $28 ELSE oauth2_shown END,
+           ordering = COALESCE($29, ordering)
          WHERE id = $1",
         id as _,
         change.url,
@@ -383,6 +391,7 @@ pub async fn update(tx: &mut PgConnection, id: EndpointId, change: EndpointUpdat
         oauth2.map(|o| o.key_id.as_str()),
         oauth2.map(|o| o.ciphertext.as_slice()),
         oauth2.map(|o| &o.shown),
+        change.ordering as _,
     )
     .execute(&mut *tx)
     .await?;

@@ -209,7 +209,7 @@ pub async fn exists(tx: &mut PgConnection, environment_id: EnvironmentId, id: Ev
 pub async fn deliveries_of(tx: &mut PgConnection, environment_id: EnvironmentId, event_id: EventId) -> AppResult<Vec<Delivery>> {
     Ok(sqlx::query!(
         r#"SELECT id, event_id, endpoint_id, state AS "state: DeliveryState", attempt, next_attempt_at, created_at, last_status,
-                  last_error, generation
+                  last_error, generation, ordering_key, ordering_position
          FROM webhook_deliveries WHERE event_id = $1 AND environment_id = $2 ORDER BY created_at, id"#,
         event_id as _,
         environment_id as _,
@@ -229,6 +229,8 @@ pub async fn deliveries_of(tx: &mut PgConnection, environment_id: EnvironmentId,
         last_error: r.last_error,
         generation: r.generation,
         attempts: Vec::new(),
+        ordering_key: r.ordering_key,
+        ordering_position: r.ordering_position,
     })
     .collect())
 }

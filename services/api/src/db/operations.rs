@@ -76,11 +76,14 @@ pub async fn lock_running(tx: &mut PgConnection) -> AppResult<Vec<Operation>> {
 pub struct Recoverable {
     pub id: DeliveryId,
     pub created_at: Timestamp,
+    /// Replayed into its lane (queued at the tail): the lane's key.
+    pub queued_in: Option<String>,
 }
 
 /// The next `limit` recoverable deliveries after the operation's cursor,
 /// locked, sent again in the same statement: a dead one is replayed (attempt
-/// 1 of a new generation), a held one released; both due now.
+/// 1 of a new generation), a held one released; both due now. A dead one of
+/// a lane is queued at the lane's tail (see `reset_for_replay`).
 pub async fn recover_next(tx: &mut PgConnection, op: &Operation, limit: i64) -> AppResult<Vec<Recoverable>> {
     Ok(sqlx::query_as!(
         Recoverable,
@@ -91,11 +94,16 @@ pub async fn recover_next(tx: &mut PgConnection, op: &Operation, limit: i64) -> 
                AND (d.state = 'held' OR EXISTS (SELECT 1 FROM webhook_dead_letters l WHERE l.delivery_id = d.id))
              ORDER BY d.created_at, d.id LIMIT $6 FOR UPDATE)
            UPDATE webhook_deliveries d
-           SET state = 'pending', dispatched_at = NULL, next_attempt_at = now(), updated_at = now(),
+           SET state = CASE WHEN next.state = 'dead' AND d.ordering_key IS NOT NULL THEN 'queued' ELSE 'pending' END,
+               dispatched_at = NULL, next_attempt_at = now(), updated_at = now(),
                attempt = CASE WHEN next.state = 'dead' THEN 1 ELSE d.attempt END,
-               generation = CASE WHEN next.state = 'dead' THEN d.generation + 1 ELSE d.generation END
+               generation = CASE WHEN next.state = 'dead' THEN d.generation + 1 ELSE d.generation END,
+               ordering_position = CASE WHEN next.state = 'dead' THEN NULL ELSE d.ordering_position END,
+               ordering_rank = CASE WHEN next.state = 'dead' AND d.ordering_key IS NOT NULL THEN
+                 (SELECT k.last_sequence * 2 + 1 FROM ordering_keys k WHERE k.environment_id = d.environment_id AND k.ordering_key = d.ordering_key)
+                 ELSE d.ordering_rank END
            FROM next WHERE d.id = next.id
-           RETURNING d.id, d.created_at"#,
+           RETURNING d.id, d.created_at, CASE WHEN d.state = 'queued' THEN d.ordering_key END AS queued_in"#,
         op.endpoint_id as _,
         op.since,
         op.until,

@@ -51,6 +51,8 @@ fn material_message(m: Material) -> pb::MaterialResponse {
         client_identity_pem: m.auth.identity_pem.unwrap_or_default(),
         previous_client_identity_pem: m.auth.previous_identity_pem.unwrap_or_default(),
         max_in_flight: m.max_in_flight.unwrap_or(0),
+        ordering_position: m.ordering.as_ref().map_or(0, |(_, p)| (*p).max(0) as u64),
+        ordering_key: m.ordering.map(|(k, _)| k).unwrap_or_default(),
         ca_bundle: m.auth.ca_bundle.unwrap_or_default(),
         oauth2: m.auth.oauth2.map(|o| pb::OAuth2ClientCredentials {
             token_url: o.token_url,

@@ -67,6 +67,7 @@ pub(crate) fn endpoint(e: Endpoint) -> pb::WebhookEndpoint {
         client_certificate: e.client_certificate.map(client_certificate),
         previous_client_certificate: e.previous_client_certificate.map(client_certificate),
         ca_bundle: e.ca_bundle.unwrap_or_default(),
+        ordering: e.ordering.as_str().to_owned(),
         oauth2: e.oauth2.map(|o| pb::OAuth2ClientCredentials {
             token_url: o.token_url,
             client_id: o.client_id,
@@ -113,6 +114,8 @@ fn held_delivery(endpoint_id: EndpointId, h: HeldDelivery) -> pb::Delivery {
         last_error: h.last_error.unwrap_or_default(),
         generation: 0,
         attempts: Vec::new(),
+        ordering_key: String::new(),
+        ordering_position: 0,
     }
 }
 
@@ -139,6 +142,7 @@ pub(crate) fn delivery(d: Delivery) -> pb::Delivery {
     let state = match d.state {
         DeliveryState::Pending => pb::DeliveryState::Pending,
         DeliveryState::Held => pb::DeliveryState::Held,
+        DeliveryState::Queued => pb::DeliveryState::Queued,
         DeliveryState::Delivered => pb::DeliveryState::Delivered,
         DeliveryState::Dead => pb::DeliveryState::Dead,
     };
@@ -154,6 +158,8 @@ pub(crate) fn delivery(d: Delivery) -> pb::Delivery {
         last_error: d.last_error.unwrap_or_default(),
         generation: d.generation as u32,
         attempts: d.attempts.into_iter().map(attempt).collect(),
+        ordering_key: d.ordering_key.unwrap_or_default(),
+        ordering_position: d.ordering_position.unwrap_or_default().max(0) as u64,
     }
 }
 
@@ -182,6 +188,8 @@ pub(crate) fn dead_letter(d: DeadLetter) -> pb::DeadLetter {
         last_error: d.last_error.unwrap_or_default(),
         reason: d.reason.as_str().to_owned(),
         dead_lettered_at: Some(ts(d.dead_lettered_at)),
+        ordering_key: d.ordering_key.unwrap_or_default(),
+        later_in_key: d.later_in_key.unwrap_or_default().max(0) as u64,
     }
 }
 
@@ -205,6 +213,7 @@ impl WebhookEndpointService for TenantApi {
             client_key: r.client_key,
             ca_bundle: r.ca_bundle,
             oauth2: r.oauth2.map(oauth2_asked),
+            ordering: r.ordering,
         };
         let (e, secret) = self.app.create_endpoint(tenant, new).await.map_err(status)?;
         Ok(Response::new(pb::CreateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))
@@ -236,6 +245,7 @@ impl WebhookEndpointService for TenantApi {
             clear_ca_bundle: r.clear_ca_bundle,
             oauth2: r.oauth2.map(oauth2_asked),
             clear_oauth2: r.clear_oauth2,
+            ordering: r.ordering,
         };
         let (e, secret) = self.app.update_endpoint(tenant, endpoint_id, change).await.map_err(status)?;
         Ok(Response::new(pb::UpdateWebhookEndpointResponse { endpoint: Some(endpoint(e)), secret: shown(secret) }))

@@ -55,6 +55,8 @@ pub struct EndpointView {
     pub rate_burst: String,
     /// How Relay authenticates to the receiver beyond the signature.
     pub auth: ReceiverAuthView,
+    /// "none" or "per_key".
+    pub ordering: &'static str,
 }
 
 impl From<Endpoint> for EndpointView {
@@ -99,6 +101,7 @@ impl From<Endpoint> for EndpointView {
             rate_per_second: e.rate_limit.map(|r| r.per_second().to_string()).unwrap_or_default(),
             rate_burst: e.rate_limit.map(|r| r.burst().to_string()).unwrap_or_default(),
             auth,
+            ordering: e.ordering.as_str(),
         }
     }
 }
@@ -152,6 +155,9 @@ pub struct EndpointForm {
     rate_per_second: String,
     #[serde(default)]
     rate_burst: String,
+    /// "none" or "per_key"; empty: none (create) or kept (edit).
+    #[serde(default)]
+    ordering: String,
 }
 
 /// `Name: value` lines as pairs; the rules themselves are the app's.
@@ -220,6 +226,7 @@ struct NewForm {
     filter: String,
     rate_per_second: String,
     rate_burst: String,
+    ordering: String,
 }
 
 pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
@@ -240,6 +247,7 @@ pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
             filter: String::new(),
             rate_per_second: String::new(),
             rate_burst: String::new(),
+            ordering: String::new(),
         },
     )
 }
@@ -282,6 +290,7 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
                 filter: form.filter,
                 rate_per_second: form.rate_per_second,
                 rate_burst: form.rate_burst,
+                ordering: form.ordering,
             },
         )
     };
@@ -299,6 +308,7 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
         max_in_flight,
         filter: form.filter.clone(),
         rate_limit,
+        ordering: form.ordering.clone(),
         // Client certificates and CA bundles are set through the API.
         ..NewEndpoint::default()
     };
@@ -424,6 +434,7 @@ pub async fn update(State(app): State<App>, Path(id): Path<String>, posted: Post
         // Shown too: an empty rate removes the limit.
         clear_rate_limit: rate_limit.is_none(),
         rate_limit,
+        ordering: (!form.ordering.is_empty()).then(|| form.ordering.clone()),
         // Receiver authentication has its own form (`receiver_auth`).
         ..EndpointChange::default()
     };

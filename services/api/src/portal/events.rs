@@ -242,11 +242,15 @@ fn delivery_view(d: &Delivery, urls: &HashMap<EndpointId, String>) -> DeliveryVi
         DeliveryState::Delivered => ("delivered", "ok"),
         DeliveryState::Dead => ("failed: dead letter", "bad"),
         DeliveryState::Held => ("held: endpoint failing", "warn"),
+        DeliveryState::Queued => ("queued behind its key", "muted"),
         DeliveryState::Pending if d.attempts.is_empty() => ("sending", "muted"),
         DeliveryState::Pending => ("retrying", "warn"),
     };
     let detail = match d.state {
         DeliveryState::Pending | DeliveryState::Held => format!("attempt {} due {}", d.attempt, when(d.next_attempt_at)),
+        DeliveryState::Queued => {
+            format!("sent when the deliveries of {} ahead of it have ended", d.ordering_key.as_deref().unwrap_or("its key"))
+        }
         DeliveryState::Dead => format!("after {} attempts: {}", d.attempts.len(), outcome_text(d.last_status, d.last_error.as_deref())),
         DeliveryState::Delivered => String::new(),
     };

@@ -1,7 +1,8 @@
 //! The api's upkeep, each on the relays' pass loop ([`super::drive`]): the
 //! dead-letter announcer, the retention work (dead letters and events past
 //! retention, held deliveries past their bound, expired claims, old
-//! statistics, portal links), and the portal's chart sums.
+//! statistics, portal links), the portal's chart sums, and the sweep of
+//! ordered endpoints' lanes left without a head.
 
 use std::{
     sync::{Mutex, atomic::AtomicI64},
@@ -156,6 +157,38 @@ impl super::Pass for StatsFlush {
 
     async fn drain_once(&self) -> Result<usize> {
         self.app.flush_attempt_stats().await?;
+        Ok(0)
+    }
+}
+
+/// The lane sweep: every [`LANE_SWEEP_EVERY`], the lanes of ordered
+/// endpoints left without a head (a process died between ending a head or
+/// queueing a row and promoting its lane) promote their next row.
+pub struct LaneSweep {
+    pub app: App,
+    pub never: Wake,
+}
+
+/// How long a lane can wait for a promotion that a crash lost.
+pub const LANE_SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+impl super::Pass for LaneSweep {
+    const FAILING: &'static str = "lanes without a head wait for the next sweep";
+
+    fn batch(&self) -> usize {
+        usize::MAX
+    }
+
+    fn wake(&self) -> &Wake {
+        &self.never
+    }
+
+    async fn idle_for(&self) -> Duration {
+        LANE_SWEEP_EVERY
+    }
+
+    async fn drain_once(&self) -> Result<usize> {
+        self.app.sweep_lanes().await?;
         Ok(0)
     }
 }

@@ -44,6 +44,15 @@ pub struct ExpandedRow {
     pub in_hand: bool,
     /// Written held: its endpoint is down.
     pub held: bool,
+    /// Written queued in its lane (an ordered endpoint's deliveries of the
+    /// event's ordering key): the lane must be asked to promote
+    /// (`lanes::promote`).
+    pub queued: bool,
+    /// The event's ordering key, on a queued row.
+    pub ordering_key: Option<String>,
+    /// Not expanded now: an earlier event of its ordering key has not been
+    /// expanded yet (on the item's own row).
+    pub deferred: bool,
     /// Written waiting for its endpoint's rate gate, which only a relay
     /// pass opens: the relays must be told.
     pub gated: bool,
@@ -90,7 +99,9 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- Each item whose event exists, with the event's stored type
                  -- and the size of its body.
                  found AS (
-                   SELECT a.*, v.event_type AS stored_type, octet_length(v.envelope) AS size FROM asked a
+                   SELECT a.*, v.event_type AS stored_type, octet_length(v.envelope) AS size, v.ordering_key AS okey,
+                          v.ordering_sequence AS oseq
+                   FROM asked a
                    JOIN events v ON v.environment_id = a.environment_id AND v.id = a.event_id
                    -- The keys as an index condition too (INDEXED_LOOKUPS).
                    WHERE v.environment_id = ANY ($1::uuid[]) AND v.id = ANY ($2::uuid[])),
@@ -98,9 +109,32 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  first AS (
                    SELECT DISTINCT ON (environment_id, event_id) * FROM found WHERE stored_type = event_type
                    ORDER BY environment_id, event_id, ord),
+                 -- A key's events are expanded in their publish order, so a
+                 -- lane's rows are written in it: an event waits (deferred,
+                 -- unclaimed) while the event numbered before it is neither
+                 -- expanded (or gone with retention) nor before it in this
+                 -- batch's unbroken run of the key.
+                 keyed_low AS (
+                   SELECT environment_id, okey, min(oseq) AS low FROM first WHERE okey IS NOT NULL GROUP BY environment_id, okey),
+                 blocked_keys AS (
+                   SELECT k.* FROM keyed_low k
+                   WHERE k.low > 1 AND EXISTS (
+                     SELECT 1 FROM events p WHERE p.environment_id = k.environment_id AND p.ordering_key = k.okey
+                       AND p.ordering_sequence = k.low - 1
+                       AND NOT EXISTS (SELECT 1 FROM consumed_events c
+                                       WHERE c.consumer = 'expand' AND c.environment_id = p.environment_id AND c.event_id = p.id))),
+                 deferred AS (
+                   SELECT f.ord, f.environment_id, f.event_id FROM first f JOIN keyed_low k ON k.environment_id = f.environment_id AND k.okey = f.okey
+                   WHERE NOT EXISTS (SELECT 1 FROM consumed_events c
+                                     WHERE c.consumer = 'expand' AND c.environment_id = f.environment_id AND c.event_id = f.event_id)
+                     AND (EXISTS (SELECT 1 FROM blocked_keys b WHERE b.environment_id = f.environment_id AND b.okey = f.okey)
+                          OR (SELECT count(*) FROM first g WHERE g.environment_id = f.environment_id AND g.okey = f.okey
+                                AND g.oseq <= f.oseq) < f.oseq - k.low + 1)),
                  consumed AS (
                    INSERT INTO consumed_events (consumer, environment_id, event_id)
-                   SELECT 'expand', environment_id, event_id FROM first ORDER BY environment_id, event_id
+                   SELECT 'expand', environment_id, event_id FROM first
+                   WHERE NOT EXISTS (SELECT 1 FROM deferred x WHERE x.environment_id = first.environment_id AND x.event_id = first.event_id)
+                   ORDER BY environment_id, event_id
                    ON CONFLICT DO NOTHING RETURNING environment_id, event_id),
                  fresh AS (
                    SELECT f.* FROM first f JOIN consumed c ON c.environment_id = f.environment_id AND c.event_id = f.event_id),
@@ -113,6 +147,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                    SELECT e.id, e.environment_id, e.event_types, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
                           e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight,
+                          e.ordering = 'per_key' AS ordered,
                           h.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding,
                           e.rate_per_second IS NOT NULL AS gated,
                           CASE WHEN h.one_at_a_time THEN 1 ELSE LEAST(COALESCE(e.max_in_flight, $8::bigint), $8::bigint) END AS cap
@@ -144,10 +179,14 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                           c.claimant, c.ord, c.size, e.holding, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
                           e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight,
-                          e.gated AND NOT e.holding AS gated,
+                          -- A row in a lane is written queued: only the
+                          -- lane's promotion makes a head (`lanes::promote`).
+                          e.ordered AND c.okey IS NOT NULL AS queued, c.okey, c.oseq,
+                          e.gated AND NOT e.holding AND NOT (e.ordered AND c.okey IS NOT NULL) AS gated,
                           -- A rate-limited endpoint's rows wait for its gate
                           -- (see `claim_and_lease`): none is leased here.
-                          NOT e.holding AND NOT e.gated AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
+                          NOT e.holding AND NOT e.gated AND NOT (e.ordered AND c.okey IS NOT NULL)
+                            AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
                    FROM fresh c
                    JOIN counted e ON e.environment_id = c.environment_id
                      AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END
@@ -161,11 +200,13 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- answered for as written.
                  created AS (
                    INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at,
-                                                   held_since)
-                   SELECT id, environment_id, endpoint_id, event_id, trace_context, CASE WHEN holding THEN 'held' ELSE 'pending' END,
+                                                   held_since, ordering_key, ordering_rank)
+                   SELECT id, environment_id, endpoint_id, event_id, trace_context,
+                          CASE WHEN queued THEN 'queued' WHEN holding THEN 'held' ELSE 'pending' END,
                           CASE WHEN leased THEN now() END,
                           CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END,
-                          CASE WHEN holding THEN now() END
+                          CASE WHEN holding AND NOT queued THEN now() END,
+                          CASE WHEN queued THEN okey END, CASE WHEN queued THEN oseq * 2 END
                    FROM marked),
                  -- The leased first attempts of a claimant's events go into
                  -- its hands in the order asked, as far as the bodies fit.
@@ -180,6 +221,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
           -- A row for each item as asked, then one for each delivery it created.
           SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?: DeliveryId",
                  NULL::uuid AS "endpoint_id?: EndpointId", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
+                 false AS "queued!", NULL::text AS "ordering_key?", EXISTS (SELECT 1 FROM deferred x WHERE x.environment_id = a.environment_id AND x.event_id = a.event_id) AS "deferred!",
                  false AS "gated!",
                  NULL::text AS "url?", NULL::text AS "signature_scheme?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
                  NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
@@ -189,7 +231,8 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  NULL::bytea AS "envelope?"
           FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
           UNION ALL
-          SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding, h.gated,
+          SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding AND NOT h.queued, h.queued,
+                 CASE WHEN h.queued THEN h.okey END, false, h.gated,
                  CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.signature_scheme END, CASE WHEN h.in_hand THEN h.secret_key_id END,
                  CASE WHEN h.in_hand THEN h.secret_ciphertext END, CASE WHEN h.in_hand THEN h.previous_secret_key_id END,
                  CASE WHEN h.in_hand THEN h.previous_secret_ciphertext END, CASE WHEN h.in_hand THEN h.secret_rotated_at END,

@@ -43,6 +43,9 @@ pub struct MaterialRow {
     pub oauth2_key_id: Option<String>,
     pub oauth2_ciphertext: Option<Vec<u8>>,
     pub max_in_flight: Option<i32>,
+    /// In a lane: its key and position (the sequence header).
+    pub ordering_key: Option<String>,
+    pub ordering_position: Option<i64>,
     /// Absent when the reply's payload budget was spent on earlier items.
     pub envelope: Option<Vec<u8>>,
 }
@@ -64,7 +67,8 @@ pub async fn read_material(
                   e.url, e.enabled, e.disabled_reason, e.deleted_at IS NOT NULL AS deleted,
                   e.signature_scheme, e.secret_key_id, e.secret_ciphertext, e.previous_secret_key_id, e.previous_secret_ciphertext,
                   e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext, e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle,
-                  e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight, v.envelope, d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
+                  e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight, d.ordering_key, d.ordering_position, v.envelope,
+                  d.state = 'pending' AND d.attempt = w.attempt AND d.generation = w.generation
                     AND (e.enabled OR e.disabled_reason = 'failing') AND e.deleted_at IS NULL AS servable
            FROM UNNEST($1::uuid[], $2::int[], $3::int[]) WITH ORDINALITY AS w(id, attempt, generation, ord)
            JOIN webhook_deliveries d ON d.id = w.id
@@ -85,6 +89,7 @@ pub async fn read_material(
                 secret_rotated_at AS "secret_rotated_at?", headers_key_id AS "headers_key_id?", headers_ciphertext AS "headers_ciphertext?",
                 client_tls_key_id AS "client_tls_key_id?", client_tls_ciphertext AS "client_tls_ciphertext?", ca_bundle AS "ca_bundle?",
                 oauth2_key_id AS "oauth2_key_id?", oauth2_ciphertext AS "oauth2_ciphertext?", max_in_flight AS "max_in_flight?",
+                ordering_key AS "ordering_key?", ordering_position AS "ordering_position?",
                 CASE WHEN servable AND (upto = size OR upto <= $4) THEN envelope END AS "envelope?"
          FROM sized"#,
         ids as _,
@@ -120,6 +125,8 @@ pub struct RefillRow {
     pub oauth2_key_id: Option<String>,
     pub oauth2_ciphertext: Option<Vec<u8>>,
     pub max_in_flight: Option<i32>,
+    pub ordering_key: Option<String>,
+    pub ordering_position: Option<i64>,
     pub envelope: Vec<u8>,
 }
 
@@ -190,12 +197,14 @@ pub async fn refill<'e>(
              UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $4::bigint * interval '1 millisecond'
              FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
              WHERE d.id = ANY (ARRAY(SELECT delivery_id FROM claimed))
-             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.trace_context)
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.trace_context, d.ordering_key,
+                       d.ordering_position)
          SELECT l.id AS "id!", l.environment_id AS "environment_id!", l.endpoint_id AS "endpoint_id!", l.event_id AS "event_id!",
                 l.attempt AS "attempt!", l.generation AS "generation!", l.trace_context, e.url, e.signature_scheme, e.secret_key_id,
                 e.secret_ciphertext,
                 e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
-                e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight, v.envelope
+                e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight,
+                l.ordering_key, l.ordering_position, v.envelope
          FROM leased l
          JOIN webhook_endpoints e ON e.id = l.endpoint_id
          JOIN events v ON v.environment_id = l.environment_id AND v.id = l.event_id"#,

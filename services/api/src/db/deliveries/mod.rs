@@ -1,13 +1,14 @@
 //! `webhook_deliveries` and `attempt_claims`: every statement that writes a
 //! delivery's state, one function each, by flow: [`expansion`], [`material`]
 //! (and claims), [`outcomes`], [`due`] work for the relay, a tenant's
-//! [`switch_off`]. What the new state is comes from `relay_domain::delivery`;
+//! [`switch_off`], and the promotions of ordered endpoints' [`lanes`]. What the new state is comes from `relay_domain::delivery`;
 //! these functions only store it. How these statements are written so that
 //! their plans do not depend on row estimates: see [`crate::db`].
 
 mod due;
 mod expansion;
 mod filters;
+pub mod lanes;
 mod material;
 mod outcomes;
 mod switch_off;

@@ -46,6 +46,8 @@ pub struct AppliedOutcome {
     pub window_bucket: i64,
     pub window_failures: i32,
     pub previous_failures: i32,
+    /// Its lane's key, at an endpoint that orders per key.
+    pub ordering_key: Option<String>,
 }
 
 /// Applies each outcome only where it is for the current attempt (pending,
@@ -73,7 +75,7 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
                AND (d.state IN ('pending', 'held') OR u.id IS NULL)
              -- What the log and the dead letters need comes with each row:
              -- nothing joins the applied rows to the reports again.
-             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, u.generation, u.attempt, u.state AS reported_state,
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.ordering_key, u.generation, u.attempt, u.state AS reported_state,
                        u.status, u.error, u.latency_ms, u.body, u.decision, u.next_attempt_at, u.scheme),
            logged AS (
              INSERT INTO delivery_attempts
@@ -89,7 +91,7 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
          SELECT a.id AS "id!", a.environment_id AS "environment_id!", a.endpoint_id AS "endpoint_id!", a.event_id AS "event_id!",
                 h.circuit AS "circuit!: Circuit", h.consecutive_failures AS "consecutive_failures!", h.last_success_at,
                 e.disabled_reason AS "disabled_reason?: DisabledReason", h.window_ms AS "window_ms!", h.window_bucket AS "window_bucket!",
-                h.window_failures AS "window_failures!", h.previous_failures AS "previous_failures!"
+                h.window_failures AS "window_failures!", h.previous_failures AS "previous_failures!", a.ordering_key
          FROM applied a JOIN endpoint_health h ON h.endpoint_id = a.endpoint_id JOIN webhook_endpoints e ON e.id = a.endpoint_id"#,
         &o.id as _,
         &o.generation,
@@ -121,6 +123,8 @@ pub struct OutcomeRow {
     pub next_attempt_at: Timestamp,
     pub last_status: Option<i32>,
     pub last_error: Option<String>,
+    /// Its lane's key, at an endpoint that orders per key.
+    pub ordering_key: Option<String>,
 }
 
 /// The deliveries locked for update, in id order (so two batches that share
@@ -129,7 +133,7 @@ pub async fn lock_for_outcome(tx: &mut PgConnection, ids: &[DeliveryId]) -> AppR
     Ok(sqlx::query_as!(
         OutcomeRow,
         r#"SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state AS "state: DeliveryState", next_attempt_at,
-                  last_status, last_error
+                  last_status, last_error, ordering_key
          FROM webhook_deliveries WHERE id = ANY ($1) ORDER BY id FOR UPDATE"#,
         ids as _,
     )
@@ -163,17 +167,22 @@ pub async fn rewrite_after_outcome(tx: &mut PgConnection, rows: &[&OutcomeRow]) 
     Ok(())
 }
 
-/// A dead delivery back at attempt 1, due now, in a new generation. False
-/// when it is no longer dead (already replayed).
-pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: DeliveryId) -> AppResult<bool> {
-    Ok(sqlx::query!(
-        "UPDATE webhook_deliveries SET state = 'pending', attempt = 1, generation = generation + 1,
-           next_attempt_at = now(), dispatched_at = NULL, updated_at = now()
-         WHERE id = $1 AND state = 'dead'",
+/// A dead delivery back at attempt 1, due now, in a new generation; in a
+/// lane, queued at its tail instead (ranked after every event of its key
+/// published so far, before any published later). `None` when it is
+/// no longer dead (already replayed); else its lane's key, if it has one.
+pub async fn reset_for_replay(tx: &mut PgConnection, delivery_id: DeliveryId) -> AppResult<Option<Option<String>>> {
+    Ok(sqlx::query_scalar!(
+        "UPDATE webhook_deliveries d SET state = CASE WHEN d.ordering_key IS NULL THEN 'pending' ELSE 'queued' END,
+           attempt = 1, generation = generation + 1, next_attempt_at = now(), dispatched_at = NULL, updated_at = now(),
+           ordering_position = NULL,
+           ordering_rank = CASE WHEN d.ordering_key IS NULL THEN NULL ELSE
+             (SELECT k.last_sequence * 2 + 1 FROM ordering_keys k WHERE k.environment_id = d.environment_id AND k.ordering_key = d.ordering_key)
+           END
+         WHERE id = $1 AND state = 'dead'
+         RETURNING d.ordering_key",
         delivery_id as _,
     )
-    .execute(&mut *tx)
-    .await?
-    .rows_affected()
-        == 1)
+    .fetch_optional(&mut *tx)
+    .await?)
 }

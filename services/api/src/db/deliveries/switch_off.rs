@@ -32,7 +32,7 @@ pub struct HeldClaim {
     pub remaining_ms: i64,
 }
 
-/// Every pending or held delivery of an endpoint being disabled or deleted, in the
+/// Every pending, held or queued delivery of an endpoint being disabled or deleted, in the
 /// caller's transaction (the one that switches the endpoint off): each ends
 /// as a dead letter with `reason` (why it will not be attempted again), the
 /// update and the dead letters in one statement. `attempts` counts the
@@ -56,10 +56,12 @@ pub async fn end_pending_of_endpoint(
         HeldClaim,
         r#"WITH ended AS (
            UPDATE webhook_deliveries SET state = 'dead', dispatched_at = NULL, last_error = $2, updated_at = now()
-           -- Spelled as the three partial indexes that hold an endpoint's
-           -- live rows (waiting, leased, held), so each serves its part.
+           -- Spelled as the four partial indexes that hold an endpoint's
+           -- live rows (waiting, leased, held, queued in lanes), so each
+           -- serves its part.
            WHERE endpoint_id = $1
-             AND (state = 'pending' AND dispatched_at IS NULL OR state = 'pending' AND dispatched_at IS NOT NULL OR state = 'held')
+             AND (state = 'pending' AND dispatched_at IS NULL OR state = 'pending' AND dispatched_at IS NOT NULL OR state = 'held'
+                  OR state = 'queued')
            RETURNING id, environment_id, endpoint_id, event_id, attempt, generation, last_status),
          lettered AS (
            INSERT INTO webhook_dead_letters (id, environment_id, delivery_id, endpoint_id, event_id, attempts, last_status, last_error, reason)

@@ -1,0 +1,135 @@
+//! Lanes: an ordered endpoint's deliveries of one ordering key
+//! (`relay_domain::ordering`). Only a lane's head is ever pending or held;
+//! the rest wait `queued`. A queued row is promoted here and nowhere else,
+//! one lane at a time under its `ordering_lanes` row's lock, so a lane never
+//! has two heads: whoever writes a queued row or ends a head asks for its
+//! lane afterwards, and the upkeep's sweep finds any lane that a crash
+//! between the two left without one.
+
+use relay_domain::EndpointId;
+use sqlx::PgPool;
+
+use crate::error::AppResult;
+
+/// Lanes to look at, column by column, each once.
+#[derive(Default, Debug, Clone, PartialEq, Eq)]
+pub struct Lanes {
+    pub endpoint_id: Vec<EndpointId>,
+    pub ordering_key: Vec<String>,
+}
+
+impl Lanes {
+    /// Each lane once, in key order (the order their locks are taken in, so
+    /// two promotions that share lanes cannot deadlock).
+    pub fn of(mut pairs: Vec<(EndpointId, String)>) -> Self {
+        pairs.sort();
+        pairs.dedup();
+        let (endpoint_id, ordering_key) = pairs.into_iter().unzip();
+        Self { endpoint_id, ordering_key }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.endpoint_id.is_empty()
+    }
+}
+
+/// What a promotion did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Promoted {
+    /// Heads now pending: the relays must be told.
+    pub pending: u64,
+    /// Heads now held behind their endpoint's recovery.
+    pub held: u64,
+}
+
+/// Promotes the next queued row of each lane that has no head: locks the
+/// lanes' rows (creating them) and their endpoints' health rows (KEY SHARE,
+/// as an expansion does: a circuit change waits for this to commit, or this
+/// waits for it), then, in a statement of its own so that it sees every row
+/// committed before the locks were granted, picks each headless lane's
+/// lowest-ranked queued row, numbers it (the lane's next position) and makes
+/// it pending, or held if its endpoint is down.
+pub async fn promote(db: &PgPool, lanes: &Lanes) -> AppResult<Promoted> {
+    if lanes.is_empty() {
+        return Ok(Promoted::default());
+    }
+    let mut tx = db.begin().await?;
+    sqlx::query!(
+        "INSERT INTO ordering_lanes (endpoint_id, ordering_key)
+         SELECT * FROM UNNEST($1::uuid[], $2::text[])
+         ON CONFLICT (endpoint_id, ordering_key) DO UPDATE SET last_position = ordering_lanes.last_position",
+        &lanes.endpoint_id as _,
+        &lanes.ordering_key,
+    )
+    .execute(&mut *tx)
+    .await?;
+    sqlx::query!(
+        "SELECT 1 AS locked FROM endpoint_health WHERE endpoint_id = ANY ($1) ORDER BY endpoint_id FOR KEY SHARE",
+        &lanes.endpoint_id as _,
+    )
+    .fetch_all(&mut *tx)
+    .await?;
+    let row = sqlx::query!(
+        r#"WITH lanes AS (SELECT * FROM UNNEST($1::uuid[], $2::text[]) AS l(endpoint_id, ordering_key)),
+             heads AS MATERIALIZED (
+               SELECT l.endpoint_id, l.ordering_key, q.id FROM lanes l
+               CROSS JOIN LATERAL (
+                 SELECT d.id FROM webhook_deliveries d
+                 WHERE d.state = 'queued' AND d.endpoint_id = l.endpoint_id AND d.ordering_key = l.ordering_key
+                 ORDER BY d.ordering_rank, d.id LIMIT 1) AS q
+               WHERE NOT EXISTS (SELECT 1 FROM webhook_deliveries o
+                                 WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
+                                   AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key)),
+             numbered AS (
+               UPDATE ordering_lanes g SET last_position = g.last_position + 1
+               FROM heads h WHERE g.endpoint_id = h.endpoint_id AND g.ordering_key = h.ordering_key
+               RETURNING g.endpoint_id, g.ordering_key, g.last_position),
+             promoted AS (
+               UPDATE webhook_deliveries d
+               SET state = CASE WHEN x.holding THEN 'held' ELSE 'pending' END, held_since = CASE WHEN x.holding THEN now() END,
+                   next_attempt_at = now(), dispatched_at = NULL, ordering_position = n.last_position, updated_at = now()
+               FROM heads h
+               JOIN numbered n ON n.endpoint_id = h.endpoint_id AND n.ordering_key = h.ordering_key
+               JOIN (SELECT e.id, hh.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding
+                     FROM webhook_endpoints e JOIN endpoint_health hh ON hh.endpoint_id = e.id
+                     -- A switched-off endpoint's lanes ended with it.
+                     WHERE e.deleted_at IS NULL AND (e.enabled OR e.disabled_reason IN ('gone', 'failing'))) x ON x.id = h.endpoint_id
+               WHERE d.id = h.id AND d.state = 'queued'
+               RETURNING d.state)
+         SELECT count(*) FILTER (WHERE state = 'pending') AS "pending!", count(*) FILTER (WHERE state = 'held') AS "held!" FROM promoted"#,
+        &lanes.endpoint_id as _,
+        &lanes.ordering_key,
+    )
+    .fetch_one(&mut *tx)
+    .await?;
+    if row.pending > 0 {
+        super::notify_due(&mut tx).await?;
+    }
+    tx.commit().await?;
+    Ok(Promoted { pending: row.pending as u64, held: row.held as u64 })
+}
+
+/// Lanes with queued rows and no head, at most `limit`: what a crash between
+/// ending a head (or writing a queued row) and promoting its lane left
+/// behind. One index probe per lane with a queue (a skip scan over the
+/// queue index), then the head check.
+pub async fn headless(db: &PgPool, limit: i64) -> AppResult<Lanes> {
+    let rows = sqlx::query!(
+        r#"WITH RECURSIVE walk AS (
+             (SELECT endpoint_id, ordering_key FROM webhook_deliveries WHERE state = 'queued' ORDER BY endpoint_id, ordering_key LIMIT 1)
+             UNION ALL
+             SELECT n.endpoint_id, n.ordering_key FROM walk w CROSS JOIN LATERAL (
+               SELECT d.endpoint_id, d.ordering_key FROM webhook_deliveries d
+               WHERE d.state = 'queued' AND (d.endpoint_id, d.ordering_key) > (w.endpoint_id, w.ordering_key)
+               ORDER BY d.endpoint_id, d.ordering_key LIMIT 1) AS n)
+         SELECT w.endpoint_id AS "endpoint_id!: EndpointId", w.ordering_key AS "ordering_key!" FROM walk w
+         WHERE NOT EXISTS (SELECT 1 FROM webhook_deliveries o
+                           WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
+                             AND o.endpoint_id = w.endpoint_id AND o.ordering_key = w.ordering_key)
+         LIMIT $1"#,
+        limit,
+    )
+    .fetch_all(db)
+    .await?;
+    Ok(Lanes::of(rows.into_iter().map(|r| (r.endpoint_id, r.ordering_key)).collect()))
+}
