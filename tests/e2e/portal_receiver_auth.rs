@@ -41,6 +41,13 @@ async fn submit_auth(browser: &Browser, fields: &[(&str, &str)], ticks: &[&str])
             .map_err(e(format!("ticking {name}")))?;
     }
     form.find(Locator::Css("button[type=submit]")).await.map_err(e("submit".into()))?.click().await.map_err(e("submit".into()))?;
+    // The submitted page's form goes stale when the answer replaces it; only
+    // then is the page read (the old page has the same elements).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while form.text().await.is_ok() {
+        anyhow::ensure!(tokio::time::Instant::now() < deadline, "the form was not answered within 10 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     c.wait().at_most(Duration::from_secs(10)).for_element(Locator::Css("dd#receiver-auth")).await.map_err(e("the page after".into()))?;
     c.source().await.map_err(e("source".into()))
 }

@@ -108,14 +108,6 @@ impl App {
             }
         }
 
-        // Rows queued in their lanes: each lane promotes its next row if it
-        // has no head (after the commit, so the promotion sees them).
-        let lanes: Vec<(EndpointId, String)> =
-            rows.iter().filter(|r| r.queued).filter_map(|r| Some((r.endpoint_id?, r.ordering_key.clone()?))).collect();
-        if !lanes.is_empty() {
-            self.promote_lanes(lanes).await;
-        }
-
         // Each item has a row for each delivery it created, or one row.
         let mut to_broker: Vec<crate::queue::Job<'_>> = Vec::new();
         let mut sending_of = SendingByEndpoint::new();
@@ -173,6 +165,41 @@ impl App {
         if !to_broker.is_empty() {
             self.dispatch_leased(&to_broker).await;
         }
+        // Rows queued in their lanes: each lane promotes its next row if it
+        // has no head (after the commit, so the promotion sees them). A
+        // dispatcher taking attempts in hand gets the new heads with this
+        // answer, as far as the reply's budget for bodies goes.
+        // (A lane opened here has its head already.)
+        let opened: std::collections::HashSet<(EndpointId, &str)> =
+            rows.iter().filter(|r| r.lane_head).filter_map(|r| Some((r.endpoint_id?, r.ordering_key.as_deref()?))).collect();
+        let lanes: Vec<(EndpointId, String)> = rows
+            .iter()
+            .filter(|r| r.queued)
+            .filter_map(|r| Some((r.endpoint_id?, r.ordering_key.clone()?)))
+            .filter(|(e, k)| !opened.contains(&(*e, k.as_str())))
+            .collect();
+        let claim = asks.iter().find_map(|a| a.claim).filter(|_| self.direct.is_some());
+        match claim {
+            _ if lanes.is_empty() => {}
+            Some(claim) => {
+                let used: usize = out.iter().flatten().flatten().flat_map(|e| &e.attempts).map(|m| m.payload.len()).sum();
+                let budget = relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64 - used as i64;
+                let heads = self.promote_and_hand(conn, lanes, claim, budget).await;
+                // Each with its event's answer where it has one, else with the
+                // first answer that can carry it.
+                for head in heads {
+                    let mine = asks.iter().position(|a| a.item.event_id == head.event_id).filter(|&i| matches!(out[i], Some(Ok(_))));
+                    let carrier = mine.or_else(|| out.iter().position(|o| matches!(o, Some(Ok(_)))));
+                    match carrier.and_then(|i| out[i].as_mut()) {
+                        Some(Ok(expanded)) => expanded.attempts.push(head),
+                        _ => {
+                            tracing::warn!(delivery_id = %head.delivery_id, "no answer to carry a lane's new head; its lease runs out first")
+                        }
+                    }
+                }
+            }
+            None => self.promote_lanes(lanes).await,
+        }
         Ok(out
             .into_iter()
             .map(|o| o.unwrap_or_else(|| Err(AppError::internal(anyhow::anyhow!("an expansion answered an item with no row")))))
@@ -222,8 +249,9 @@ impl App {
             headers: sending.headers,
             auth: sending.auth,
             max_in_flight: row.max_in_flight.and_then(|n| u32::try_from(n).ok()),
-            // A row in a lane is never handed out by its expansion.
-            ordering: None,
+            // A row in a lane is handed out by its expansion only as its
+            // new lane's head, numbered 1.
+            ordering: row.ordering_key.clone().filter(|_| row.lane_head).map(|key| (key, 1)),
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
         })

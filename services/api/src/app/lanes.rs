@@ -5,8 +5,13 @@
 //! the upkeep's sweep, which looks for lanes left without a head.
 
 use relay_domain::EndpointId;
+use sqlx::PgConnection;
 
-use super::App;
+use super::{
+    App,
+    deliveries::{Claim, Material},
+    material::SendingByEndpoint,
+};
 use crate::{
     db::{self, deliveries::lanes::Lanes},
     error::AppResult,
@@ -20,11 +25,79 @@ impl App {
     /// wakes the relay for those now pending. Never fails its caller: what it
     /// could not do, the sweep does.
     pub(crate) async fn promote_lanes(&self, lanes: Vec<(EndpointId, String)>) {
-        match db::deliveries::lanes::promote(&self.db, &Lanes::of(lanes)).await {
+        match db::deliveries::lanes::promote(&self.db, &Lanes::of(lanes), true).await {
             Ok(p) if p.pending > 0 => self.deliveries_wake.wake(),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = ?e, "promoting the next deliveries of ordered lanes failed; the lane sweep will"),
         }
+    }
+
+    /// Promotes the next row of lanes whose heads an outcome batch ended,
+    /// telling no relay: the batch's refill hands the new heads back to the
+    /// dispatcher that reported (no relay pass, no broker), and the caller
+    /// wakes this api's relay for what it did not. How many are pending.
+    pub(crate) async fn promote_ended_lanes(&self, lanes: Vec<(EndpointId, String)>) -> u64 {
+        match db::deliveries::lanes::promote(&self.db, &Lanes::of(lanes), false).await {
+            Ok(p) => {
+                if p.pending > 0 {
+                    self.slots_awaited.store(true, std::sync::atomic::Ordering::Relaxed);
+                }
+                p.pending
+            }
+            Err(e) => {
+                tracing::warn!(error = ?e, "promoting the next deliveries of ordered lanes failed; the lane sweep will");
+                0
+            }
+        }
+    }
+
+    /// After an expansion queued rows in lanes, for a dispatcher that takes
+    /// attempts in hand: promotes the lanes telling no relay, and hands the
+    /// new heads (and any other due row of their endpoints, within their
+    /// caps) to that dispatcher with their material, as a refill does, up
+    /// to `budget` bytes of bodies. What it does not take, this api's relay
+    /// sends.
+    pub(crate) async fn promote_and_hand(
+        &self,
+        conn: &mut PgConnection,
+        lanes: Vec<(EndpointId, String)>,
+        claim: Claim,
+        budget: i64,
+    ) -> Vec<Material> {
+        let mut endpoints: Vec<EndpointId> = lanes.iter().map(|(e, _)| *e).collect();
+        endpoints.sort();
+        endpoints.dedup();
+        let promoted = self.promote_ended_lanes(lanes).await;
+        if promoted == 0 {
+            return Vec::new();
+        }
+        let cap = self.direct.as_ref().map_or(0, |d| d.endpoint_cap);
+        let handed = if budget > 0 && cap > 0 {
+            let _leasing = self.lease_guard.lock().await;
+            db::deliveries::refill(&mut *conn, &endpoints, cap, claim.claimant, claim.hold, budget).await
+        } else {
+            Ok(Vec::new())
+        };
+        let now = self.clock.now();
+        let mut sending_of = SendingByEndpoint::new();
+        let out = match handed {
+            Ok(rows) => rows
+                .into_iter()
+                .filter_map(|row| {
+                    self.refilled(row, now, &mut sending_of)
+                        .inspect_err(|e| tracing::warn!(error = ?e, "no material for a lane's new head; its lease runs out first"))
+                        .ok()
+                })
+                .collect(),
+            Err(e) => {
+                tracing::warn!(error = ?e, "handing lanes' new heads to the dispatcher failed; the relay sends them");
+                Vec::new()
+            }
+        };
+        if (out.len() as u64) < promoted {
+            self.deliveries_wake.wake();
+        }
+        out
     }
 
     /// Promotes the next row of lanes left without a head; how many lanes
@@ -33,7 +106,7 @@ impl App {
         let lanes = db::deliveries::lanes::headless(&self.db, SWEEP_BATCH).await?;
         let n = lanes.endpoint_id.len();
         if n > 0 {
-            let promoted = db::deliveries::lanes::promote(&self.db, &lanes).await?;
+            let promoted = db::deliveries::lanes::promote(&self.db, &lanes, true).await?;
             tracing::info!(
                 lanes = n,
                 pending = promoted.pending,

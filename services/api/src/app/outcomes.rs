@@ -75,13 +75,18 @@ impl App {
     /// circuit (a probe) follow in a transaction of their own.
     pub(crate) async fn record_outcome_batch(&self, conn: &mut PgConnection, asks: &[OutcomeAsk]) -> AppResult<Vec<AppResult<Recorded>>> {
         let reports: Vec<AttemptReport> = asks.iter().map(|a| a.report.clone()).collect();
-        let (decisions, endpoints) = self.record_reports(&mut *conn, &reports).await?;
+        let (decisions, endpoints, promoted) = self.record_reports(&mut *conn, &reports).await?;
         let mut recorded: Vec<AppResult<Recorded>> =
             decisions.into_iter().map(|d| d.map(|decision| Recorded { decision, next: Vec::new() })).collect();
         // The outcomes are recorded; a refill that fails leaves the waiting
         // rows to the relay.
         if let Err(e) = self.refill_freed_slots(conn, asks, &endpoints, &mut recorded).await {
             tracing::warn!(error = ?e, "refilling freed slots failed; the relay hands the waiting deliveries out");
+            self.deliveries_wake.wake();
+        }
+        // Lane heads promoted by these outcomes that the refill did not hand
+        // back (no claim, no free slot) are this api's relay's to send.
+        if promoted > 0 {
             self.deliveries_wake.wake();
         }
         Ok(recorded)
@@ -93,7 +98,7 @@ impl App {
         &self,
         conn: &mut PgConnection,
         reports: &[AttemptReport],
-    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<Option<EndpointId>>)> {
+    ) -> AppResult<(Vec<AppResult<Decision>>, Vec<Option<EndpointId>>, u64)> {
         let now = self.clock.now();
         let mut first_seen: HashSet<DeliveryId> = HashSet::new();
         let mut candidates: Vec<(usize, Decision)> = Vec::new();
@@ -157,10 +162,10 @@ impl App {
             self.follow_up(&mut tx, reports, &mut batch, now).await?;
             tx.commit().await.context("committing outcomes")?;
         }
-        // Committed: the lanes whose head ended send their next.
-        if !batch.ended_lanes.is_empty() {
-            self.promote_lanes(std::mem::take(&mut batch.ended_lanes)).await;
-        }
+        // Committed: the lanes whose head ended send their next, handed
+        // back with these outcomes by the refill where it can.
+        let promoted =
+            if batch.ended_lanes.is_empty() { 0 } else { self.promote_ended_lanes(std::mem::take(&mut batch.ended_lanes)).await };
         // Committed: the charts count what the log now holds.
         self.attempt_stats.add(now, batch.seen.iter().map(|&(i, endpoint, seen)| (endpoint, seen == Seen::Success, reports[i].latency_ms)));
         for (decision, latency_ms) in &batch.decisions {
@@ -177,7 +182,7 @@ impl App {
         for &(i, endpoint, _) in &batch.seen {
             endpoints[i] = Some(endpoint);
         }
-        Ok((batch.answers.into_iter().map(|a| a.expect("every report answered")).collect(), endpoints))
+        Ok((batch.answers.into_iter().map(|a| a.expect("every report answered")).collect(), endpoints, promoted))
     }
 
     /// What follows the one statement, in the caller's transaction: the

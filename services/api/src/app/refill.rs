@@ -77,7 +77,12 @@ impl App {
         Ok(())
     }
 
-    fn refilled(&self, row: db::deliveries::RefillRow, now: Timestamp, sending_of: &mut SendingByEndpoint) -> AppResult<Material> {
+    pub(super) fn refilled(
+        &self,
+        row: db::deliveries::RefillRow,
+        now: Timestamp,
+        sending_of: &mut SendingByEndpoint,
+    ) -> AppResult<Material> {
         let stored = StoredSecrets::new(
             &row.signature_scheme,
             &row.secret_key_id,

@@ -48,7 +48,10 @@ pub struct ExpandedRow {
     /// event's ordering key): the lane must be asked to promote
     /// (`lanes::promote`).
     pub queued: bool,
-    /// The event's ordering key, on a queued row.
+    /// Written as its new lane's head, numbered 1 (sent as any first
+    /// attempt is).
+    pub lane_head: bool,
+    /// The event's ordering key, on a row in a lane.
     pub ordering_key: Option<String>,
     /// Not expanded now: an earlier event of its ordering key has not been
     /// expanded yet (on the item's own row).
@@ -174,24 +177,37 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- again (JOINS_BY_ESTIMATE); those within their endpoint's
                  -- cap are written leased. An operational event goes to its
                  -- target alone, a tenant's event to its subscribers.
-                 marked AS MATERIALIZED (
+                 matched AS MATERIALIZED (
                    SELECT relay_uuid_v7() AS id, c.environment_id, e.id AS endpoint_id, c.event_id, c.trace_context, c.lease_ms,
                           c.claimant, c.ord, c.size, e.holding, e.url, e.signature_scheme, e.secret_key_id, e.secret_ciphertext,
                           e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
                           e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight,
-                          -- A row in a lane is written queued: only the
-                          -- lane's promotion makes a head (`lanes::promote`).
-                          e.ordered AND c.okey IS NOT NULL AS queued, c.okey, c.oseq,
-                          e.gated AND NOT e.holding AND NOT (e.ordered AND c.okey IS NOT NULL) AS gated,
-                          -- A rate-limited endpoint's rows wait for its gate
-                          -- (see `claim_and_lease`): none is leased here.
-                          NOT e.holding AND NOT e.gated AND NOT (e.ordered AND c.okey IS NOT NULL)
-                            AND row_number() OVER (PARTITION BY e.id ORDER BY c.ord) + e.n <= e.cap AS leased
+                          e.gated, e.n, e.cap, e.ordered AND c.okey IS NOT NULL AS lane, c.okey, c.oseq
                    FROM fresh c
                    JOIN counted e ON e.environment_id = c.environment_id
                      AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END
                    WHERE NOT EXISTS (SELECT 1 FROM UNNEST($10::bigint[], $11::uuid[]) AS r(ord, endpoint_id)
                                      WHERE r.ord = c.ord AND r.endpoint_id = e.id)),
+                 -- The lanes this expansion opens: a lane whose row it
+                 -- creates has no other delivery anywhere (every writer of
+                 -- a lane's rows creates or finds its row first, and a
+                 -- concurrent creator is waited for), so its first row here
+                 -- is its head at once, numbered 1. Any other lane's rows
+                 -- are queued for its promotion (`lanes::promote`).
+                 opened AS (
+                   INSERT INTO ordering_lanes (endpoint_id, ordering_key, last_position)
+                   SELECT DISTINCT endpoint_id, okey, 1 FROM matched WHERE lane ORDER BY endpoint_id, okey
+                   ON CONFLICT (endpoint_id, ordering_key) DO NOTHING RETURNING endpoint_id, ordering_key),
+                 marked AS MATERIALIZED (
+                   SELECT m.*, m.lane AND NOT m.lane_head AS queued,
+                          m.gated AND NOT m.holding AND NOT (m.lane AND NOT m.lane_head) AS gated_now,
+                          -- A rate-limited endpoint's rows wait for its gate
+                          -- (see `claim_and_lease`): none is leased here.
+                          NOT m.holding AND NOT m.gated AND NOT (m.lane AND NOT m.lane_head)
+                            AND row_number() OVER (PARTITION BY m.endpoint_id ORDER BY m.ord) + m.n <= m.cap AS leased
+                   FROM (SELECT x.*, x.lane AND row_number() OVER (PARTITION BY x.endpoint_id, x.okey ORDER BY x.oseq) = 1
+                                AND (x.endpoint_id, x.okey) IN (SELECT endpoint_id, ordering_key FROM opened) AS lane_head
+                         FROM matched x) m),
                  -- An endpoint that is down gets its deliveries held: no
                  -- relay pass looks at them until it recovers. No conflict
                  -- is expected: the ledger claim makes this the event's only
@@ -200,13 +216,13 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  -- answered for as written.
                  created AS (
                    INSERT INTO webhook_deliveries (id, environment_id, endpoint_id, event_id, trace_context, state, dispatched_at, next_attempt_at,
-                                                   held_since, ordering_key, ordering_rank)
+                                                   held_since, ordering_key, ordering_rank, ordering_position)
                    SELECT id, environment_id, endpoint_id, event_id, trace_context,
                           CASE WHEN queued THEN 'queued' WHEN holding THEN 'held' ELSE 'pending' END,
                           CASE WHEN leased THEN now() END,
                           CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END,
                           CASE WHEN holding AND NOT queued THEN now() END,
-                          CASE WHEN queued THEN okey END, CASE WHEN queued THEN oseq * 2 END
+                          CASE WHEN lane THEN okey END, CASE WHEN lane THEN oseq * 2 END, CASE WHEN lane_head THEN 1 END
                    FROM marked),
                  -- The leased first attempts of a claimant's events go into
                  -- its hands in the order asked, as far as the bodies fit.
@@ -221,7 +237,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
           -- A row for each item as asked, then one for each delivery it created.
           SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?: DeliveryId",
                  NULL::uuid AS "endpoint_id?: EndpointId", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
-                 false AS "queued!", NULL::text AS "ordering_key?", EXISTS (SELECT 1 FROM deferred x WHERE x.environment_id = a.environment_id AND x.event_id = a.event_id) AS "deferred!",
+                 false AS "queued!", false AS "lane_head!", NULL::text AS "ordering_key?", EXISTS (SELECT 1 FROM deferred x WHERE x.environment_id = a.environment_id AND x.event_id = a.event_id) AS "deferred!",
                  false AS "gated!",
                  NULL::text AS "url?", NULL::text AS "signature_scheme?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
                  NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
@@ -232,7 +248,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
           FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
           UNION ALL
           SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding AND NOT h.queued, h.queued,
-                 CASE WHEN h.queued THEN h.okey END, false, h.gated,
+                 h.lane_head, CASE WHEN h.lane THEN h.okey END, false, h.gated_now,
                  CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.signature_scheme END, CASE WHEN h.in_hand THEN h.secret_key_id END,
                  CASE WHEN h.in_hand THEN h.secret_ciphertext END, CASE WHEN h.in_hand THEN h.previous_secret_key_id END,
                  CASE WHEN h.in_hand THEN h.previous_secret_ciphertext END, CASE WHEN h.in_hand THEN h.secret_rotated_at END,

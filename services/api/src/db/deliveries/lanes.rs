@@ -48,8 +48,9 @@ pub struct Promoted {
 /// waits for it), then, in a statement of its own so that it sees every row
 /// committed before the locks were granted, picks each headless lane's
 /// lowest-ranked queued row, numbers it (the lane's next position) and makes
-/// it pending, or held if its endpoint is down.
-pub async fn promote(db: &PgPool, lanes: &Lanes) -> AppResult<Promoted> {
+/// it pending, or held if its endpoint is down. `notify`: tell every api's
+/// relay of the new pending heads (else the caller hands them out).
+pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Promoted> {
     if lanes.is_empty() {
         return Ok(Promoted::default());
     }
@@ -72,7 +73,7 @@ pub async fn promote(db: &PgPool, lanes: &Lanes) -> AppResult<Promoted> {
     let row = sqlx::query!(
         r#"WITH lanes AS (SELECT * FROM UNNEST($1::uuid[], $2::text[]) AS l(endpoint_id, ordering_key)),
              heads AS MATERIALIZED (
-               SELECT l.endpoint_id, l.ordering_key, q.id FROM lanes l
+               SELECT q.id FROM lanes l
                CROSS JOIN LATERAL (
                  SELECT d.id FROM webhook_deliveries d
                  WHERE d.state = 'queued' AND d.endpoint_id = l.endpoint_id AND d.ordering_key = l.ordering_key
@@ -80,29 +81,35 @@ pub async fn promote(db: &PgPool, lanes: &Lanes) -> AppResult<Promoted> {
                WHERE NOT EXISTS (SELECT 1 FROM webhook_deliveries o
                                  WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
                                    AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key)),
-             numbered AS (
-               UPDATE ordering_lanes g SET last_position = g.last_position + 1
-               FROM heads h WHERE g.endpoint_id = h.endpoint_id AND g.ordering_key = h.ordering_key
-               RETURNING g.endpoint_id, g.ordering_key, g.last_position),
+             -- Each head updated through its own key: every lookup is a
+             -- primary key probe per row (no set joined to another, see
+             -- JOINS_BY_ESTIMATE in `crate::db`); its number is its lane's
+             -- last one plus one, read before this statement's writes.
              promoted AS (
                UPDATE webhook_deliveries d
-               SET state = CASE WHEN x.holding THEN 'held' ELSE 'pending' END, held_since = CASE WHEN x.holding THEN now() END,
-                   next_attempt_at = now(), dispatched_at = NULL, ordering_position = n.last_position, updated_at = now()
-               FROM heads h
-               JOIN numbered n ON n.endpoint_id = h.endpoint_id AND n.ordering_key = h.ordering_key
-               JOIN (SELECT e.id, hh.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS holding
-                     FROM webhook_endpoints e JOIN endpoint_health hh ON hh.endpoint_id = e.id
-                     -- A switched-off endpoint's lanes ended with it.
-                     WHERE e.deleted_at IS NULL AND (e.enabled OR e.disabled_reason IN ('gone', 'failing'))) x ON x.id = h.endpoint_id
-               WHERE d.id = h.id AND d.state = 'queued'
-               RETURNING d.state)
+               SET state = CASE WHEN (SELECT hh.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL
+                                      FROM webhook_endpoints e JOIN endpoint_health hh ON hh.endpoint_id = e.id WHERE e.id = d.endpoint_id)
+                                THEN 'held' ELSE 'pending' END,
+                   held_since = CASE WHEN (SELECT hh.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL
+                                           FROM webhook_endpoints e JOIN endpoint_health hh ON hh.endpoint_id = e.id WHERE e.id = d.endpoint_id)
+                                     THEN now() END,
+                   next_attempt_at = now(), dispatched_at = NULL, updated_at = now(),
+                   ordering_position = (SELECT g.last_position + 1 FROM ordering_lanes g
+                                        WHERE g.endpoint_id = d.endpoint_id AND g.ordering_key = d.ordering_key)
+               WHERE d.id = ANY (ARRAY(SELECT id FROM heads)) AND d.state = 'queued'
+                 -- A switched-off endpoint's lanes ended with it.
+                 AND EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id AND e.deleted_at IS NULL
+                               AND (e.enabled OR e.disabled_reason IN ('gone', 'failing')))
+               RETURNING d.state, (SELECT g.ctid FROM ordering_lanes g WHERE g.endpoint_id = d.endpoint_id AND g.ordering_key = d.ordering_key) AS lane),
+             numbered AS (
+               UPDATE ordering_lanes SET last_position = last_position + 1 WHERE ctid = ANY (ARRAY(SELECT lane FROM promoted)))
          SELECT count(*) FILTER (WHERE state = 'pending') AS "pending!", count(*) FILTER (WHERE state = 'held') AS "held!" FROM promoted"#,
         &lanes.endpoint_id as _,
         &lanes.ordering_key,
     )
     .fetch_one(&mut *tx)
     .await?;
-    if row.pending > 0 {
+    if notify && row.pending > 0 {
         super::notify_due(&mut tx).await?;
     }
     tx.commit().await?;
