@@ -87,12 +87,12 @@ pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Prom
              -- last one plus one, read before this statement's writes.
              promoted AS (
                UPDATE webhook_deliveries d
-               SET state = CASE WHEN (SELECT hh.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL
-                                      FROM webhook_endpoints e JOIN endpoint_health hh ON hh.endpoint_id = e.id WHERE e.id = d.endpoint_id)
-                                THEN 'held' ELSE 'pending' END,
-                   held_since = CASE WHEN (SELECT hh.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL
-                                           FROM webhook_endpoints e JOIN endpoint_health hh ON hh.endpoint_id = e.id WHERE e.id = d.endpoint_id)
-                                     THEN now() END,
+               -- Held behind its endpoint's recovery if the endpoint is down,
+               -- read once per row.
+               SET (state, held_since) = (SELECT CASE WHEN down THEN 'held' ELSE 'pending' END, CASE WHEN down THEN now() END
+                                          FROM (SELECT hh.circuit IN ('open', 'half_open') OR e.disabled_reason IS NOT NULL AS down
+                                                FROM webhook_endpoints e JOIN endpoint_health hh ON hh.endpoint_id = e.id
+                                                WHERE e.id = d.endpoint_id) AS s),
                    next_attempt_at = now(), dispatched_at = NULL, updated_at = now(),
                    ordering_position = (SELECT g.last_position + 1 FROM ordering_lanes g
                                         WHERE g.endpoint_id = d.endpoint_id AND g.ordering_key = d.ordering_key)
