@@ -18,8 +18,12 @@ use crate::seam::Seam;
 
 type Reply<T> = oneshot::Sender<Result<T, Status>>;
 
+/// A request, where its answer goes, and whether someone waits on it to go
+/// on (then the call it rides in lingers no longer).
+type Item<Req, Resp> = (Req, Reply<Resp>, bool);
+
 pub struct Batcher<Req, Resp> {
-    tx: mpsc::UnboundedSender<(Req, Reply<Resp>)>,
+    tx: mpsc::UnboundedSender<Item<Req, Resp>>,
 }
 
 impl<Req, Resp> Clone for Batcher<Req, Resp> {
@@ -48,12 +52,14 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// after its first item for others to ride along: for requests whose
     /// answer nobody is waiting on to go on (outcomes), so that moderate load
     /// makes a few calls of several items rather than one call per item.
+    /// An item sent with [`Batcher::call_now`] ends the wait: the call goes
+    /// out with what has gathered so far.
     pub fn spawn_lingering<F, Fut>(max_batch: usize, calls_in_flight: usize, linger: std::time::Duration, call: F) -> Self
     where
         F: Fn(Vec<Req>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<Result<Resp, Status>>, Status>> + Send + 'static,
     {
-        let (tx, mut rx) = mpsc::unbounded_channel::<(Req, Reply<Resp>)>();
+        let (tx, mut rx) = mpsc::unbounded_channel::<Item<Req, Resp>>();
         let requeue = tx.downgrade();
         let slots = Arc::new(Semaphore::new(calls_in_flight));
         let call: Arc<Call<Req, Resp>> = Arc::new(move |reqs| Box::pin(call(reqs)));
@@ -62,14 +68,21 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
                 // Wait for a call slot before gathering: whatever arrives
                 // meanwhile rides along.
                 let slot = slots.clone().acquire_owned().await.expect("semaphore open");
+                let mut urgent = first.2;
                 let mut items = vec![first];
                 let until = tokio::time::Instant::now() + linger;
                 while items.len() < max_batch {
                     match rx.try_recv() {
-                        Ok(item) => items.push(item),
-                        Err(_) if linger.is_zero() => break,
+                        Ok(item) => {
+                            urgent |= item.2;
+                            items.push(item)
+                        }
+                        Err(_) if linger.is_zero() || urgent => break,
                         Err(_) => match tokio::time::timeout_at(until, rx.recv()).await {
-                            Ok(Some(item)) => items.push(item),
+                            Ok(Some(item)) => {
+                                urgent |= item.2;
+                                items.push(item)
+                            }
                             _ => break,
                         },
                     }
@@ -85,8 +98,18 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     }
 
     pub async fn call(&self, req: Req) -> Result<Resp, Status> {
+        self.send(req, false).await
+    }
+
+    /// As `call`, for an answer someone waits on to go on: the call that
+    /// carries it leaves without lingering.
+    pub async fn call_now(&self, req: Req) -> Result<Resp, Status> {
+        self.send(req, true).await
+    }
+
+    async fn send(&self, req: Req, urgent: bool) -> Result<Resp, Status> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send((req, reply)).map_err(|_| Status::unavailable("the batcher has stopped"))?;
+        self.tx.send((req, reply, urgent)).map_err(|_| Status::unavailable("the batcher has stopped"))?;
         answer.await.map_err(|_| Status::unavailable("the batch call was dropped"))?
     }
 }
@@ -106,19 +129,19 @@ fn reason(st: &Status) -> Option<&str> {
 /// each half again, down to single items.
 fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
     call: &'a Call<Req, Resp>,
-    items: Vec<(Req, Reply<Resp>)>,
-    requeue: &'a mpsc::WeakUnboundedSender<(Req, Reply<Resp>)>,
+    items: Vec<Item<Req, Resp>>,
+    requeue: &'a mpsc::WeakUnboundedSender<Item<Req, Resp>>,
 ) -> Pin<Box<dyn Future<Output = ()> + Send + 'a>> {
     Box::pin(async move {
         let n = items.len();
-        let reqs: Vec<Req> = items.iter().map(|(r, _)| r.clone()).collect();
+        let reqs: Vec<Req> = items.iter().map(|(r, _, _)| r.clone()).collect();
         match call(reqs).await {
             Ok(answers) if answers.len() == n => {
-                for ((req, reply), answer) in items.into_iter().zip(answers) {
+                for ((req, reply, urgent), answer) in items.into_iter().zip(answers) {
                     match answer {
                         Err(st) if reason(&st) == Some(relay_domain::Reason::Deferred.as_str()) => match requeue.upgrade() {
                             Some(tx) => {
-                                if let Err(mpsc::error::SendError((_, reply))) = tx.send((req, reply)) {
+                                if let Err(mpsc::error::SendError((_, reply, _))) = tx.send((req, reply, urgent)) {
                                     let _ = reply.send(Err(st));
                                 }
                             }
@@ -134,7 +157,7 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
             }
             Ok(answers) => {
                 let st = Status::internal(format!("a batch of {n} came back with {} answers", answers.len()));
-                for (_, reply) in items {
+                for (_, reply, _) in items {
                     let _ = reply.send(Err(st.clone()));
                 }
             }
@@ -146,7 +169,7 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
                 run(call, second, requeue).await;
             }
             Err(st) => {
-                for (_, reply) in items {
+                for (_, reply, _) in items {
                     let _ = reply.send(Err(st.clone()));
                 }
             }
@@ -216,10 +239,12 @@ pub fn materials(seam: Seam) -> Materials {
     })
 }
 
-/// How long an outcome call waits for others to join it. Nothing waits on
-/// an outcome to go on (the lane has moved to its next attempt; the job's ack
-/// and the endpoint's in-flight slot follow a few milliseconds later), and at
-/// moderate load it turns a call per attempt into one per several.
+/// How long an outcome call waits for others to join it. Mostly nothing
+/// waits on an outcome to go on (the lane has moved to its next attempt; the
+/// job's ack and the endpoint's in-flight slot follow a few milliseconds
+/// later), and at moderate load it turns a call per attempt into one per
+/// several. A lane head's outcome is the exception (its key's next delivery
+/// waits on it): it goes with `call_now`.
 const OUTCOME_LINGER: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Outcomes that ask for their endpoints' next attempts, for `claimant` for `hold`.
@@ -282,6 +307,28 @@ mod tests {
             }
         }
         assert!(calls.lock().unwrap().iter().all(|c| c.len() <= 64));
+    }
+
+    /// A lingering call waits for company; an urgent item (a lane head's
+    /// outcome, which its key's next delivery waits on) sends at once what
+    /// has gathered. Time is paused: the linger is measured on the clock the
+    /// batcher reads, not by how fast this machine is.
+    #[tokio::test(start_paused = true)]
+    async fn an_urgent_item_ends_the_linger() {
+        let linger = std::time::Duration::from_secs(10);
+        let batcher: Batcher<u32, u32> =
+            Batcher::spawn_lingering(64, 1, linger, |items: Vec<u32>| async move { Ok(items.into_iter().map(Ok).collect()) });
+        let started = tokio::time::Instant::now();
+        assert_eq!(batcher.call(1).await.unwrap(), 1);
+        assert!(started.elapsed() >= linger, "a plain call lingered: {:?}", started.elapsed());
+
+        let started = tokio::time::Instant::now();
+        let (plain, urgent) = tokio::join!(batcher.call(2), async {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            batcher.call_now(3).await
+        });
+        assert_eq!((plain.unwrap(), urgent.unwrap()), (2, 3));
+        assert!(started.elapsed() < std::time::Duration::from_secs(1), "the urgent item waited out the linger: {:?}", started.elapsed());
     }
 
     #[tokio::test]

@@ -375,6 +375,8 @@ impl Lane {
         }
         let key = AttemptKey::of(&job);
         let event_id = material.event_id.clone();
+        // A lane head's successor waits on this outcome to be promoted.
+        let urgent = !material.ordering_key.is_empty();
         let outcome = async {
             let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");
             // At the last moment, after any wait for a permit: an endpoint
@@ -398,7 +400,7 @@ impl Lane {
         let shared = self.shared.clone();
         tokio::spawn(
             async move {
-                report(&shared, &source, &job, &event_id, outcome).await;
+                report(&shared, &source, &job, &event_id, outcome, urgent).await;
                 shared.unsettled.lock().expect("unpoisoned").remove(&key);
             }
             .instrument(span),
@@ -422,7 +424,9 @@ impl Lane {
 /// due again when its lease runs out: the receiver may see the event id
 /// twice, and the schedule still advances once. An attempt in hand is
 /// retried for longer first, as nothing else would bring it back sooner.
-async fn report(shared: &Arc<LaneShared>, source: &Source, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest) {
+/// `urgent`: the next delivery of the attempt's ordering key waits on it,
+/// so its call does not linger for company.
+async fn report(shared: &Arc<LaneShared>, source: &Source, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest, urgent: bool) {
     let (status, error) = (outcome.http_status, outcome.error.clone());
     let backoffs: &[u64] = match source {
         Source::Broker(_) => &[0, 200, 1000],
@@ -430,7 +434,8 @@ async fn report(shared: &Arc<LaneShared>, source: &Source, job: &DeliveryJob, ev
     };
     for &backoff in backoffs {
         tokio::time::sleep(Duration::from_millis(backoff)).await;
-        match shared.outcomes.call(outcome.clone()).await {
+        let recorded = if urgent { shared.outcomes.call_now(outcome.clone()).await } else { shared.outcomes.call(outcome.clone()).await };
+        match recorded {
             Ok(mut decision) => {
                 // The endpoint's next attempts, taking the slot this one freed.
                 for next in std::mem::take(&mut decision.next) {

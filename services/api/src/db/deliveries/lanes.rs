@@ -78,9 +78,14 @@ pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Prom
                  SELECT d.id FROM webhook_deliveries d
                  WHERE d.state = 'queued' AND d.endpoint_id = l.endpoint_id AND d.ordering_key = l.ordering_key
                  ORDER BY d.ordering_rank, d.id LIMIT 1) AS q
-               WHERE NOT EXISTS (SELECT 1 FROM webhook_deliveries o
-                                 WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
-                                   AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key)),
+               -- The lane has no head: a probe of the head index per lane,
+               -- written as a scalar subquery so that it stays one (as NOT
+               -- EXISTS it became an anti join reading every lane's head
+               -- for each lane asked, the index being near empty when
+               -- last analysed).
+               WHERE (SELECT 1 FROM webhook_deliveries o
+                      WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
+                        AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key LIMIT 1) IS NULL),
              -- Each head updated through its own key: every lookup is a
              -- primary key probe per row (no set joined to another, see
              -- JOINS_BY_ESTIMATE in `crate::db`); its number is its lane's
@@ -96,7 +101,12 @@ pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Prom
                    next_attempt_at = now(), dispatched_at = NULL, updated_at = now(),
                    ordering_position = (SELECT g.last_position + 1 FROM ordering_lanes g
                                         WHERE g.endpoint_id = d.endpoint_id AND g.ordering_key = d.ordering_key)
-               WHERE d.id = ANY (ARRAY(SELECT id FROM heads)) AND d.state = 'queued'
+               -- `$3` is 'queued', bound rather than written: spelled out,
+               -- it lets the planner walk the whole queue index (its
+               -- partial predicate) filtering by id, which it thinks cheap
+               -- while queues are short at ANALYZE time; bound, only the
+               -- primary key serves (one probe per head).
+               WHERE d.id = ANY (ARRAY(SELECT id FROM heads)) AND d.state = $3
                  -- A switched-off endpoint's lanes ended with it.
                  AND EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id AND e.deleted_at IS NULL
                                AND (e.enabled OR e.disabled_reason IN ('gone', 'failing')))
@@ -106,6 +116,7 @@ pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Prom
          SELECT count(*) FILTER (WHERE state = 'pending') AS "pending!", count(*) FILTER (WHERE state = 'held') AS "held!" FROM promoted"#,
         &lanes.endpoint_id as _,
         &lanes.ordering_key,
+        relay_domain::delivery::DeliveryState::Queued.as_str(),
     )
     .fetch_one(&mut *tx)
     .await?;
@@ -130,9 +141,10 @@ pub async fn headless(db: &PgPool, limit: i64) -> AppResult<Lanes> {
                WHERE d.state = 'queued' AND (d.endpoint_id, d.ordering_key) > (w.endpoint_id, w.ordering_key)
                ORDER BY d.endpoint_id, d.ordering_key LIMIT 1) AS n)
          SELECT w.endpoint_id AS "endpoint_id!: EndpointId", w.ordering_key AS "ordering_key!" FROM walk w
-         WHERE NOT EXISTS (SELECT 1 FROM webhook_deliveries o
-                           WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
-                             AND o.endpoint_id = w.endpoint_id AND o.ordering_key = w.ordering_key)
+         -- A probe per lane, kept one as in `promote`.
+         WHERE (SELECT 1 FROM webhook_deliveries o
+                WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
+                  AND o.endpoint_id = w.endpoint_id AND o.ordering_key = w.ordering_key LIMIT 1) IS NULL
          LIMIT $1"#,
         limit,
     )
