@@ -3,6 +3,7 @@
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
 mod claims;
+mod cli;
 mod custom_headers;
 mod delivery;
 mod deploy;

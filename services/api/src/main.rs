@@ -1,6 +1,30 @@
 use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
 use relay_api::{Listeners, config::ApiConfig};
 use tokio::net::TcpListener;
+
+/// Relay's api: the tenants' REST and gRPC facade, the portal, the
+/// dispatchers' internal seam, the outbox relay and the upkeep. Settings come
+/// from the environment (RELAY_*, DATABASE_URL; see docs/configuration.md).
+#[derive(Parser)]
+#[command(name = "relay-api", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve (what runs without a command).
+    Serve,
+    /// Print the REST facade's OpenAPI document and exit.
+    Openapi,
+    /// Run the database migrations and exit: a deployment runs this once (a
+    /// Kubernetes Job) before rolling out apis that skip them.
+    Migrate,
+    /// Print a completion script for a shell (bash, zsh, fish, …) and exit.
+    Completions(relay_config::cli::Completions),
+}
 
 /// mimalloc rather than glibc's malloc: allocation was 8% of the api's CPU
 /// at moderate load, most of it in glibc's bins and consolidation.
@@ -9,16 +33,17 @@ static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    match std::env::args().nth(1).as_deref() {
-        Some("openapi") => {
+    match Cli::parse().command {
+        Some(Command::Openapi) => {
             print!("{}", relay_api::openapi::rendered()?);
             return Ok(());
         }
-        // Run the migrations and exit: a deployment runs this once (a
-        // Kubernetes Job) before rolling out apis that skip them.
-        Some("migrate") => return migrate().await,
-        Some(other) => anyhow::bail!("unknown command {other:?}: relay-api [openapi | migrate]"),
-        None => {}
+        Some(Command::Migrate) => return migrate().await,
+        Some(Command::Completions(c)) => {
+            c.print::<Cli>("relay-api")?;
+            return Ok(());
+        }
+        Some(Command::Serve) | None => {}
     }
     let telemetry = relay_telemetry::init_with("relay-api").context("invalid telemetry configuration")?;
     let cfg = ApiConfig::from_env().context("invalid configuration")?;

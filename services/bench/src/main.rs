@@ -1,28 +1,63 @@
-//! `relay-bench [w1|w1@150|w2|w2b|w3|idle|smoke ...] [--out DIR]`: runs each workload
-//! against api and dispatcher binaries found next to this one, with Postgres
-//! and NATS on 127.0.0.1, and writes `<out>/<workload>.json` and `.svg` plus a markdown
+//! `relay-bench [WORKLOAD ...] [--out DIR]`: runs each workload against api
+//! and dispatcher binaries found next to this one, with Postgres and NATS on
+//! 127.0.0.1, and writes `<out>/<workload>.json` and `.svg` plus a markdown
 //! table (`<out>/results.md`). Exits non-zero if any delivery is missing or
 //! duplicated.
 
 use std::path::PathBuf;
 
 use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
 use relay_bench::{
     report::Report,
     workload::{self, Env, Workload},
 };
 
+/// Relay's benchmark: runs workloads against the api and dispatcher
+/// binaries next to this one (Postgres and NATS on 127.0.0.1, or
+/// RELAY_BENCH_PG / RELAY_BENCH_NATS) and reports rates, latencies, CPU and
+/// memory. Workloads: w1, w1f, w1f-all, w1h, w6, w6-1, w2, w2b, w2b-solo, w3,
+/// w4, w4-solo, w5, w5-solo, bodies, idle, smoke; `<name>x<N>` runs N apis
+/// and dispatchers, `<name>@<events per second>` paces it.
+#[derive(Parser)]
+#[command(name = "relay-bench", version, args_conflicts_with_subcommands = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: Run,
+}
+
+#[derive(Args)]
+struct Run {
+    /// Workloads to run, in order (default: w1 w1@150 w1@400 w2 w2b w3 idle).
+    #[arg(value_parser = workload_name)]
+    workloads: Vec<String>,
+    /// Where the results go.
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Print a completion script for a shell (bash, zsh, fish, …) and exit.
+    Completions(relay_config::cli::Completions),
+}
+
+/// A workload name as `Workload::named` reads it, refused at parsing.
+fn workload_name(s: &str) -> Result<String, String> {
+    let name = s.to_ascii_lowercase();
+    Workload::named(&name).map(|_| name).map_err(|e| e.to_string())
+}
+
 #[tokio::main]
 async fn main() -> Result<()> {
-    let mut names = Vec::new();
-    let mut out = PathBuf::from("bench-results");
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--out" => out = PathBuf::from(args.next().context("--out needs a directory")?),
-            other => names.push(other.to_ascii_lowercase()),
-        }
+    let cli = Cli::parse();
+    if let Some(Command::Completions(c)) = cli.command {
+        c.print::<Cli>("relay-bench")?;
+        return Ok(());
     }
+    let Run { workloads: mut names, out } = cli.run;
     if names.is_empty() {
         names = ["w1", "w1@150", "w1@400", "w2", "w2b", "w3", "idle"].map(String::from).to_vec();
     }

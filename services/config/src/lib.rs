@@ -16,6 +16,7 @@ use std::{fmt::Display, net::SocketAddr, ops::RangeInclusive, path::PathBuf, str
 
 use anyhow::{Context, Result, bail};
 
+pub mod cli;
 mod knobs;
 
 pub use knobs::{KNOBS, Knob, Readers};

@@ -1,53 +1,94 @@
-//! `relay-dev certs <dir>`: write a dev CA and the internal port's certificates.
-//! `relay-dev receive [--port N] [--secret S] [--public-key K]`: listen on
-//! 127.0.0.1, verify each webhook's signature with `relay-webhook-verify` (the
-//! receiver-side crate customers use) under whichever scheme it came signed
-//! with, and print it. The secret (relay-v1 or standard-webhooks) may also
-//! come from `RELAY_RECEIVER_SECRET`, the `whpk_` public key
-//! (standard-webhooks-ed25519) from `RELAY_RECEIVER_PUBLIC_KEY`; without
-//! either, webhooks are printed unverified.
+//! `relay-dev`: what a developer runs beside a local stack — the dev
+//! certificates, an environment and key to start with, and a receiver on
+//! 127.0.0.1 that verifies each webhook's signature with
+//! `relay-webhook-verify` (the receiver-side crate customers use) under
+//! whichever scheme it came signed with, and prints it.
 
 use std::{net::SocketAddr, path::PathBuf};
 
-use anyhow::{Context, Result, bail};
+use anyhow::{Context, Result};
 use axum::{Router, body::Bytes, http::HeaderMap, routing::post};
+use clap::{Parser, Subcommand};
 use relay_webhook_verify::Verifier;
+
+/// Tools for a local Relay: certificates, a first environment, a receiver.
+#[derive(Parser)]
+#[command(name = "relay-dev", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Write a dev CA and the internal port's certificates into a directory.
+    Certs {
+        /// Where the PEM files go (created if missing).
+        dir: PathBuf,
+    },
+    /// Listen on 127.0.0.1 and print each webhook with its signature's verdict.
+    Receive {
+        /// The port to listen on.
+        #[arg(long, default_value_t = 9000)]
+        port: u16,
+        /// The endpoint's signing secret (relay-v1 or standard-webhooks);
+        /// without it or a public key, webhooks are printed unverified.
+        #[arg(long, env = "RELAY_RECEIVER_SECRET", hide_env_values = true)]
+        secret: Option<String>,
+        /// The `whpk_` public key (standard-webhooks-ed25519).
+        #[arg(long, env = "RELAY_RECEIVER_PUBLIC_KEY")]
+        public_key: Option<String>,
+    },
+    /// Create an environment and an API key through the AdminService, as an
+    /// operator, and print `RELAY_ENVIRONMENT_ID=…` and `RELAY_API_KEY=…`.
+    Bootstrap {
+        /// The api's internal port, e.g. https://127.0.0.1:50051.
+        internal_url: String,
+        /// The directory `relay-dev certs` wrote (ca.pem, operator.pem, operator-key.pem).
+        certs_dir: PathBuf,
+        /// The new environment's name.
+        name: String,
+    },
+    /// Print a completion script for a shell (bash, zsh, fish, …) and exit.
+    Completions(relay_config::cli::Completions),
+}
 
 #[tokio::main]
 async fn main() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("certs") => {
-            let dir = PathBuf::from(args.get(1).context("usage: relay-dev certs <dir>")?);
+    match Cli::parse().command {
+        Command::Certs { dir } => {
             relay_devkit::generate_pki()?.write(&dir)?;
             println!("wrote dev certificates to {}", dir.display());
             Ok(())
         }
-        Some("receive") => receive(&args[1..]).await,
-        Some("bootstrap") => bootstrap(&args[1..]).await,
-        _ => bail!(
-            "usage: relay-dev certs <dir> | relay-dev receive [--port N] [--secret S] | relay-dev bootstrap <internal-url> <certs-dir> <name>"
-        ),
+        Command::Receive { port, secret, public_key } => {
+            let given = |v: Option<String>| v.filter(|s| !s.is_empty());
+            receive(port, given(secret), given(public_key)).await
+        }
+        Command::Bootstrap { internal_url, certs_dir, name } => bootstrap(&internal_url, certs_dir, &name).await,
+        Command::Completions(c) => {
+            c.print::<Cli>("relay-dev")?;
+            Ok(())
+        }
     }
 }
 
 /// Creates an environment and an API key through the AdminService, as an
 /// operator, and prints `RELAY_ENVIRONMENT_ID=…` and `RELAY_API_KEY=…` lines.
-async fn bootstrap(args: &[String]) -> Result<()> {
+async fn bootstrap(url: &str, dir: PathBuf, name: &str) -> Result<()> {
     use relay_contracts::relay::admin::v1::{CreateApiKeyRequest, CreateEnvironmentRequest, admin_service_client::AdminServiceClient};
     use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
-    let [url, dir, name] = args else { bail!("usage: relay-dev bootstrap <internal-url> <certs-dir> <name>") };
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let dir = PathBuf::from(dir);
     let read = |f: &str| std::fs::read(dir.join(f)).with_context(|| format!("reading {f}"));
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(read("ca.pem")?))
         .identity(Identity::from_pem(read("operator.pem")?, read("operator-key.pem")?))
         .domain_name(relay_devkit::API_TLS_NAME);
-    let channel = Channel::from_shared(url.clone())?.tls_config(tls)?.connect().await.context("connecting to the api's internal port")?;
+    let channel =
+        Channel::from_shared(url.to_owned())?.tls_config(tls)?.connect().await.context("connecting to the api's internal port")?;
     let mut admin = AdminServiceClient::new(channel);
     let env = admin
-        .create_environment(CreateEnvironmentRequest { name: name.clone(), endpoint_quota: 0 })
+        .create_environment(CreateEnvironmentRequest { name: name.to_owned(), endpoint_quota: 0 })
         .await?
         .into_inner()
         .environment
@@ -58,20 +99,7 @@ async fn bootstrap(args: &[String]) -> Result<()> {
     Ok(())
 }
 
-async fn receive(args: &[String]) -> Result<()> {
-    let mut port = 9000u16;
-    let from_env = |name: &str| std::env::var(name).ok().filter(|s| !s.is_empty());
-    let mut secret = from_env("RELAY_RECEIVER_SECRET");
-    let mut public_key = from_env("RELAY_RECEIVER_PUBLIC_KEY");
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "--port" => port = it.next().context("--port needs a value")?.parse().context("--port")?,
-            "--secret" => secret = Some(it.next().context("--secret needs a value")?.clone()),
-            "--public-key" => public_key = Some(it.next().context("--public-key needs a value")?.clone()),
-            other => bail!("unknown argument {other:?}"),
-        }
-    }
+async fn receive(port: u16, secret: Option<String>, public_key: Option<String>) -> Result<()> {
     // A secret verifies relay-v1 and, when it is Standard Webhooks base64
     // (every secret Relay mints now), standard-webhooks too.
     let mut verifier: Option<Verifier> = None;

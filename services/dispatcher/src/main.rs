@@ -1,5 +1,24 @@
 use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
 use relay_dispatcher::DispatcherConfig;
+
+/// Relay's dispatcher: consumes EVENTS and DELIVERIES, has the api expand
+/// events, signs and sends each attempt, and reports its outcome. Settings
+/// come from the environment (RELAY_*; see docs/configuration.md).
+#[derive(Parser)]
+#[command(name = "relay-dispatcher", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run (what runs without a command).
+    Serve,
+    /// Print a completion script for a shell (bash, zsh, fish, …) and exit.
+    Completions(relay_config::cli::Completions),
+}
 
 /// mimalloc rather than glibc's malloc, as in the api: the dispatcher's CPU at
 /// saturation fell a tenth with it (glibc's bins and consolidation).
@@ -7,6 +26,10 @@ use relay_dispatcher::DispatcherConfig;
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> Result<()> {
+    if let Some(Command::Completions(c)) = Cli::parse().command {
+        c.print::<Cli>("relay-dispatcher")?;
+        return Ok(());
+    }
     // Read before anything starts: the runtime is built to this size.
     let threads = relay_config::Env.number::<usize>("RELAY_DISPATCHER_THREADS", 1..=256).context("invalid configuration")?;
     tokio::runtime::Builder::new_multi_thread().worker_threads(threads).enable_all().build()?.block_on(serve())
