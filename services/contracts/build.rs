@@ -32,6 +32,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "relay/tenant/v1/events.proto",
         "relay/tenant/v1/dead_letters.proto",
         "relay/tenant/v1/portal.proto",
+        "relay/tenant/v1/event_types.proto",
         "relay/admin/v1/admin.proto",
         "relay/dispatch/v1/dispatch.proto",
         "relay/queue/v1/queue.proto",

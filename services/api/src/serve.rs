@@ -12,7 +12,8 @@ use relay_contracts::{
         dispatch::v1::dispatch_service_server::DispatchServiceServer,
         tenant::v1::{
             dead_letter_service_server::DeadLetterServiceServer, event_service_server::EventServiceServer,
-            portal_service_server::PortalServiceServer, webhook_endpoint_service_server::WebhookEndpointServiceServer,
+            event_type_service_server::EventTypeServiceServer, portal_service_server::PortalServiceServer,
+            webhook_endpoint_service_server::WebhookEndpointServiceServer,
         },
     },
 };
@@ -52,6 +53,7 @@ pub async fn all(
     health.set_serving::<EventServiceServer<TenantApi>>().await;
     health.set_serving::<DeadLetterServiceServer<TenantApi>>().await;
     health.set_serving::<PortalServiceServer<TenantApi>>().await;
+    health.set_serving::<EventTypeServiceServer<TenantApi>>().await;
     health.set_serving::<DispatchServiceServer<DispatchApi>>().await;
     health.set_serving::<AdminServiceServer<AdminApi>>().await;
     tenant_grpc(tasks, &tenant, health_svc.clone(), cfg, listeners.grpc, stop)?;
@@ -70,6 +72,7 @@ struct TenantServices {
     events: EventServiceServer<TenantApi>,
     dead_letters: DeadLetterServiceServer<TenantApi>,
     portal: PortalServiceServer<TenantApi>,
+    catalogue: EventTypeServiceServer<TenantApi>,
 }
 
 impl TenantServices {
@@ -80,6 +83,7 @@ impl TenantServices {
             events: EventServiceServer::new(tenant.clone()).max_decoding_message_size(limit),
             dead_letters: DeadLetterServiceServer::new(tenant.clone()).max_decoding_message_size(limit),
             portal: PortalServiceServer::new(tenant.clone()).max_decoding_message_size(limit),
+            catalogue: EventTypeServiceServer::new(tenant.clone()).max_decoding_message_size(limit),
         }
     }
 }
@@ -128,6 +132,7 @@ where
         "relay.tenant.v1.EventService",
         "relay.tenant.v1.DeadLetterService",
         "relay.tenant.v1.PortalService",
+        "relay.tenant.v1.EventTypeService",
     ];
     let admission = std::sync::Arc::new(tokio::sync::Semaphore::new(grpc::TENANT_CALLS_IN_MEMORY));
     let services = TenantServices::new(tenant);
@@ -142,7 +147,8 @@ where
         .add_service(services.endpoints)
         .add_service(services.events)
         .add_service(services.dead_letters)
-        .add_service(services.portal);
+        .add_service(services.portal)
+        .add_service(services.catalogue);
     // Small gRPC frames must not wait for Nagle's algorithm.
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = stopped(stop);
@@ -196,7 +202,8 @@ where
         .add_service(WebhookEndpointServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
         .add_service(EventServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
         .add_service(DeadLetterServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
-        .add_service(PortalServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity));
+        .add_service(PortalServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
+        .add_service(EventTypeServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity));
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = stopped(stop);
     tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("internal gRPC server") });
@@ -215,7 +222,7 @@ fn rest_facade(
     stop: &watch::Receiver<bool>,
 ) -> Result<()> {
     let s = TenantServices::new(tenant);
-    let grpc = Routes::new(s.endpoints).add_service(s.events).add_service(s.dead_letters).add_service(s.portal);
+    let grpc = Routes::new(s.endpoints).add_service(s.events).add_service(s.dead_letters).add_service(s.portal).add_service(s.catalogue);
     let spec = openapi::rendered()?;
     let ready = {
         let (db, js) = (app.db().clone(), js.clone());

@@ -7,6 +7,7 @@
 //! Every rule here is a pure function of its inputs and the time it is
 //! given, unit-tested in this crate.
 
+pub mod catalogue;
 pub mod client_identity;
 pub mod delivery;
 pub mod filter;

@@ -113,6 +113,25 @@ catalogue! {
     LegacyPayloadRefused = "legacy_payload_refused",
     /// An event type outside the naming rules.
     InvalidEventType = "invalid_event_type",
+    /// A payload that does not satisfy its event type's schema; the message
+    /// lists the first violations with their JSON pointers.
+    PayloadSchemaMismatch = "payload_schema_mismatch",
+    /// An event type not in the catalogue of an environment that requires
+    /// known types (publishing, or subscribing an endpoint).
+    UnknownEventType = "unknown_event_type",
+
+    // The event catalogue.
+    /// A schema that is not a bounded JSON Schema (2020-12) usable on its own.
+    InvalidSchema = "invalid_schema",
+    /// Examples that are not a JSON array of at most 10 payloads satisfying
+    /// the schema.
+    InvalidExamples = "invalid_examples",
+    /// A description beyond 2,000 characters or with control characters.
+    InvalidDescription = "invalid_description",
+    /// Creating an event type the catalogue already has.
+    EventTypeExists = "event_type_exists",
+    /// A catalogue at its 1,000 types.
+    CatalogueFull = "catalogue_full",
 
     // Endpoints and environments.
     /// An endpoint URL refused by the address rules (https, public addresses).

@@ -139,6 +139,7 @@ impl App {
         require_nonempty("url", &new.url)?;
         let url = self.check_endpoint_url(&new.url).await?;
         let event_types = normalise_event_types(&new.event_types)?;
+        self.check_subscriptions(tenant.environment_id, &event_types).await?;
         let scheme = if new.signature_scheme.is_empty() { Scheme::default() } else { parse_scheme(&new.signature_scheme)? };
         let headers = self.seal_headers(new.headers)?;
         let max_in_flight = new.max_in_flight.map(check_max_in_flight).transpose()?;
@@ -216,6 +217,9 @@ impl App {
             None => None,
         };
         let event_types = if change.event_types.is_empty() { None } else { Some(normalise_event_types(&change.event_types)?) };
+        if let Some(types) = &event_types {
+            self.check_subscriptions(tenant.environment_id, types).await?;
+        }
         let scheme = change.signature_scheme.as_deref().map(parse_scheme).transpose()?;
         let ordering = change.ordering.as_deref().map(parse_ordering).transpose()?;
         let headers = header_change(change.clear_headers, change.headers)?.map(|pairs| self.seal_headers(pairs)).transpose()?;

@@ -180,6 +180,7 @@ impl App {
             relay_domain::ordering::check_key(key).map_err(|m| AppError::invalid(Reason::InvalidOrderingKey, m))?;
         }
         let payload = checked_payload(payload)?;
+        self.check_against_catalogue(tenant.environment_id, event_type, payload.get()).await?;
         let event_id = id.unwrap_or_else(EventId::mint);
         let occurred_at = self.clock.now();
         let envelope = envelope(event_id, event_type, tenant.environment_id, occurred_at, payload)?;

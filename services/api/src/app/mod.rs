@@ -7,6 +7,7 @@
 pub mod admin;
 pub mod attempt_stats;
 pub mod bulk_recovery;
+pub mod catalogue;
 mod circuit;
 pub mod client_tls;
 pub mod deliveries;
@@ -100,6 +101,8 @@ pub struct App {
     /// Tells dispatchers which attempts in their hands a disable or delete
     /// ended (see `endpoints`).
     switch_offs: Arc<dyn crate::switch_offs::SwitchOffs>,
+    /// What this api read of each environment's event catalogue.
+    catalogues: Arc<catalogue::Catalogues>,
 }
 
 /// What an [`App`] is built from; the rest of its state starts empty.
@@ -128,6 +131,7 @@ impl App {
             outbox_wake: Default::default(),
             deliveries_wake: Default::default(),
             outbox_offers: Default::default(),
+            catalogues: Default::default(),
             verified_keys: Default::default(),
             slots_awaited: Default::default(),
             probes_wake: Default::default(),

@@ -98,6 +98,7 @@ pub mod depths;
 pub mod endpoint_secrets;
 pub mod endpoints;
 pub mod environments;
+pub mod event_types;
 pub mod events;
 pub mod health;
 pub mod keys;

@@ -2,6 +2,7 @@
 //! encode. No business rule lives here.
 
 pub mod admin;
+pub mod catalogue;
 pub mod dispatch;
 pub mod tenant;
 
