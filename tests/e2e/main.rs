@@ -23,6 +23,7 @@ mod pipeline_edges;
 mod portal;
 mod portal_bounds;
 mod portal_browser;
+mod portal_catalogue;
 mod portal_receiver_auth;
 mod rate_limit;
 mod receiver_tls;

@@ -10,7 +10,7 @@ use relay_tests::{Browser, Options, Receiver, Reply, Rest, Stack};
 use reqwest::header;
 use serde_json::json;
 
-async fn text_of(el: &Element) -> anyhow::Result<String> {
+pub(crate) async fn text_of(el: &Element) -> anyhow::Result<String> {
     el.text().await.map_err(|e| anyhow::anyhow!("reading text: {e}"))
 }
 

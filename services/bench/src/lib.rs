@@ -4,10 +4,12 @@
 //! the CPU and memory of api, dispatcher and Postgres, with Postgres's
 //! statements, WAL and commits per delivery, and draws each run as an SVG.
 
+pub mod catalogue;
 pub mod chart;
 pub mod pgstats;
 pub mod procs;
 pub mod receiver;
 pub mod report;
 pub mod spec;
+mod tenants;
 pub mod workload;

@@ -37,6 +37,9 @@ pub struct Workload {
     /// Ordered delivery (issue 28): the healthy endpoints order per key and
     /// the events spread round robin over this many ordering keys.
     pub ordering_keys: Option<usize>,
+    /// The catalogue (issue 29): realistic payloads (`crate::catalogue`),
+    /// checked against their type's schema (`Some(true)`) or not.
+    pub schema: Option<bool>,
 }
 
 /// How the healthy endpoints filter: `Half`: each endpoint takes half the
@@ -97,6 +100,7 @@ impl Workload {
             replicas,
             filter: None,
             ordering_keys: None,
+            schema: None,
         };
         // The measured environment of W4 and W5 publishes at a steady rate
         // unless the name says otherwise.
@@ -152,6 +156,11 @@ impl Workload {
             // endpoint, each after the one before it has ended).
             "w6" => Workload { ordering_keys: Some(1_000), ..w(2_000, 32, 10, 0, 0, 0) },
             "w6-1" => Workload { ordering_keys: Some(1), ..w(500, 32, 10, 0, 0, 0) },
+            // W1 with realistic payloads (about 20 properties, nested) whose
+            // type has a schema in the catalogue (w1s: every publish checked),
+            // or the same payloads without one (w1s-none).
+            "w1s" => Workload { schema: Some(true), ..w(2_000, 32, 10, 0, 0, 0) },
+            "w1s-none" => Workload { schema: Some(false), ..w(2_000, 32, 10, 0, 0, 0) },
             // 200 publishes of 250 KiB at once beside 600 hostile bodies of
             // 1–1.9 MiB: what the api's memory does under that.
             "bodies" => Workload { payload_bytes: 250 * 1024, hostile: true, ..w(200, 200, 1, 0, 0, 0) },
@@ -160,7 +169,7 @@ impl Workload {
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
             other => bail!(
-                "unknown workload {other:?}: w1, w1f, w1f-all, w1h, w6, w6-1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
+                "unknown workload {other:?}: w1, w1f, w1f-all, w1h, w1s, w1s-none, w6, w6-1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
             ),
         })
     }

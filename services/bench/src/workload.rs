@@ -14,7 +14,7 @@ use std::{
 };
 
 use anyhow::{Context, Result, bail};
-use relay_contracts::relay::admin::v1::{CreateApiKeyRequest, CreateEnvironmentRequest, admin_service_client::AdminServiceClient};
+use relay_contracts::relay::admin::v1::admin_service_client::AdminServiceClient;
 use sqlx::{Connection, Executor};
 use tonic::transport::{Certificate, Channel, ClientTlsConfig, Identity};
 
@@ -23,6 +23,7 @@ use crate::{
     procs::{PeakSampler, Target},
     receiver::Receiver,
     report::Report,
+    tenants::{environment_with_key, register_endpoint},
 };
 
 pub struct Env {
@@ -145,6 +146,9 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
         let ordering = (k < w.healthy && w.ordering_keys.is_some()).then_some("per_key");
         register_endpoint(&http, &rest_url, &key, receiver.url(p), filter, ordering).await?;
     }
+    if w.schema == Some(true) {
+        crate::catalogue::register(&http, &rest_url, &key).await?;
+    }
     if w.backlog > 0 {
         seed_backlog(&db_url, &environment_id, w.backlog).await?;
     }
@@ -175,7 +179,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     for _ in 0..w.publishers {
         let (http, ids, next, key, urls, filler) =
             (http.clone(), ids.clone(), next.clone(), key.clone(), rest_urls.clone(), filler.clone());
-        let (rate, keys) = (w.rate, w.ordering_keys);
+        let (rate, keys, realistic) = (w.rate, w.ordering_keys, w.schema.is_some());
         publishers.push(tokio::spawn(async move {
             let mut sent: Vec<(usize, Instant)> = Vec::new();
             loop {
@@ -186,7 +190,8 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
                 if let Some(rate) = rate {
                     tokio::time::sleep_until((started + Duration::from_secs_f64(i as f64 / rate)).into()).await;
                 }
-                let mut body = serde_json::json!({"id": ids[i], "type": "bench.event", "payload": {"n": i, "data": filler}});
+                let payload = if realistic { crate::catalogue::payload(i, "") } else { serde_json::json!({"n": i, "data": filler}) };
+                let mut body = serde_json::json!({"id": ids[i], "type": "bench.event", "payload": payload});
                 if let Some(keys) = keys {
                     body["ordering_key"] = format!("k{}", i % keys).into();
                 }
@@ -294,37 +299,6 @@ async fn neighbours(
         keys.push(key);
     }
     Ok(keys)
-}
-
-/// A new environment and an API key for it: (environment id, key).
-async fn environment_with_key(admin: &mut AdminServiceClient<Channel>, name: String, endpoint_quota: u32) -> Result<(String, String)> {
-    let environment = admin
-        .create_environment(CreateEnvironmentRequest { name, endpoint_quota })
-        .await?
-        .into_inner()
-        .environment
-        .context("no environment")?;
-    let key =
-        admin.create_api_key(CreateApiKeyRequest { environment_id: environment.id.clone(), name: "bench".into() }).await?.into_inner().key;
-    Ok((environment.id, key))
-}
-
-/// Registers an endpoint at `url` for the bench's event type, through the REST facade.
-async fn register_endpoint(
-    http: &reqwest::Client,
-    rest_url: &str,
-    key: &str,
-    url: String,
-    filter: Option<serde_json::Value>,
-    ordering: Option<&str>,
-) -> Result<()> {
-    let mut body = serde_json::json!({"url": url, "event_types": ["bench.event"], "ordering": ordering.unwrap_or("none")});
-    if let Some(f) = filter {
-        body["filter"] = f;
-    }
-    let resp = http.post(format!("{rest_url}/v1/webhooks")).bearer_auth(key).json(&body).send().await?;
-    anyhow::ensure!(resp.status().as_u16() == 201, "creating an endpoint at {url}: {} {}", resp.status(), resp.text().await?);
-    Ok(())
 }
 
 /// The neighbours' events, round robin over their environments, 16 at a

@@ -12,8 +12,11 @@ use relay_domain::EndpointId;
 use relay_signing::{Scheme, SigningSecret};
 
 use super::{
-    Frame, Posted, Section, auth_view::ReceiverAuthView, callers_mistake, chart, failed, html, not_found, outcome_text, path_id,
-    query_param, redirect, session, when,
+    Frame, Posted, Section,
+    auth_view::ReceiverAuthView,
+    callers_mistake, chart, failed,
+    fields::{header_lines, in_flight_field, rate_fields, split_types},
+    html, not_found, outcome_text, path_id, query_param, redirect, session, when,
 };
 use relay_domain::{
     health::{Circuit, DisabledReason},
@@ -160,49 +163,6 @@ pub struct EndpointForm {
     ordering: String,
 }
 
-/// `Name: value` lines as pairs; the rules themselves are the app's.
-fn header_lines(raw: &str) -> Result<Vec<(String, String)>, String> {
-    let mut pairs = Vec::new();
-    for (n, line) in raw.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let Some((name, value)) = line.split_once(':') else {
-            return Err(format!("custom headers: line {} has no ':' between a name and its value", n + 1));
-        };
-        pairs.push((name.trim().to_owned(), value.trim().to_owned()));
-    }
-    Ok(pairs)
-}
-
-/// The form's in-flight cap: `None` when left empty.
-fn in_flight_field(raw: &str) -> Result<Option<u32>, String> {
-    let raw = raw.trim();
-    if raw.is_empty() {
-        return Ok(None);
-    }
-    raw.parse().map(Some).map_err(|_| format!("max requests at once must be a whole number from 1 to 1000, got {:?}", raw))
-}
-
-/// The rate limit's two fields: an empty rate is none (the burst then
-/// does not matter); an empty burst is the default.
-fn rate_fields(per_second: &str, burst: &str) -> Result<Option<(u32, u32)>, String> {
-    let (per_second, burst) = (per_second.trim(), burst.trim());
-    if per_second.is_empty() {
-        return Ok(None);
-    }
-    let rate = per_second
-        .parse()
-        .map_err(|_| format!("rate limit: requests a second must be a whole number from 1 to 10000, got {per_second:?}"))?;
-    let burst = if burst.is_empty() {
-        0
-    } else {
-        burst.parse().map_err(|_| format!("rate limit: burst must be a whole number from 1 to 10000, got {burst:?}"))?
-    };
-    Ok(Some((rate, burst)))
-}
-
-fn split_types(raw: &str) -> Vec<String> {
-    raw.split([',', '\n', '\r']).map(str::trim).filter(|t| !t.is_empty()).map(str::to_owned).collect()
-}
-
 struct SchemeChoice {
     value: &'static str,
     selected: bool,
@@ -227,6 +187,14 @@ struct NewForm {
     rate_per_second: String,
     rate_burst: String,
     ordering: String,
+    /// The catalogue's type names, offered beside the event types.
+    catalogue: Vec<String>,
+}
+
+/// The catalogue's type names, for the forms (none if it cannot be read:
+/// the form works without them).
+async fn catalogue_names(app: &App, s: &PortalSession) -> Vec<String> {
+    app.list_event_types(s.tenant).await.map(|types| types.into_iter().map(|t| t.name).collect()).unwrap_or_default()
 }
 
 pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
@@ -248,6 +216,7 @@ pub async fn new_form(State(app): State<App>, headers: HeaderMap) -> Response {
             rate_per_second: String::new(),
             rate_burst: String::new(),
             ordering: String::new(),
+            catalogue: catalogue_names(&app, &s).await,
         },
     )
 }
@@ -276,6 +245,7 @@ fn secret_page(s: &PortalSession, heading: &'static str, endpoint: Endpoint, sec
 
 pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Response {
     let Posted { session: s, form, .. } = posted;
+    let catalogue = catalogue_names(&app, &s).await;
     let refused = |form: EndpointForm, error: String| {
         html(
             StatusCode::BAD_REQUEST,
@@ -291,6 +261,7 @@ pub async fn create(State(app): State<App>, posted: Posted<EndpointForm>) -> Res
                 rate_per_second: form.rate_per_second,
                 rate_burst: form.rate_burst,
                 ordering: form.ordering,
+                catalogue: catalogue.clone(),
             },
         )
     };
@@ -349,6 +320,7 @@ struct Show {
     held: Vec<HeldView>,
     error: Option<String>,
     notice: Option<&'static str>,
+    catalogue: Vec<String>,
 }
 
 pub(super) async fn show_page(
@@ -381,6 +353,7 @@ pub(super) async fn show_page(
             held: held.into_iter().map(Into::into).collect(),
             error,
             notice,
+            catalogue: catalogue_names(app, s).await,
         },
     )
 }

@@ -202,6 +202,8 @@ struct Show {
     frame: Frame,
     id: String,
     event_type: String,
+    /// Whether its type is in the catalogue (the type links to it).
+    in_catalogue: bool,
     created_at: String,
     /// Its ordering key and number in the key's publish order; empty: none.
     ordering: String,
@@ -285,16 +287,18 @@ pub async fn show(State(app): State<App>, headers: HeaderMap, Path(id): Path<Str
         }
         Err(e) => return failed(e),
     };
-    let (deliveries, endpoints) = match tokio::try_join!(app.list_event_deliveries(s.tenant, id), app.list_endpoints(s.tenant)) {
-        Ok(both) => both,
-        Err(e) => return failed(e),
-    };
+    let (deliveries, endpoints, types) =
+        match tokio::try_join!(app.list_event_deliveries(s.tenant, id), app.list_endpoints(s.tenant), app.list_event_types(s.tenant)) {
+            Ok(all) => all,
+            Err(e) => return failed(e),
+        };
     let urls: HashMap<EndpointId, String> = endpoints.into_iter().map(|e| (e.id, e.url)).collect();
     html(
         StatusCode::OK,
         Show {
             frame: Frame::new(&s, Section::Events),
             id: event.id.to_string(),
+            in_catalogue: types.iter().any(|t| t.name == event.event_type),
             event_type: event.event_type,
             created_at: when(event.created_at),
             ordering: event

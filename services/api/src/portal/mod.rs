@@ -17,10 +17,12 @@
 //! headers.
 
 mod auth_view;
+mod catalogue;
 mod chart;
 mod dead_letters;
 mod endpoints;
 mod events;
+mod fields;
 mod form;
 mod page;
 mod receiver_auth;
@@ -72,6 +74,7 @@ pub fn routes(app: App) -> Router {
         .route("/portal/events", get(events::list))
         .route("/portal/events/{id}", get(events::show))
         .route("/portal/dead-letters", get(dead_letters::list))
+        .route("/portal/event-types", get(catalogue::list))
         .route("/portal/dead-letters/{id}/replay", post(dead_letters::replay))
         .route("/portal/assets/portal.css", get(|| async { page(StatusCode::OK, "text/css; charset=utf-8", STYLESHEET.to_owned()) }))
         .route("/portal/assets/portal.js", get(|| async { page(StatusCode::OK, "text/javascript; charset=utf-8", SCRIPT.to_owned()) }))
@@ -92,6 +95,7 @@ pub enum Section {
     Endpoints,
     Events,
     DeadLetters,
+    Catalogue,
 }
 
 /// What every page's frame needs: the session's CSRF token (the sign-out
