@@ -2,6 +2,7 @@
 //! delivery relay → NATS DELIVERIES → dispatcher → Material → signed POST →
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
+mod admission;
 mod catalogue;
 mod claims;
 mod cli;

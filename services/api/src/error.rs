@@ -12,6 +12,10 @@ pub enum ErrorCode {
     NotFound,
     AlreadyExists,
     FailedPrecondition,
+    /// Over a limit: retry after this many seconds (at least 1).
+    ResourceExhausted {
+        retry_after_secs: u64,
+    },
     Unavailable,
     Internal,
 }
@@ -55,6 +59,12 @@ impl AppError {
 
     pub fn precondition(reason: Reason, message: impl Into<String>) -> Self {
         Self::new(ErrorCode::FailedPrecondition, reason, message)
+    }
+
+    /// Over a limit; `retry_after` is when the same request would pass.
+    pub fn exhausted(reason: Reason, message: impl Into<String>, retry_after: std::time::Duration) -> Self {
+        let retry_after_secs = retry_after.as_secs() + u64::from(retry_after.subsec_nanos() > 0);
+        Self::new(ErrorCode::ResourceExhausted { retry_after_secs: retry_after_secs.max(1) }, reason, message)
     }
 
     pub fn internal(source: anyhow::Error) -> Self {

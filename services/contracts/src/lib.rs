@@ -15,6 +15,9 @@ pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "
 /// form, one of `relay_domain::Reason` (`endpoint_quota_exceeded`, ...). The REST
 /// facade copies it into the JSON error body.
 pub const ERROR_REASON_METADATA: &str = "relay-error-reason";
+/// On a RESOURCE_EXHAUSTED status: seconds until the same request would
+/// pass (REST sends it as Retry-After).
+pub const RETRY_AFTER_METADATA: &str = "retry-after";
 
 /// Response metadata by which a tenant method tells the REST facade its
 /// success status when that depends on the request (a dry run's 200 where

@@ -132,6 +132,11 @@ catalogue! {
     EventTypeExists = "event_type_exists",
     /// A catalogue at its 1,000 types.
     CatalogueFull = "catalogue_full",
+    /// A publish over its environment's publish limit; retry after the
+    /// pause the answer names (Retry-After).
+    PublishRateLimited = "publish_rate_limited",
+    /// A publish limit outside 1–10,000 a second (burst 1–10,000).
+    PublishLimitOutOfRange = "publish_limit_out_of_range",
 
     // Endpoints and environments.
     /// An endpoint URL refused by the address rules (https, public addresses).

@@ -104,6 +104,24 @@ impl App {
             .ok_or_else(|| AppError::not_found("environment"))
     }
 
+    /// Sets how fast an environment may publish (`per_second` 0: no limit);
+    /// the limit and its burst as they now are. This api applies it at once,
+    /// the others within `catalogue::FRESH`.
+    pub async fn set_publish_limit(&self, environment_id: EnvironmentId, per_second: u32, burst: u32) -> AppResult<(u32, u32)> {
+        let limit = if per_second == 0 {
+            None
+        } else {
+            let l = relay_domain::rate::RateLimit::new(per_second, burst)
+                .map_err(|m| AppError::invalid(Reason::PublishLimitOutOfRange, m.replace("rate_limit.", "")))?;
+            Some((l.per_second() as i32, l.burst() as i32))
+        };
+        if !db::environments::set_publish_limit(&self.db, environment_id, limit).await? {
+            return Err(AppError::not_found("environment"));
+        }
+        self.forget_environment(environment_id);
+        Ok(limit.map_or((0, 0), |(r, b)| (r as u32, b as u32)))
+    }
+
     pub async fn create_api_key(&self, environment_id: EnvironmentId, name: &str) -> AppResult<(ApiKey, ApiKeySecret)> {
         let name = check_name("name", name)?;
         let minted = apikeys::mint();

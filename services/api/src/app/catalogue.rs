@@ -1,5 +1,6 @@
 //! The event catalogue (`relay_domain::catalogue`): its entries kept, and
-//! every publish checked against it. Each api keeps, per environment, what a
+//! every publish checked against it (and admitted, if its environment has a
+//! publish limit). Each api keeps, per environment, what a
 //! publish needs (whether known types are required; each type's compiled
 //! schema) for at most [`FRESH`]; a change made through this api applies to
 //! its next publish at once, through another api within [`FRESH`]. A schema
@@ -31,6 +32,8 @@ const KEPT_ENVIRONMENTS: usize = 10_000;
 struct Known {
     read_at: Instant,
     require_known: bool,
+    /// An operator limits how fast it publishes (see `App::admit_publish`).
+    publish_limited: bool,
     /// Each type's revision and compiled schema (`None`: not checked).
     types: HashMap<String, (i64, Option<Arc<EventSchema>>)>,
 }
@@ -225,6 +228,29 @@ impl App {
         ))
     }
 
+    /// Admission control: a publish to an environment with a publish limit
+    /// takes one from its gate, shared by every api, or is refused with
+    /// when to retry. An environment without one (the default) costs no
+    /// statement: whether it has one is read with its catalogue.
+    pub(crate) async fn admit_publish(&self, env: EnvironmentId) -> AppResult<()> {
+        if !self.known_catalogue(env).await?.publish_limited {
+            return Ok(());
+        }
+        match db::environments::take_publish(&self.db, env).await? {
+            Ok(()) => Ok(()),
+            Err(wait) => Err(AppError::exhausted(
+                Reason::PublishRateLimited,
+                format!("this environment's publish limit is reached; nothing was written; retry in {} ms", wait.as_millis().max(1)),
+                wait,
+            )),
+        }
+    }
+
+    /// Forgets what this api read of an environment (its limit changed).
+    pub(crate) fn forget_environment(&self, env: EnvironmentId) {
+        self.catalogues.forget(env);
+    }
+
     /// Whether subscribing to `types` is allowed: in an environment that
     /// requires known types, each must be in the catalogue.
     pub(crate) async fn check_subscriptions(&self, env: EnvironmentId, types: &[String]) -> AppResult<()> {
@@ -273,7 +299,7 @@ impl App {
             };
             types.insert(name, (revision, compiled));
         }
-        let known = Arc::new(Known { read_at, require_known: snapshot.require_known, types });
+        let known = Arc::new(Known { read_at, require_known: snapshot.require_known, publish_limited: snapshot.publish_limited, types });
         let mut map = self.catalogues.known.lock().expect("unpoisoned");
         if map.len() >= KEPT_ENVIRONMENTS {
             map.clear();

@@ -196,6 +196,9 @@ impl App {
         // are unique per environment, so a conflict is this tenant's own
         // earlier publish of the same id. The relays continue this trace
         // from the row.
+        // Last of the checks: a request refused for its content takes
+        // nothing from the environment's publish limit.
+        self.admit_publish(tenant.environment_id).await?;
         let trace_context = relay_telemetry::current_traceparent();
         let new = NewEvent {
             id: event_id,

@@ -86,3 +86,47 @@ pub async fn forget_operations_endpoint(tx: &mut sqlx::PgConnection, endpoint_id
         .await?;
     Ok(())
 }
+
+/// Sets (or, with `None`, removes) the environment's publish limit, its
+/// gate starting afresh; `false` if there is no such environment.
+pub async fn set_publish_limit(db: &PgPool, id: EnvironmentId, limit: Option<(i32, i32)>) -> AppResult<bool> {
+    let done = sqlx::query!(
+        "UPDATE environments SET publish_per_second = $2, publish_burst = $3, publish_tat = NULL WHERE id = $1",
+        id as _,
+        limit.map(|l| l.0),
+        limit.map(|l| l.1),
+    )
+    .execute(db)
+    .await?;
+    Ok(done.rows_affected() > 0)
+}
+
+/// Takes one publish from the environment's gate (GCRA, see
+/// `relay_domain::rate`): `Ok` if it passes (or the environment has no
+/// limit), else how long until one would. One statement, under the
+/// environment row's lock, so every api shares the gate.
+pub async fn take_publish(db: &PgPool, id: EnvironmentId) -> AppResult<Result<(), std::time::Duration>> {
+    let row = sqlx::query!(
+        r#"WITH gate AS (
+             SELECT id, publish_per_second IS NULL AS unlimited,
+                    make_interval(secs => 1.0 / publish_per_second) AS step,
+                    make_interval(secs => (publish_burst - 1)::float8 / publish_per_second) AS slack
+             FROM environments WHERE id = $1),
+           taken AS (
+             UPDATE environments e SET publish_tat = greatest(coalesce(e.publish_tat, now()), now()) + g.step
+             FROM gate g
+             WHERE e.id = g.id AND NOT g.unlimited AND greatest(coalesce(e.publish_tat, now()), now()) <= now() + g.slack
+             RETURNING 1)
+         SELECT (SELECT unlimited FROM gate) AS unlimited,
+                EXISTS (SELECT 1 FROM taken) AS "taken!",
+                (SELECT extract(epoch FROM e.publish_tat - g.slack - now())::float8 FROM environments e, gate g WHERE e.id = g.id) AS wait_secs"#,
+        id as _,
+    )
+    .fetch_one(db)
+    .await?;
+    if row.taken || row.unlimited.unwrap_or(true) {
+        return Ok(Ok(()));
+    }
+    let wait = row.wait_secs.unwrap_or(0.0).clamp(0.001, 3600.0);
+    Ok(Err(std::time::Duration::from_secs_f64(wait)))
+}

@@ -113,16 +113,20 @@ pub async fn set_require_known(db: &PgPool, env: EnvironmentId, require: bool) -
     Ok(())
 }
 
-/// What a publish needs of an environment's catalogue: whether it requires
-/// known types, and each type's revision and schema.
+/// What a publish needs of its environment: whether it requires known
+/// types, whether it has a publish limit, and each type's revision and
+/// schema.
 pub struct Snapshot {
     pub require_known: bool,
+    /// Whether the environment has a publish limit (admission control).
+    pub publish_limited: bool,
     pub types: Vec<(String, i64, Option<String>)>,
 }
 
 pub async fn snapshot(db: &PgPool, env: EnvironmentId) -> AppResult<Snapshot> {
     let rows = sqlx::query!(
-        r#"SELECT e.require_known_event_types AS "require_known!", t.name AS "name?", t.revision AS "revision?", t.schema
+        r#"SELECT e.require_known_event_types AS "require_known!", e.publish_per_second IS NOT NULL AS "publish_limited!",
+                  t.name AS "name?", t.revision AS "revision?", t.schema
            FROM environments e LEFT JOIN event_types t ON t.environment_id = e.id
            WHERE e.id = $1"#,
         env as _,
@@ -130,8 +134,9 @@ pub async fn snapshot(db: &PgPool, env: EnvironmentId) -> AppResult<Snapshot> {
     .fetch_all(db)
     .await?;
     let require_known = rows.first().is_some_and(|r| r.require_known);
+    let publish_limited = rows.first().is_some_and(|r| r.publish_limited);
     let types = rows.into_iter().filter_map(|r| Some((r.name?, r.revision?, r.schema))).collect();
-    Ok(Snapshot { require_known, types })
+    Ok(Snapshot { require_known, publish_limited, types })
 }
 
 /// Which of `names` the environment's catalogue lacks.

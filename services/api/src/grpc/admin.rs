@@ -85,6 +85,13 @@ impl AdminService for AdminApi {
         Ok(Response::new(pb::SetDisablePolicyResponse { environment: Some(environment(env)) }))
     }
 
+    async fn set_publish_limit(&self, req: Request<pb::SetPublishLimitRequest>) -> Result<Response<pb::SetPublishLimitResponse>, Status> {
+        let r = req.into_inner();
+        let (per_second, burst) =
+            self.app.set_publish_limit(id("environment_id", &r.environment_id)?, r.per_second, r.burst).await.map_err(status)?;
+        Ok(Response::new(pb::SetPublishLimitResponse { per_second, burst }))
+    }
+
     async fn recover_endpoint(&self, req: Request<pb::RecoverEndpointRequest>) -> Result<Response<pb::RecoverEndpointResponse>, Status> {
         let r = req.get_ref();
         let (would_recover, operation_id, _) =

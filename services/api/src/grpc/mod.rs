@@ -31,6 +31,7 @@ pub fn status(e: AppError) -> Status {
         ErrorCode::NotFound => Code::NotFound,
         ErrorCode::AlreadyExists => Code::AlreadyExists,
         ErrorCode::FailedPrecondition => Code::FailedPrecondition,
+        ErrorCode::ResourceExhausted { .. } => Code::ResourceExhausted,
         ErrorCode::Unavailable => Code::Unavailable,
         ErrorCode::Internal => Code::Internal,
     };
@@ -40,6 +41,9 @@ pub fn status(e: AppError) -> Status {
     let mut st = Status::new(code, crate::error::bounded(&e.message));
     if let Ok(v) = e.reason.as_str().parse() {
         st.metadata_mut().insert(ERROR_REASON_METADATA, v);
+    }
+    if let ErrorCode::ResourceExhausted { retry_after_secs } = e.code {
+        st.metadata_mut().insert(relay_contracts::RETRY_AFTER_METADATA, retry_after_secs.into());
     }
     st
 }

@@ -44,6 +44,7 @@ pub fn failed(e: AppError) -> Response {
         ErrorCode::InvalidArgument | ErrorCode::FailedPrecondition => StatusCode::BAD_REQUEST,
         ErrorCode::NotFound => StatusCode::NOT_FOUND,
         ErrorCode::AlreadyExists => StatusCode::CONFLICT,
+        ErrorCode::ResourceExhausted { .. } => StatusCode::TOO_MANY_REQUESTS,
         ErrorCode::Unavailable => return unavailable(),
         ErrorCode::Internal => {
             tracing::error!(error = ?e, "a portal page failed");

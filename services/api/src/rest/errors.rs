@@ -57,7 +57,12 @@ pub fn status_response(st: &Status) -> Response {
     // (tonic's own) gets its code's.
     let reason = st.metadata().get(ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).and_then(Reason::parse);
     let reason = reason.unwrap_or_else(|| default_reason(st.code()));
-    error_response(http_status(st.code()), st.code(), reason, st.message())
+    let mut resp = error_response(http_status(st.code()), st.code(), reason, st.message());
+    // A limit says when the same request would pass.
+    if let Some(secs) = st.metadata().get(relay_contracts::RETRY_AFTER_METADATA).and_then(|v| v.to_str().ok()?.parse::<u64>().ok()) {
+        resp.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(secs));
+    }
+    resp
 }
 
 fn default_reason(code: Code) -> Reason {
