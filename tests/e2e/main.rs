@@ -34,6 +34,7 @@ mod schemes;
 mod security;
 mod sending;
 mod ssrf;
+mod statistics;
 mod switch_off;
 mod traces;
 

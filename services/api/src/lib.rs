@@ -137,6 +137,13 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             Ok(())
         });
     }
+    // Every api: the first pass runs at start, after the migrations.
+    let statistics = relay::upkeep::Statistics { app: app.clone(), never: Default::default() };
+    let stop = stop_rx.clone();
+    tasks.spawn(async move {
+        relay::drive(&statistics, stop).await;
+        Ok(())
+    });
     let retention = relay::upkeep::Retention {
         app: app.clone(),
         every: cfg.retention.prune_every,

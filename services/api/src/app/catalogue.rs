@@ -283,10 +283,22 @@ impl App {
         let read_at = Instant::now();
         let snapshot = db::event_types::snapshot(&self.db, env).await?;
         let mut types = HashMap::with_capacity(snapshot.types.len());
-        for (name, revision, schema) in snapshot.types {
-            let compiled = match before.as_ref().and_then(|k| k.types.get(&name)).filter(|(r, _)| *r == revision) {
-                Some((_, same)) => same.clone(),
-                None => match schema.as_deref().map(EventSchema::compile).transpose() {
+        let mut unread = Vec::new();
+        for (name, revision, has_schema) in snapshot.types {
+            match before.as_ref().and_then(|k| k.types.get(&name)).filter(|(r, _)| *r == revision) {
+                Some((_, same)) => {
+                    types.insert(name, (revision, same.clone()));
+                }
+                None if !has_schema => {
+                    types.insert(name, (revision, None));
+                }
+                None => unread.push(name),
+            }
+        }
+        // Only schemas whose revision is new to this api are read and compiled.
+        if !unread.is_empty() {
+            for (name, revision, schema) in db::event_types::schemas(&self.db, env, &unread).await? {
+                let compiled = match schema.as_deref().map(EventSchema::compile).transpose() {
                     Ok(s) => s.map(Arc::new),
                     // Stored schemas compiled when stored; one that no longer
                     // does (a newer crate's stricter rules) checks nothing
@@ -295,9 +307,9 @@ impl App {
                         tracing::warn!(environment_id = %env, event_type = %name, error = %e, "a stored schema no longer compiles; its type's publishes go unchecked");
                         None
                     }
-                },
-            };
-            types.insert(name, (revision, compiled));
+                };
+                types.insert(name, (revision, compiled));
+            }
         }
         let known = Arc::new(Known { read_at, require_known: snapshot.require_known, publish_limited: snapshot.publish_limited, types });
         let mut map = self.catalogues.known.lock().expect("unpoisoned");

@@ -23,6 +23,7 @@ pub mod operational;
 mod outcomes;
 pub mod portal;
 mod refill;
+mod statistics;
 
 use std::sync::Arc;
 

@@ -115,18 +115,19 @@ pub async fn set_require_known(db: &PgPool, env: EnvironmentId, require: bool) -
 
 /// What a publish needs of its environment: whether it requires known
 /// types, whether it has a publish limit, and each type's revision and
-/// schema.
+/// whether it has a schema (the schemas themselves are read by
+/// [`schemas`], only when their revision is new to the reader).
 pub struct Snapshot {
     pub require_known: bool,
     /// Whether the environment has a publish limit (admission control).
     pub publish_limited: bool,
-    pub types: Vec<(String, i64, Option<String>)>,
+    pub types: Vec<(String, i64, bool)>,
 }
 
 pub async fn snapshot(db: &PgPool, env: EnvironmentId) -> AppResult<Snapshot> {
     let rows = sqlx::query!(
         r#"SELECT e.require_known_event_types AS "require_known!", e.publish_per_second IS NOT NULL AS "publish_limited!",
-                  t.name AS "name?", t.revision AS "revision?", t.schema
+                  t.name AS "name?", t.revision AS "revision?", t.schema IS NOT NULL AS "has_schema?"
            FROM environments e LEFT JOIN event_types t ON t.environment_id = e.id
            WHERE e.id = $1"#,
         env as _,
@@ -135,8 +136,17 @@ pub async fn snapshot(db: &PgPool, env: EnvironmentId) -> AppResult<Snapshot> {
     .await?;
     let require_known = rows.first().is_some_and(|r| r.require_known);
     let publish_limited = rows.first().is_some_and(|r| r.publish_limited);
-    let types = rows.into_iter().filter_map(|r| Some((r.name?, r.revision?, r.schema))).collect();
+    let types = rows.into_iter().filter_map(|r| Some((r.name?, r.revision?, r.has_schema?))).collect();
     Ok(Snapshot { require_known, publish_limited, types })
+}
+
+/// The schemas of these types, with their revisions.
+pub async fn schemas(db: &PgPool, env: EnvironmentId, names: &[String]) -> AppResult<Vec<(String, i64, Option<String>)>> {
+    let rows =
+        sqlx::query!("SELECT name, revision, schema FROM event_types WHERE environment_id = $1 AND name = ANY ($2)", env as _, names,)
+            .fetch_all(db)
+            .await?;
+    Ok(rows.into_iter().map(|r| (r.name, r.revision, r.schema)).collect())
 }
 
 /// Which of `names` the environment's catalogue lacks.

@@ -107,6 +107,7 @@ pub mod operations;
 pub mod portal;
 pub mod primary;
 pub mod retention;
+pub mod statistics;
 
 /// A duration as a statement's interval parameter.
 pub fn interval(d: Duration) -> crate::error::AppResult<sqlx::postgres::types::PgInterval> {

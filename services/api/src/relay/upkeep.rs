@@ -1,8 +1,9 @@
 //! The api's upkeep, each on the relays' pass loop ([`super::drive`]): the
 //! dead-letter announcer, the retention work (dead letters and events past
 //! retention, held deliveries past their bound, expired claims, old
-//! statistics, portal links), the portal's chart sums, and the sweep of
-//! ordered endpoints' lanes left without a head.
+//! statistics, portal links), the portal's chart sums, the sweep of
+//! ordered endpoints' lanes left without a head, and the planner's
+//! statistics of the hot tables.
 
 use std::{
     sync::{Mutex, atomic::AtomicI64},
@@ -189,6 +190,36 @@ impl super::Pass for LaneSweep {
 
     async fn drain_once(&self) -> Result<usize> {
         self.app.sweep_lanes().await?;
+        Ok(0)
+    }
+}
+
+/// The statistics keeper (`db::statistics`): every [`STATISTICS_EVERY`],
+/// the hot tables never analysed or grown tenfold are analysed.
+pub struct Statistics {
+    pub app: App,
+    pub never: Wake,
+}
+
+pub const STATISTICS_EVERY: Duration = Duration::from_secs(5);
+
+impl super::Pass for Statistics {
+    const FAILING: &'static str = "the planner keeps the statistics it has";
+
+    fn batch(&self) -> usize {
+        usize::MAX
+    }
+
+    fn wake(&self) -> &Wake {
+        &self.never
+    }
+
+    async fn idle_for(&self) -> Duration {
+        STATISTICS_EVERY
+    }
+
+    async fn drain_once(&self) -> Result<usize> {
+        self.app.keep_statistics().await?;
         Ok(0)
     }
 }
