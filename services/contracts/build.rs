@@ -15,6 +15,7 @@ const SECRET_BEARING: &[&str] = &[
     ".relay.dispatch.v1.MaterialResponse",
     ".relay.dispatch.v1.OAuth2ClientCredentials",
     ".relay.tenant.v1.OAuth2ClientCredentials",
+    ".relay.tenant.v1.ListenReady",
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -33,6 +34,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "relay/tenant/v1/dead_letters.proto",
         "relay/tenant/v1/portal.proto",
         "relay/tenant/v1/event_types.proto",
+        "relay/tenant/v1/listen.proto",
         "relay/admin/v1/admin.proto",
         "relay/dispatch/v1/dispatch.proto",
         "relay/queue/v1/queue.proto",

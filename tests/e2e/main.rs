@@ -16,6 +16,7 @@ mod faults;
 mod filters;
 mod health;
 mod in_flight;
+mod listen;
 mod oauth2;
 mod operations;
 mod ordered_delivery;

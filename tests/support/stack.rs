@@ -124,6 +124,8 @@ impl Stack {
                 dead_letters: Duration::from_secs(7 * 24 * 3600),
                 prune_every: Duration::from_millis(200),
                 events: Duration::from_secs(30 * 24 * 3600),
+                // Short, so a test sees a listener's endpoint go.
+                listener_grace: Duration::from_secs(2),
             },
             tenant_work_deadline: opts.tenant_work_deadline,
             public_url: format!("http://{}", addrs.rest),

@@ -97,6 +97,10 @@ pub struct RetentionSettings {
     /// How long an event, its deliveries and its attempt log are kept once
     /// every delivery has ended (`RELAY_RETENTION_DAYS`).
     pub events: Duration,
+    /// How long a listener's endpoint (relay-dev listen) outlives its call
+    /// (`RELAY_LISTEN_GRACE_SECS`): a listener back within it is refused
+    /// until then only if the old call is still alive.
+    pub listener_grace: Duration,
 }
 
 /// Addresses for `main`; tests pass their own listeners to `run`.
@@ -204,6 +208,7 @@ impl ApiConfig {
                 dead_letters: Duration::from_secs(7 * 24 * 3600),
                 prune_every: Duration::from_secs(600),
                 events: Duration::from_secs(env.number::<u64>("RELAY_RETENTION_DAYS", 8..=3650)? * 24 * 3600),
+                listener_grace: Duration::from_secs(env.number::<u64>("RELAY_LISTEN_GRACE_SECS", 1..=3600)?),
             },
             tenant_work_deadline: crate::detach::TENANT_WORK_DEADLINE,
             public_url: match env.string("RELAY_PUBLIC_URL") {

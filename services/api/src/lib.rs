@@ -144,6 +144,12 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         relay::drive(&statistics, stop).await;
         Ok(())
     });
+    let listener_sweep = relay::upkeep::ListenerSweep { app: app.clone(), grace: cfg.retention.listener_grace, never: Default::default() };
+    let stop = stop_rx.clone();
+    tasks.spawn(async move {
+        relay::drive(&listener_sweep, stop).await;
+        Ok(())
+    });
     let retention = relay::upkeep::Retention {
         app: app.clone(),
         every: cfg.retention.prune_every,

@@ -12,8 +12,8 @@ use relay_contracts::{
         dispatch::v1::dispatch_service_server::DispatchServiceServer,
         tenant::v1::{
             dead_letter_service_server::DeadLetterServiceServer, event_service_server::EventServiceServer,
-            event_type_service_server::EventTypeServiceServer, portal_service_server::PortalServiceServer,
-            webhook_endpoint_service_server::WebhookEndpointServiceServer,
+            event_type_service_server::EventTypeServiceServer, listen_service_server::ListenServiceServer,
+            portal_service_server::PortalServiceServer, webhook_endpoint_service_server::WebhookEndpointServiceServer,
         },
     },
 };
@@ -56,7 +56,9 @@ pub async fn all(
     health.set_serving::<EventTypeServiceServer<TenantApi>>().await;
     health.set_serving::<DispatchServiceServer<DispatchApi>>().await;
     health.set_serving::<AdminServiceServer<AdminApi>>().await;
-    tenant_grpc(tasks, &tenant, health_svc.clone(), cfg, listeners.grpc, stop)?;
+    let names = relay_contracts::StreamNames::new(&cfg.broker.stream_prefix).map_err(anyhow::Error::msg)?;
+    let listen = grpc::listen::ListenApi { app: app.clone(), nats: js.client(), names };
+    tenant_grpc(tasks, &tenant, listen, health_svc.clone(), cfg, listeners.grpc, stop)?;
     internal_grpc(tasks, app, &tenant, health_svc, cfg, listeners.internal, stop)?;
     rest_facade(tasks, app, js, &tenant, cfg, listeners.rest, stop)?;
     if let Some(listener) = listeners.metrics {
@@ -112,6 +114,7 @@ fn reflection(services: &[&str]) -> tonic_reflection::server::Builder<'static> {
 fn tenant_grpc<H>(
     tasks: &mut Tasks,
     tenant: &TenantApi,
+    listen: grpc::listen::ListenApi,
     health: H,
     cfg: &ApiConfig,
     listener: TcpListener,
@@ -133,6 +136,7 @@ where
         "relay.tenant.v1.DeadLetterService",
         "relay.tenant.v1.PortalService",
         "relay.tenant.v1.EventTypeService",
+        "relay.tenant.v1.ListenService",
     ];
     let admission = std::sync::Arc::new(tokio::sync::Semaphore::new(grpc::TENANT_CALLS_IN_MEMORY));
     let services = TenantServices::new(tenant);
@@ -148,7 +152,8 @@ where
         .add_service(services.events)
         .add_service(services.dead_letters)
         .add_service(services.portal)
-        .add_service(services.catalogue);
+        .add_service(services.catalogue)
+        .add_service(ListenServiceServer::new(listen));
     // Small gRPC frames must not wait for Nagle's algorithm.
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
     let stop = stopped(stop);

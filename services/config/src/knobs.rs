@@ -173,6 +173,12 @@ pub const KNOBS: &[Knob] = &[
         "30",
         "days an event, its deliveries and their attempt log are kept once every delivery has ended (8–3650; longer than a dead letter's 7): the storage bound",
     ),
+    knob(
+        "RELAY_LISTEN_GRACE_SECS",
+        Api,
+        "60",
+        "seconds a listener's endpoint (relay-dev listen) outlives its call before it is deleted, its pending deliveries ending as dead letters listener_gone (1–3600)",
+    ),
     knob("RELAY_SKIP_MIGRATIONS", Api, "false", "do not run the migrations at start-up"),
     knob("RELAY_RUN_RELAYS", Api, "true", "run the outbox and delivery relays in this process (an api can also only serve requests)"),
     knob(

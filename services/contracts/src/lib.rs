@@ -102,6 +102,16 @@ impl fmt::Debug for relay::tenant::v1::RotateWebhookEndpointSecretResponse {
     }
 }
 
+impl fmt::Debug for relay::tenant::v1::ListenReady {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ListenReady")
+            .field("endpoint_id", &self.endpoint_id)
+            .field("secret", &REDACTED)
+            .field("signature_scheme", &self.signature_scheme)
+            .finish()
+    }
+}
+
 impl fmt::Debug for relay::tenant::v1::CreatePortalSessionResponse {
     /// The link carries the one-time token.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -229,6 +239,12 @@ impl StreamNames {
     /// (`relay.queue.v1.SwitchedOff`).
     pub fn switched_off_subject(&self, claimant: &str) -> String {
         format!("{}switched-off.{claimant}", self.prefix)
+    }
+
+    /// The core-NATS subject on which the api holding a `listen`
+    /// endpoint's listener takes its attempts (`relay.queue.v1.ListenAttempt`).
+    pub fn listen_subject(&self, endpoint_id: &str) -> String {
+        format!("{}listen.{endpoint_id}", self.prefix)
     }
 
     /// The broker message id of one event. Event ids are chosen by tenants and

@@ -11,6 +11,8 @@ use axum::{Router, body::Bytes, http::HeaderMap, routing::post};
 use clap::{Parser, Subcommand};
 use relay_webhook_verify::Verifier;
 
+mod listen;
+
 /// Tools for a local Relay: certificates, a first environment, a receiver.
 #[derive(Parser)]
 #[command(name = "relay-dev", version)]
@@ -49,6 +51,24 @@ enum Command {
         /// The new environment's name.
         name: String,
     },
+    /// Receive this environment's webhooks on this machine: a temporary
+    /// endpoint over a call to the api, each delivery forwarded to a local
+    /// URL exactly as a webhook, its answer reported as the attempt's
+    /// outcome. The endpoint goes when this stops.
+    Listen {
+        /// The environment's API key.
+        #[arg(long, env = "RELAY_API_KEY", hide_env_values = true)]
+        api_key: String,
+        /// The api's tenant gRPC address.
+        #[arg(long, env = "RELAY_GRPC_URL", default_value = "http://127.0.0.1:50051")]
+        api: String,
+        /// The event types to receive, comma-separated.
+        #[arg(long, value_delimiter = ',', required = true)]
+        events: Vec<String>,
+        /// Where to send each webhook, e.g. http://localhost:3000/webhooks.
+        #[arg(long)]
+        forward_to: String,
+    },
     /// Print a completion script for a shell (bash, zsh, fish, …) and exit.
     Completions(relay_config::cli::Completions),
 }
@@ -66,6 +86,10 @@ async fn main() -> Result<()> {
             receive(port, given(secret), given(public_key)).await
         }
         Command::Bootstrap { internal_url, certs_dir, name } => bootstrap(&internal_url, certs_dir, &name).await,
+        Command::Listen { api_key, api, events, forward_to } => {
+            let api = if api.contains("://") { api } else { format!("http://{api}") };
+            listen::listen(listen::Args { api_key, api, events, forward_to }).await
+        }
         Command::Completions(c) => {
             c.print::<Cli>("relay-dev")?;
             Ok(())

@@ -100,7 +100,9 @@ async fn checked_url(sender: &Sender, raw: &str) -> Result<url::Url, String> {
 const ORDERING_KEY_ESCAPES: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS.add(b' ').add(b'%');
 
 async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
-    let url = checked_url(sender, &m.url).await?;
+    // A listener's endpoint has no address: its attempts go over the broker.
+    let listen = m.url.starts_with(crate::listen::LISTEN_SCHEME);
+    let url = if listen { None } else { Some(checked_url(sender, &m.url).await?) };
     let scheme = scheme_of(m.signature_scheme)
         .ok_or_else(|| format!("signing: signature scheme {} is newer than this dispatcher", m.signature_scheme))?;
     let secrets: Vec<SigningSecret> = m.secrets.into_iter().map(SigningSecret::new).collect();
@@ -138,6 +140,18 @@ async fn post(sender: &Sender, m: MaterialResponse) -> Result<Answer, String> {
         headers.remove(reqwest::header::AUTHORIZATION);
     }
     let body = bytes::Bytes::from(m.payload);
+    let Some(url) = url else {
+        let route = sender.listen.as_ref().ok_or_else(|| "listener: this dispatcher has no route to listeners".to_owned())?;
+        let attempt = crate::listen::Attempt {
+            endpoint_id: &m.endpoint_id,
+            delivery_id: &m.delivery_id,
+            attempt: m.attempt,
+            generation: m.generation,
+            event_id: &m.event_id,
+        };
+        let answered = crate::listen::send(route, attempt, &headers, body).await?;
+        return Ok(Answer { status: answered.status, body: answered.body, retry_after: None });
+    };
     // Inside a client certificate's overlap, the certificate it replaced.
     let previous = if m.previous_client_identity_pem.is_empty() {
         None

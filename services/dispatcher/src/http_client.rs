@@ -53,6 +53,8 @@ pub struct Sender {
     with_tls: Arc<Mutex<HashMap<[u8; 32], reqwest::Client>>>,
     /// OAuth2 tokens, shared by every lane of this process.
     pub tokens: Arc<crate::oauth2::Tokens>,
+    /// Where attempts to listeners' endpoints go (`crate::listen`).
+    pub listen: Option<Arc<crate::listen::Route>>,
 }
 
 /// How every client is built (so that one with an endpoint's TLS differs
@@ -121,7 +123,16 @@ pub fn build(
 ) -> Result<Sender> {
     let shape = Shape { proxy: proxy.map(str::to_owned), source_address, timeout, receiver_ca };
     let client = builder(&policy, &resolver, &shape, false)?.build().context("building the webhook HTTP client")?;
-    Ok(Sender { client, policy, resolver, via_proxy: proxy.is_some(), shape, with_tls: Arc::default(), tokens: Arc::default() })
+    Ok(Sender {
+        client,
+        policy,
+        resolver,
+        via_proxy: proxy.is_some(),
+        shape,
+        with_tls: Arc::default(),
+        tokens: Arc::default(),
+        listen: None,
+    })
 }
 
 /// A client's common shape; `pinned`: the endpoint brings its own CAs, so

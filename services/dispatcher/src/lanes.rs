@@ -103,7 +103,7 @@ pub(crate) struct LaneSet {
 }
 
 impl LaneSet {
-    pub(crate) fn new(seam: Seam, cfg: &DispatcherConfig, stop: watch::Receiver<bool>) -> Result<Self> {
+    pub(crate) fn new(seam: Seam, cfg: &DispatcherConfig, stop: watch::Receiver<bool>, listen: crate::listen::Route) -> Result<Self> {
         let claim_hold = MATERIAL_FRESH + cfg.attempt_timeout + CLAIM_MARGIN;
         let claimant = uuid::Uuid::new_v4().to_string();
         relay_config::timing::check_claim(claim_hold)?;
@@ -112,7 +112,7 @@ impl LaneSet {
             .as_ref()
             .map(|p| std::fs::read(p).map_err(|e| anyhow::anyhow!("reading RELAY_RECEIVER_CA_FILE {}: {e}", p.display())))
             .transpose()?;
-        let sender = crate::http_client::build(
+        let mut sender = crate::http_client::build(
             Arc::new(cfg.url_policy.clone()),
             cfg.resolver.clone(),
             cfg.egress_proxy.as_deref(),
@@ -120,6 +120,7 @@ impl LaneSet {
             cfg.attempt_timeout,
             receiver_ca,
         )?;
+        sender.listen = Some(Arc::new(listen));
         let shared = Arc::new(LaneShared {
             lanes: Default::default(),
             materials: batch::materials(seam.clone()),

@@ -8,6 +8,7 @@ pub mod config;
 pub mod consume;
 pub mod http_client;
 mod lanes;
+mod listen;
 mod oauth2;
 pub mod seam;
 mod switched_off;
@@ -108,7 +109,8 @@ pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
     let mut tasks = JoinSet::new();
     // One set of lanes: jobs from DELIVERIES and first attempts handed over
     // by expansions queue on the same lane of their endpoint.
-    let lanes = Arc::new(lanes::LaneSet::new(seam.clone(), &cfg, stop_rx.clone())?);
+    let listen = listen::Route { client: client.clone(), names: names.clone(), timeout: cfg.attempt_timeout };
+    let lanes = Arc::new(lanes::LaneSet::new(seam.clone(), &cfg, stop_rx.clone(), listen)?);
     for which in [Consumer::Expand, Consumer::Deliver] {
         let (js, names, seam, cfg, lanes, stop) = (js.clone(), names.clone(), seam.clone(), cfg.clone(), lanes.clone(), stop_rx.clone());
         tasks.spawn(supervise(which, js, names, seam, cfg, lanes, stop));

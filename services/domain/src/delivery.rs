@@ -143,10 +143,13 @@ pub enum DeadLetterReason {
     EndpointDeleted,
     /// Held longer than its environment allows while its endpoint was down.
     EndpointFailing,
+    /// Its endpoint was a listener (relay-dev listen) whose call ended.
+    ListenerGone,
 }
 
 impl DeadLetterReason {
-    pub const ALL: [Self; 4] = [Self::AttemptsExhausted, Self::EndpointDisabled, Self::EndpointDeleted, Self::EndpointFailing];
+    pub const ALL: [Self; 5] =
+        [Self::AttemptsExhausted, Self::EndpointDisabled, Self::EndpointDeleted, Self::EndpointFailing, Self::ListenerGone];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -154,6 +157,7 @@ impl DeadLetterReason {
             Self::EndpointDisabled => "endpoint_disabled",
             Self::EndpointDeleted => "endpoint_deleted",
             Self::EndpointFailing => "endpoint_failing",
+            Self::ListenerGone => "listener_gone",
         }
     }
 
@@ -164,7 +168,7 @@ impl DeadLetterReason {
     /// A switch-off by the tenant: provisional while the attempt in flight
     /// at the switch-off may still report.
     pub fn is_switch_off(self) -> bool {
-        matches!(self, Self::EndpointDisabled | Self::EndpointDeleted)
+        matches!(self, Self::EndpointDisabled | Self::EndpointDeleted | Self::ListenerGone)
     }
 }
 

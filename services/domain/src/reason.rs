@@ -137,6 +137,9 @@ catalogue! {
     PublishRateLimited = "publish_rate_limited",
     /// A publish limit outside 1–10,000 a second (burst 1–10,000).
     PublishLimitOutOfRange = "publish_limit_out_of_range",
+    /// A second listener (relay-dev listen) with an API key whose first is
+    /// still connected.
+    ListenerActive = "listener_active",
 
     // Endpoints and environments.
     /// An endpoint URL refused by the address rules (https, public addresses).

@@ -51,13 +51,13 @@ fn parse_scheme(name: &str) -> AppResult<Scheme> {
 
 /// Signing material minted for a scheme: what is stored (encrypted) and,
 /// for a key pair, the public half.
-struct Minted {
-    stored: SigningSecret,
-    public_key: Option<String>,
+pub(super) struct Minted {
+    pub(super) stored: SigningSecret,
+    pub(super) public_key: Option<String>,
 }
 
 impl Minted {
-    fn for_scheme(scheme: Scheme) -> Self {
+    pub(super) fn for_scheme(scheme: Scheme) -> Self {
         if scheme.is_asymmetric() {
             let (private, public) = mint_ed25519_key_pair();
             Self { stored: private, public_key: Some(public) }
@@ -94,7 +94,7 @@ pub(crate) fn check_event_type(t: &str) -> AppResult<()> {
     Ok(())
 }
 
-fn normalise_event_types(types: &[String]) -> AppResult<Vec<String>> {
+pub(super) fn normalise_event_types(types: &[String]) -> AppResult<Vec<String>> {
     if types.is_empty() {
         return Err(AppError::invalid(Reason::MissingEventTypes, "event_types must list at least one event type"));
     }
@@ -376,17 +376,22 @@ impl App {
     /// attempt of the endpoint can start any more (see
     /// [`App::await_switch_off`]).
     pub async fn delete_endpoint(&self, tenant: Tenant, id: EndpointId) -> AppResult<()> {
-        let held = retry_lost_conflicts(|| self.delete_endpoint_once(tenant, id)).await?;
+        self.delete_endpoint_as(tenant, id, DeadLetterReason::EndpointDeleted).await
+    }
+
+    /// Deletes an endpoint, its pending deliveries ending with `reason`.
+    pub(crate) async fn delete_endpoint_as(&self, tenant: Tenant, id: EndpointId, reason: DeadLetterReason) -> AppResult<()> {
+        let held = retry_lost_conflicts(|| self.delete_endpoint_once(tenant, id, reason)).await?;
         self.await_switch_off(id, held).await;
         Ok(())
     }
 
-    async fn delete_endpoint_once(&self, tenant: Tenant, id: EndpointId) -> AppResult<Vec<HeldClaim>> {
+    async fn delete_endpoint_once(&self, tenant: Tenant, id: EndpointId, reason: DeadLetterReason) -> AppResult<Vec<HeldClaim>> {
         let mut tx = self.db.begin().await?;
         if !db::endpoints::soft_delete(&mut tx, tenant.environment_id, id).await? {
             return Err(AppError::not_found("webhook endpoint"));
         }
-        let held = end_pending_of_endpoint(&mut tx, id, DeadLetterReason::EndpointDeleted).await?;
+        let held = end_pending_of_endpoint(&mut tx, id, reason).await?;
         db::environments::forget_operations_endpoint(&mut tx, id).await?;
         tx.commit().await.context("committing an endpoint deletion")?;
         Ok(held)

@@ -18,6 +18,7 @@ pub mod expansion;
 mod filtering;
 mod gauges;
 mod lanes;
+pub mod listen;
 pub(crate) mod material;
 pub mod operational;
 mod outcomes;

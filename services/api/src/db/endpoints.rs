@@ -20,7 +20,9 @@ pub async fn lock_quota(tx: &mut PgConnection, environment_id: EnvironmentId) ->
 
 pub async fn count_live(tx: &mut PgConnection, environment_id: EnvironmentId) -> AppResult<i64> {
     Ok(sqlx::query_scalar!(
-        r#"SELECT count(*) AS "n!" FROM webhook_endpoints WHERE environment_id = $1 AND deleted_at IS NULL"#,
+        // A listener's endpoint (relay-dev listen) counts against no quota.
+        r#"SELECT count(*) AS "n!" FROM webhook_endpoints e WHERE e.environment_id = $1 AND e.deleted_at IS NULL
+             AND NOT EXISTS (SELECT 1 FROM listeners l WHERE l.endpoint_id = e.id)"#,
         environment_id as _
     )
     .fetch_one(&mut *tx)

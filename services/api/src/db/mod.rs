@@ -102,6 +102,7 @@ pub mod event_types;
 pub mod events;
 pub mod health;
 pub mod keys;
+pub mod listeners;
 pub mod models;
 pub mod operations;
 pub mod portal;

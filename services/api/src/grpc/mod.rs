@@ -4,6 +4,7 @@
 pub mod admin;
 pub mod catalogue;
 pub mod dispatch;
+pub mod listen;
 pub mod tenant;
 
 use relay_contracts::ERROR_REASON_METADATA;

@@ -223,3 +223,31 @@ impl super::Pass for Statistics {
         Ok(0)
     }
 }
+
+/// The listener sweep (`app::listen`): every second, the listeners whose
+/// call ended more than `grace` ago, or whose api died, lose their endpoint.
+pub struct ListenerSweep {
+    pub app: App,
+    pub grace: Duration,
+    pub never: Wake,
+}
+
+impl super::Pass for ListenerSweep {
+    const FAILING: &'static str = "ended listeners keep their endpoints until the next sweep";
+
+    fn batch(&self) -> usize {
+        100
+    }
+
+    fn wake(&self) -> &Wake {
+        &self.never
+    }
+
+    async fn idle_for(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+
+    async fn drain_once(&self) -> Result<usize> {
+        Ok(self.app.sweep_listeners(self.grace).await?)
+    }
+}
