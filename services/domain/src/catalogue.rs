@@ -142,12 +142,6 @@ impl EventSchema {
             .map(|e| Violation { pointer: e.instance_path().as_str().to_owned(), message: e.to_string() })
             .collect()
     }
-
-    /// Checks a catalogue entry's examples (a JSON array as text) against
-    /// this schema, or only their form without one.
-    pub fn check_examples(schema: Option<&Self>, text: &str) -> Result<(), Refusal> {
-        check_examples(schema, text)
-    }
 }
 
 /// `examples`: a JSON array of at most [`MAX_EXAMPLES`] payloads, each

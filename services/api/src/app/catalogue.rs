@@ -29,7 +29,7 @@ pub const FRESH: Duration = Duration::from_secs(1);
 const KEPT_ENVIRONMENTS: usize = 10_000;
 
 /// One environment's catalogue as a publish needs it.
-struct Known {
+pub(crate) struct Known {
     read_at: Instant,
     require_known: bool,
     /// An operator limits how fast it publishes (see `App::admit_publish`).
@@ -195,8 +195,7 @@ impl App {
     /// Refuses a publish of `event_type` the catalogue does not allow: an
     /// unknown type where known ones are required, or a payload that fails
     /// the type's schema (the first violations, with their JSON pointers).
-    pub(crate) async fn check_against_catalogue(&self, env: EnvironmentId, event_type: &str, payload: &str) -> AppResult<()> {
-        let known = self.known_catalogue(env).await?;
+    pub(crate) fn check_against_catalogue(&self, known: &Known, event_type: &str, payload: &str) -> AppResult<()> {
         let Some((_, schema)) = known.types.get(event_type) else {
             if known.require_known {
                 return Err(AppError::invalid(
@@ -232,8 +231,8 @@ impl App {
     /// takes one from its gate, shared by every api, or is refused with
     /// when to retry. An environment without one (the default) costs no
     /// statement: whether it has one is read with its catalogue.
-    pub(crate) async fn admit_publish(&self, env: EnvironmentId) -> AppResult<()> {
-        if !self.known_catalogue(env).await?.publish_limited {
+    pub(crate) async fn admit_publish(&self, env: EnvironmentId, known: &Known) -> AppResult<()> {
+        if !known.publish_limited {
             return Ok(());
         }
         match db::environments::take_publish(&self.db, env).await? {
@@ -275,7 +274,7 @@ impl App {
 
     /// The environment's catalogue as read within [`FRESH`]; read again
     /// (compiling only schemas whose revision changed) when older.
-    async fn known_catalogue(&self, env: EnvironmentId) -> AppResult<Arc<Known>> {
+    pub(crate) async fn known_catalogue(&self, env: EnvironmentId) -> AppResult<Arc<Known>> {
         let before = self.catalogues.known.lock().expect("unpoisoned").get(&env).cloned();
         if let Some(k) = before.as_ref().filter(|k| k.read_at.elapsed() < FRESH) {
             return Ok(k.clone());

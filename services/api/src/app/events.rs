@@ -180,7 +180,9 @@ impl App {
             relay_domain::ordering::check_key(key).map_err(|m| AppError::invalid(Reason::InvalidOrderingKey, m))?;
         }
         let payload = checked_payload(payload)?;
-        self.check_against_catalogue(tenant.environment_id, event_type, payload.get()).await?;
+        // The environment's catalogue and publish limit, read once.
+        let catalogue = self.known_catalogue(tenant.environment_id).await?;
+        self.check_against_catalogue(&catalogue, event_type, payload.get())?;
         let event_id = id.unwrap_or_else(EventId::mint);
         let occurred_at = self.clock.now();
         let envelope = envelope(event_id, event_type, tenant.environment_id, occurred_at, payload)?;
@@ -191,14 +193,15 @@ impl App {
             ));
         }
 
+        // Last of the checks: a request refused for its content takes
+        // nothing from the environment's publish limit.
+        self.admit_publish(tenant.environment_id, &catalogue).await?;
+
         // The event row is the outbox row: one insert, through the publish
         // batcher (concurrent publishes share its statements and commits). Ids
         // are unique per environment, so a conflict is this tenant's own
         // earlier publish of the same id. The relays continue this trace
         // from the row.
-        // Last of the checks: a request refused for its content takes
-        // nothing from the environment's publish limit.
-        self.admit_publish(tenant.environment_id).await?;
         let trace_context = relay_telemetry::current_traceparent();
         let new = NewEvent {
             id: event_id,
