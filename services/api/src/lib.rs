@@ -137,7 +137,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
             Ok(())
         });
     }
-    // Every api: the first pass runs at start, after the migrations.
+    // Every api (one analyses at a time); the first pass runs at start.
     let statistics = relay::upkeep::Statistics { app: app.clone(), never: Default::default() };
     let stop = stop_rx.clone();
     tasks.spawn(async move {

@@ -1,12 +1,13 @@
 //! The planner's statistics of the hot tables, kept by the api itself.
 //! Postgres's autovacuum analyses a table once a tenth of it has changed,
 //! but a database may run without it (these machines ship with it off), and
-//! a new installation starts with tables never analysed: its plans are then
-//! made for tables of a few rows and kept as they grow. So the api analyses
-//! a hot table that was never analysed (at start, after the migrations,
-//! while it is still small) and one that has grown tenfold since it last
-//! was; one api at a time (an advisory lock), never the same table twice
-//! at once.
+//! a new installation's tables are never analysed at all: the planner
+//! assumes ten pages for those, but once one has been analysed small it
+//! believes it small (an empty table costs nothing to scan whole) until the
+//! next analysis, and the generic plans made then stay. So the api analyses
+//! a hot table once it holds 1,000 rows and again each time it has doubled
+//! since its last analysis (never one still small: that is the trap); one
+//! api at a time (an advisory lock), never the same table twice at once.
 
 use sqlx::PgPool;
 
@@ -27,22 +28,21 @@ pub const HOT_TABLES: &[&str] = &[
     "event_types",
 ];
 
-/// A table grown past this many rows since its last analysis, and this
-/// many times the rows it had then, is analysed again.
+/// A table past this many rows, and this many times the rows it had at its
+/// last analysis (none: 0), is analysed.
 const GROWN_ROWS: f32 = 1_000.0;
-const GROWN_FACTOR: f32 = 10.0;
+const GROWN_FACTOR: f32 = 2.0;
 
 /// The advisory lock the api that analyses holds (any other skips its turn).
 const LOCK_KEY: i64 = 0x7265_6c61_795f_7374; // "relay_st"
 
-/// Hot tables never analysed, or grown tenfold since.
+/// Hot tables past 1,000 rows and doubled since their last analysis.
 pub async fn stale(db: &PgPool) -> AppResult<Vec<String>> {
     let tables: Vec<String> = HOT_TABLES.iter().map(|t| (*t).to_owned()).collect();
     Ok(sqlx::query_scalar!(
         r#"SELECT s.relname AS "relname!" FROM pg_stat_user_tables s JOIN pg_class c ON c.oid = s.relid
            WHERE s.schemaname = current_schema() AND s.relname = ANY ($1)
-             AND ((s.last_analyze IS NULL AND s.last_autoanalyze IS NULL)
-                  OR s.n_live_tup > greatest($2, $3 * greatest(c.reltuples, 0)))
+             AND s.n_live_tup > greatest($2, $3 * greatest(c.reltuples, 0))
            ORDER BY s.relname"#,
         &tables,
         GROWN_ROWS,

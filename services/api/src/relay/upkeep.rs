@@ -195,7 +195,7 @@ impl super::Pass for LaneSweep {
 }
 
 /// The statistics keeper (`db::statistics`): every [`STATISTICS_EVERY`],
-/// the hot tables never analysed or grown tenfold are analysed.
+/// the hot tables past 1,000 rows that have doubled are analysed.
 pub struct Statistics {
     pub app: App,
     pub never: Wake,
