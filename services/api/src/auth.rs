@@ -36,15 +36,29 @@ pub async fn tenant_from_header(app: &App, value: Option<&http::HeaderValue>) ->
     tenant_from_credential(app, value.map(|v| v.as_bytes())).await
 }
 
-async fn tenant_from_credential(app: &App, value: Option<&[u8]>) -> Result<Tenant, Status> {
+/// The API key an `Authorization` header value presents.
+fn presented_key(value: Option<&[u8]>) -> Result<&str, Status> {
     let Some(value) = value else {
         return Err(Status::unauthenticated("an API key is required: send it as `Authorization: Bearer <key>`"));
     };
-    let presented = std::str::from_utf8(value)
+    std::str::from_utf8(value)
         .ok()
         .and_then(|v| v.strip_prefix(BEARER))
         .map(str::trim)
-        .ok_or_else(|| Status::unauthenticated("the Authorization header must be `Bearer <API key>`"))?;
+        .ok_or_else(|| Status::unauthenticated("the Authorization header must be `Bearer <API key>`"))
+}
+
+/// The lookup prefix of the API key a call presents (unique per key): who
+/// the caller is among its environment's keys. Call after [`tenant`].
+pub fn key_prefix<T>(req: &Request<T>) -> Result<String, Status> {
+    let presented = presented_key(req.metadata().get("authorization").map(|v| v.as_bytes()))?;
+    crate::apikeys::lookup_prefix(presented)
+        .map(str::to_owned)
+        .ok_or_else(|| Status::unauthenticated("the API key presented is not valid; send a live key as `Authorization: Bearer <key>`"))
+}
+
+async fn tenant_from_credential(app: &App, value: Option<&[u8]>) -> Result<Tenant, Status> {
+    let presented = presented_key(value)?;
     match app.authenticate_api_key(presented).await.map_err(status)? {
         Some(environment_id) => Ok(Tenant { environment_id }),
         None => Err(Status::unauthenticated(

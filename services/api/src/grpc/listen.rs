@@ -24,7 +24,6 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::status;
 use crate::{
-    apikeys,
     app::{App, listen::STAMP_EVERY},
     auth,
     error::AppError,
@@ -48,14 +47,7 @@ impl ListenService for ListenApi {
 
     async fn listen(&self, req: Request<Streaming<pb::ListenRequest>>) -> Result<Response<Forwards>, Status> {
         let tenant = auth::tenant(&self.app, &req).await?;
-        let key_prefix = req
-            .metadata()
-            .get("authorization")
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "))
-            .and_then(|k| apikeys::lookup_prefix(k.trim()))
-            .map(str::to_owned)
-            .ok_or_else(|| Status::unauthenticated("an API key is required: send it as `Authorization: Bearer <key>`"))?;
+        let key_prefix = auth::key_prefix(&req)?;
         let mut inbound = req.into_inner();
         let start = match inbound.message().await? {
             Some(pb::ListenRequest { kind: Some(pb::listen_request::Kind::Start(start)) }) => start,
