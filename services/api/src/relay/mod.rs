@@ -7,7 +7,8 @@
 //! repeat the system already absorbs (a relay's claim or lease, a
 //! "published" mark, a dispatcher's claim on an attempt: the broker drops a
 //! re-publish inside its duplicate window, the expansion ledger a second
-//! expansion, an attempt's claim only narrows a duplicate window) are
+//! expansion, an attempt's claim only narrows a duplicate window, a lane's
+//! promotion is made again by the lane sweep) are
 //! committed without waiting for the disk, by turning `synchronous_commit`
 //! off for their own transaction inside the statement:
 //! `FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit`.

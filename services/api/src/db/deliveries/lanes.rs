@@ -55,20 +55,32 @@ pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Prom
         return Ok(Promoted::default());
     }
     let mut tx = db.begin().await?;
+    // The locks in one statement: the lanes' rows FOR UPDATE (created if a
+    // lane somehow has none yet: a new row is its creator's until commit),
+    // then the health rows. Committed without waiting for the disk (see
+    // `crate::relay`, "cheap commits"): a promotion lost in a Postgres crash
+    // leaves its lane headless for the sweep, which promotes the same row
+    // again with the same position, so a receiver may see that delivery
+    // twice, never out of order (the head's successor can only be promoted
+    // after the head's outcome, whose commit waits for the disk and so for
+    // everything logged before it, this promotion included).
     sqlx::query!(
-        "INSERT INTO ordering_lanes (endpoint_id, ordering_key)
-         SELECT * FROM UNNEST($1::uuid[], $2::text[])
-         ON CONFLICT (endpoint_id, ordering_key) DO UPDATE SET last_position = ordering_lanes.last_position",
+        r#"WITH wanted AS (SELECT * FROM UNNEST($1::uuid[], $2::text[]) AS w(endpoint_id, ordering_key)),
+             created AS (
+               INSERT INTO ordering_lanes (endpoint_id, ordering_key)
+               SELECT * FROM wanted ORDER BY 1, 2 ON CONFLICT (endpoint_id, ordering_key) DO NOTHING RETURNING 1),
+             lanes AS (
+               SELECT 1 FROM ordering_lanes g
+               WHERE (g.endpoint_id, g.ordering_key) IN (SELECT * FROM wanted)
+               ORDER BY g.endpoint_id, g.ordering_key FOR UPDATE),
+             health AS (
+               SELECT 1 FROM endpoint_health WHERE endpoint_id = ANY ($1) ORDER BY endpoint_id FOR KEY SHARE)
+         SELECT (SELECT count(*) FROM created) + (SELECT count(*) FROM lanes) + (SELECT count(*) FROM health) AS "locked!"
+         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit"#,
         &lanes.endpoint_id as _,
         &lanes.ordering_key,
     )
-    .execute(&mut *tx)
-    .await?;
-    sqlx::query!(
-        "SELECT 1 AS locked FROM endpoint_health WHERE endpoint_id = ANY ($1) ORDER BY endpoint_id FOR KEY SHARE",
-        &lanes.endpoint_id as _,
-    )
-    .fetch_all(&mut *tx)
+    .fetch_one(&mut *tx)
     .await?;
     let row = sqlx::query!(
         r#"WITH lanes AS (SELECT * FROM UNNEST($1::uuid[], $2::text[]) AS l(endpoint_id, ordering_key)),
@@ -101,12 +113,15 @@ pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Prom
                    next_attempt_at = now(), dispatched_at = NULL, updated_at = now(),
                    ordering_position = (SELECT g.last_position + 1 FROM ordering_lanes g
                                         WHERE g.endpoint_id = d.endpoint_id AND g.ordering_key = d.ordering_key)
-               -- `$3` is 'queued', bound rather than written: spelled out,
-               -- it lets the planner walk the whole queue index (its
-               -- partial predicate) filtering by id, which it thinks cheap
-               -- while queues are short at ANALYZE time; bound, only the
-               -- primary key serves (one probe per head).
-               WHERE d.id = ANY (ARRAY(SELECT id FROM heads)) AND d.state = $3
+               -- The state compared with `$3` ('queued') through a scalar
+               -- subquery: written as a constant (or bound, in the custom
+               -- plans a pool connection makes, which inline it) it lets the
+               -- planner walk the whole queue index (its partial predicate)
+               -- filtering by id, which it thinks cheap while queues are
+               -- short at ANALYZE time (auto_explain: 584 rows read for 8
+               -- heads); as a subquery's value it proves no index predicate,
+               -- so only the primary key serves (one probe per head).
+               WHERE d.id = ANY (ARRAY(SELECT id FROM heads)) AND d.state = (SELECT $3::text)
                  -- A switched-off endpoint's lanes ended with it.
                  AND EXISTS (SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id AND e.deleted_at IS NULL
                                AND (e.enabled OR e.disabled_reason IN ('gone', 'failing')))
