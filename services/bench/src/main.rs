@@ -83,6 +83,9 @@ async fn main() -> Result<()> {
         if let Some(breakdown) = r.statement_breakdown() {
             eprintln!("{breakdown}");
         }
+        if let Some(one_key) = r.one_key_line() {
+            eprintln!("{one_key}");
+        }
         if let Some(stored) = r.storage_line() {
             eprintln!("{stored}");
         }

@@ -35,6 +35,21 @@ pub struct Report {
     /// CPU, statements, WAL and commits divided by the healthy deliveries
     /// made (`None` for a run that made none).
     pub per_delivery: Option<PerDelivery>,
+    /// One key per endpoint: how one endpoint's deliveries compare with one
+    /// round trip to the receiver (`None` for other workloads).
+    pub one_key: Option<OneKey>,
+}
+
+/// A one-key run beside the receiver's round trip: each endpoint is one lane,
+/// so `1 / round trip` a second per endpoint is the most order allows.
+#[derive(Debug, Clone, Serialize)]
+pub struct OneKey {
+    pub receiver_round_trip_ms: f64,
+    pub per_endpoint_per_sec: f64,
+    /// `1 / round trip`, a second.
+    pub round_trip_bound_per_sec: f64,
+    /// What the run reached of that bound.
+    pub of_bound: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -154,8 +169,32 @@ impl Report {
             cpu_percent_of_a_core: round(cpu_total * 100.0 / window.as_secs_f64().max(1e-9), 1),
             postgres: pg,
             per_delivery,
+            one_key: None,
         };
         (report, Series { latencies, arrivals: arrived })
+    }
+
+    /// Sets the one-key comparison from the receiver's measured round trip,
+    /// over `endpoints` lanes.
+    pub fn set_round_trip(&mut self, rtt: Duration, endpoints: usize) {
+        let bound = 1.0 / rtt.as_secs_f64().max(1e-9);
+        let per_endpoint = self.deliveries_per_sec / endpoints.max(1) as f64;
+        let round = |x: f64, places: i32| (x * 10f64.powi(places)).round() / 10f64.powi(places);
+        self.one_key = Some(OneKey {
+            receiver_round_trip_ms: round(rtt.as_secs_f64() * 1000.0, 3),
+            per_endpoint_per_sec: round(per_endpoint, 1),
+            round_trip_bound_per_sec: bound.round(),
+            of_bound: round(per_endpoint / bound, 3),
+        });
+    }
+
+    /// The one-key comparison, for the log.
+    pub fn one_key_line(&self) -> Option<String> {
+        let k = self.one_key.as_ref()?;
+        Some(format!(
+            "{}: {} deliveries/s per endpoint (one lane each) against 1 / round trip = {} (receiver round trip {} ms): {}x of the bound",
+            self.workload.name, k.per_endpoint_per_sec, k.round_trip_bound_per_sec, k.receiver_round_trip_ms, k.of_bound
+        ))
     }
 
     fn per_delivery_cell(&self) -> String {

@@ -267,7 +267,14 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     let pg = crate::pgstats::read(&mut admin_conn, &tag, &db_url).await.since(&pg_before);
 
     let measured = crate::report::Measured { cpu_before: &cpu_before, cpu_after: &cpu_after, peaks: &peaks, window, pg };
-    let (report, series) = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, measured);
+    let (mut report, series) = Report::build(w, &receiver, &published_at, &healthy_paths, started, publish_done, measured);
+    // One key per endpoint: each endpoint's deliveries go one after another,
+    // so what one round trip to the receiver allows is the bound to compare
+    // with (measured after the run, on a machine as quiet as it was).
+    if w.ordering_keys == Some(1) {
+        let rtt = crate::receiver::round_trip(&receiver, w.payload_bytes).await?;
+        report.set_round_trip(rtt, w.healthy);
+    }
     // RELAY_BENCH_KEEP_DB=1 leaves the run's database behind, to EXPLAIN its
     // statements against the tables as the run left them.
     if std::env::var_os("RELAY_BENCH_KEEP_DB").is_some_and(|v| v == "1") {

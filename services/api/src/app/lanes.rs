@@ -25,7 +25,11 @@ impl App {
     /// wakes the relay for those now pending. Never fails its caller: what it
     /// could not do, the sweep does.
     pub(crate) async fn promote_lanes(&self, lanes: Vec<(EndpointId, String)>) {
-        match db::deliveries::lanes::promote(&self.db, &Lanes::of(lanes), true).await {
+        let promoted = match self.db.acquire().await {
+            Ok(mut conn) => db::deliveries::lanes::promote(&mut conn, &Lanes::of(lanes), true).await,
+            Err(e) => Err(e.into()),
+        };
+        match promoted {
             Ok(p) if p.pending > 0 => self.deliveries_wake.wake(),
             Ok(_) => {}
             Err(e) => tracing::warn!(error = ?e, "promoting the next deliveries of ordered lanes failed; the lane sweep will"),
@@ -36,8 +40,9 @@ impl App {
     /// telling no relay: the batch's refill hands the new heads back to the
     /// dispatcher that reported (no relay pass, no broker), and the caller
     /// wakes this api's relay for what it did not. How many are pending.
-    pub(crate) async fn promote_ended_lanes(&self, lanes: Vec<(EndpointId, String)>) -> u64 {
-        match db::deliveries::lanes::promote(&self.db, &Lanes::of(lanes), false).await {
+    /// On the caller's connection: the outcome or expansion batch's own.
+    pub(crate) async fn promote_ended_lanes(&self, conn: &mut PgConnection, lanes: Vec<(EndpointId, String)>) -> u64 {
+        match db::deliveries::lanes::promote(conn, &Lanes::of(lanes), false).await {
             Ok(p) => {
                 if p.pending > 0 {
                     self.slots_awaited.store(true, std::sync::atomic::Ordering::Relaxed);
@@ -67,7 +72,7 @@ impl App {
         let mut endpoints: Vec<EndpointId> = lanes.iter().map(|(e, _)| *e).collect();
         endpoints.sort();
         endpoints.dedup();
-        let promoted = self.promote_ended_lanes(lanes).await;
+        let promoted = self.promote_ended_lanes(&mut *conn, lanes).await;
         if promoted == 0 {
             return Vec::new();
         }
@@ -106,7 +111,7 @@ impl App {
         let lanes = db::deliveries::lanes::headless(&self.db, SWEEP_BATCH).await?;
         let n = lanes.endpoint_id.len();
         if n > 0 {
-            let promoted = db::deliveries::lanes::promote(&self.db, &lanes, true).await?;
+            let promoted = db::deliveries::lanes::promote(&mut *self.db.acquire().await?, &lanes, true).await?;
             tracing::info!(
                 lanes = n,
                 pending = promoted.pending,

@@ -164,8 +164,11 @@ impl App {
         }
         // Committed: the lanes whose head ended send their next, handed
         // back with these outcomes by the refill where it can.
-        let promoted =
-            if batch.ended_lanes.is_empty() { 0 } else { self.promote_ended_lanes(std::mem::take(&mut batch.ended_lanes)).await };
+        let promoted = if batch.ended_lanes.is_empty() {
+            0
+        } else {
+            self.promote_ended_lanes(&mut *conn, std::mem::take(&mut batch.ended_lanes)).await
+        };
         // Committed: the charts count what the log now holds.
         self.attempt_stats.add(now, batch.seen.iter().map(|&(i, endpoint, seen)| (endpoint, seen == Seen::Success, reports[i].latency_ms)));
         for (decision, latency_ms) in &batch.decisions {

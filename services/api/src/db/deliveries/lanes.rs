@@ -7,7 +7,7 @@
 //! between the two left without one.
 
 use relay_domain::EndpointId;
-use sqlx::PgPool;
+use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::AppResult;
 
@@ -50,11 +50,13 @@ pub struct Promoted {
 /// lowest-ranked queued row, numbers it (the lane's next position) and makes
 /// it pending, or held if its endpoint is down. `notify`: tell every api's
 /// relay of the new pending heads (else the caller hands them out).
-pub async fn promote(db: &PgPool, lanes: &Lanes, notify: bool) -> AppResult<Promoted> {
+/// `conn`: a hot path's own connection where it has one (no pool round
+/// trips), else one from the pool.
+pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> AppResult<Promoted> {
     if lanes.is_empty() {
         return Ok(Promoted::default());
     }
-    let mut tx = db.begin().await?;
+    let mut tx = conn.begin().await?;
     // The locks in one statement: the lanes' rows FOR UPDATE (created if a
     // lane somehow has none yet: a new row is its creator's until commit),
     // then the health rows. Committed without waiting for the disk (see
