@@ -80,13 +80,22 @@ impl App {
             decisions.into_iter().map(|d| d.map(|decision| Recorded { decision, next: Vec::new() })).collect();
         // The outcomes are recorded; a refill that fails leaves the waiting
         // rows to the relay.
-        if let Err(e) = self.refill_freed_slots(conn, asks, &endpoints, &mut recorded).await {
-            tracing::warn!(error = ?e, "refilling freed slots failed; the relay hands the waiting deliveries out");
-            self.deliveries_wake.wake();
-        }
+        let handed_heads = match self.refill_freed_slots(conn, asks, &endpoints, &mut recorded).await {
+            Ok(n) => n as u64,
+            Err(e) => {
+                tracing::warn!(error = ?e, "refilling freed slots failed; the relay hands the waiting deliveries out");
+                self.deliveries_wake.wake();
+                0
+            }
+        };
         // Lane heads promoted by these outcomes that the refill did not hand
-        // back (no claim, no free slot) are this api's relay's to send.
-        if promoted > 0 {
+        // back (no claim, no free slot) are this api's relay's to send. Not
+        // woken when the refill handed back as many lane heads: a relay pass
+        // then finds nothing this batch left, and one woken for nothing
+        // would race the next batch's refill for its heads (and win them
+        // for the broker's longer way: a DELIVERIES message and a material
+        // call each).
+        if promoted > handed_heads {
             self.deliveries_wake.wake();
         }
         Ok(recorded)

@@ -29,11 +29,11 @@ impl App {
         asks: &[OutcomeAsk],
         endpoints: &[Option<EndpointId>],
         recorded: &mut [AppResult<Recorded>],
-    ) -> AppResult<()> {
+    ) -> AppResult<usize> {
         if !self.slots_awaited.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(());
+            return Ok(0);
         }
-        let Some(cap) = self.direct.as_ref().map(|d| d.endpoint_cap) else { return Ok(()) };
+        let Some(cap) = self.direct.as_ref().map(|d| d.endpoint_cap) else { return Ok(0) };
         // By claimant: each endpoint freed, and the last report of it that
         // recorded (where its next attempts ride back).
         let mut freed: HashMap<DispatcherId, HashMap<EndpointId, usize>> = HashMap::new();
@@ -46,11 +46,11 @@ impl App {
         }
         if freed.is_empty() {
             self.deliveries_wake.wake();
-            return Ok(());
+            return Ok(0);
         }
         let now = self.clock.now();
         let mut sending_of = SendingByEndpoint::new();
-        let mut found = 0;
+        let (mut found, mut lane_heads) = (0, 0);
         for (claimant, endpoints) in freed {
             let ids: Vec<EndpointId> = endpoints.keys().copied().collect();
             let rows = {
@@ -68,13 +68,14 @@ impl App {
             found += rows.len();
             for row in rows {
                 let material = self.refilled(row, now, &mut sending_of)?;
+                lane_heads += usize::from(material.ordering.is_some());
                 if let Some(Ok(r)) = endpoints.get(&material.endpoint_id).and_then(|&i| recorded.get_mut(i)) {
                     r.next.push(material);
                 }
             }
         }
-        tracing::trace!(found, "refilled freed slots");
-        Ok(())
+        tracing::trace!(found, lane_heads, "refilled freed slots");
+        Ok(lane_heads)
     }
 
     pub(super) fn refilled(

@@ -57,9 +57,10 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
         return Ok(Promoted::default());
     }
     let mut tx = conn.begin().await?;
-    // The locks in one statement: the lanes' rows FOR UPDATE (created if a
-    // lane somehow has none yet: a new row is its creator's until commit),
-    // then the health rows. Committed without waiting for the disk (see
+    // The locks in one statement: the lanes' rows FOR UPDATE, then the
+    // health rows. Every lane asked for has its row: whoever writes a lane's
+    // rows creates it first (the expansion that opens the lane), and none is
+    // ever deleted. Committed without waiting for the disk (see
     // `crate::relay`, "cheap commits"): a promotion lost in a Postgres crash
     // leaves its lane headless for the sweep, which promotes the same row
     // again with the same position, so a receiver may see that delivery
@@ -68,16 +69,13 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
     // everything logged before it, this promotion included).
     sqlx::query!(
         r#"WITH wanted AS (SELECT * FROM UNNEST($1::uuid[], $2::text[]) AS w(endpoint_id, ordering_key)),
-             created AS (
-               INSERT INTO ordering_lanes (endpoint_id, ordering_key)
-               SELECT * FROM wanted ORDER BY 1, 2 ON CONFLICT (endpoint_id, ordering_key) DO NOTHING RETURNING 1),
              lanes AS (
                SELECT 1 FROM ordering_lanes g
                WHERE (g.endpoint_id, g.ordering_key) IN (SELECT * FROM wanted)
                ORDER BY g.endpoint_id, g.ordering_key FOR UPDATE),
              health AS (
                SELECT 1 FROM endpoint_health WHERE endpoint_id = ANY ($1) ORDER BY endpoint_id FOR KEY SHARE)
-         SELECT (SELECT count(*) FROM created) + (SELECT count(*) FROM lanes) + (SELECT count(*) FROM health) AS "locked!"
+         SELECT (SELECT count(*) FROM lanes) + (SELECT count(*) FROM health) AS "locked!"
          FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit"#,
         &lanes.endpoint_id as _,
         &lanes.ordering_key,
