@@ -102,6 +102,16 @@ async fn relay_dev_listen_receives_signed_webhooks_retries_and_ends_with_its_pro
     // The listener's endpoint counts against no quota, and shows as one.
     let endpoint = other_api.get(&format!("/v1/webhooks/{}", listener.endpoint_id)).await?;
     assert_eq!(endpoint["url"], "listen://relay-dev");
+    // Its URL is its listener's: a new one is refused by name, and nothing changed.
+    let (status, refused) = other_api
+        .call(
+            reqwest::Method::PATCH,
+            &format!("/v1/webhooks/{}", listener.endpoint_id),
+            Some(serde_json::json!({"url": "https://hooks.example.com/relay"})),
+        )
+        .await?;
+    assert_eq!((status, refused["reason"].as_str()), (400, Some("listener_url_fixed")), "{refused}");
+    assert_eq!(other_api.get(&format!("/v1/webhooks/{}", listener.endpoint_id)).await?["url"], "listen://relay-dev");
 
     // A second listener with the same key is refused while the first lives.
     let second = start_listener(&stack.grpc_url, &tenant.api_key, &local.url("/other")).await?;

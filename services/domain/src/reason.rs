@@ -140,6 +140,9 @@ catalogue! {
     /// A second listener (relay-dev listen) with an API key whose first is
     /// still connected.
     ListenerActive = "listener_active",
+    /// A new URL for a listener's endpoint (relay-dev listen): it delivers
+    /// only to its listener, for as long as the listener lives.
+    ListenerUrlFixed = "listener_url_fixed",
 
     // Endpoints and environments.
     /// An endpoint URL refused by the address rules (https, public addresses).

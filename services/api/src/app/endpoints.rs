@@ -210,6 +210,15 @@ impl App {
             return Err(AppError::not_found("webhook endpoint"));
         }
         let url = match &change.url {
+            // A listener's endpoint exists for its listener alone: given an
+            // https URL it would send the tenant's events there until the
+            // listener ends, then vanish with it.
+            Some(_) if db::listeners::is_listener(&self.db, id).await? => {
+                return Err(AppError::invalid(
+                    Reason::ListenerUrlFixed,
+                    "this endpoint belongs to a relay-dev listener and delivers only to it; register an endpoint of your own for another URL",
+                ));
+            }
             Some(url) => {
                 require_nonempty("url", url)?;
                 Some(self.check_endpoint_url(url).await?)

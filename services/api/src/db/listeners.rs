@@ -21,6 +21,14 @@ pub async fn of_key(db: &PgPool, key_prefix: &str, stale_secs: f64) -> AppResult
     Ok(row.map(|r| (r.endpoint_id, r.environment_id, r.live)))
 }
 
+/// Whether the endpoint is a listener's (removed or not: its row outlives
+/// the call).
+pub async fn is_listener(db: &PgPool, endpoint_id: EndpointId) -> AppResult<bool> {
+    Ok(sqlx::query_scalar!(r#"SELECT EXISTS (SELECT 1 FROM listeners WHERE endpoint_id = $1) AS "listener!""#, endpoint_id as _)
+        .fetch_one(db)
+        .await?)
+}
+
 /// Records a new listener; `false` if the key has one (a race lost).
 pub async fn insert(tx: &mut PgConnection, endpoint_id: EndpointId, environment_id: EnvironmentId, key_prefix: &str) -> AppResult<bool> {
     let done = sqlx::query!(
