@@ -90,12 +90,14 @@ impl App {
         };
         // Lane heads promoted by these outcomes that the refill did not hand
         // back (no claim, no free slot) are this api's relay's to send. Not
-        // woken when the refill handed back as many lane heads: a relay pass
-        // then finds nothing this batch left, and one woken for nothing
-        // would race the next batch's refill for its heads (and win them
-        // for the broker's longer way: a DELIVERIES message and a material
-        // call each).
-        if promoted > handed_heads {
+        // woken when every report named its dispatcher (so the refill looked
+        // at every endpoint a head was promoted on) and it handed back as
+        // many lane heads: a relay pass then finds nothing this batch left,
+        // and one woken for nothing would race the next batch's refill for
+        // its heads (and win them for the broker's longer way: a DELIVERIES
+        // message and a material call each).
+        let refilled_everywhere = asks.iter().all(|a| a.claim.is_some());
+        if promoted > 0 && (!refilled_everywhere || promoted > handed_heads) {
             self.deliveries_wake.wake();
         }
         Ok(recorded)
