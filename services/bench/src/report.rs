@@ -87,6 +87,11 @@ pub struct Resources<T> {
     pub postgres: T,
 }
 
+/// `x` rounded to `places` decimals, as the report prints its figures.
+fn round(x: f64, places: i32) -> f64 {
+    (x * 10f64.powi(places)).round() / 10f64.powi(places)
+}
+
 fn ms(d: Duration) -> f64 {
     (d.as_secs_f64() * 1000.0 * 10.0).round() / 10.0
 }
@@ -140,7 +145,6 @@ impl Report {
         let cpu = |i: usize| ((cpu_after.get(i).unwrap_or(&0.0) - cpu_before.get(i).unwrap_or(&0.0)) * 100.0).round() / 100.0;
         let mib = |i: usize| ((*peaks.get(i).unwrap_or(&0) as f64 / 1_048_576.0) * 10.0).round() / 10.0;
         let cpu_total = cpu(0) + cpu(1) + cpu(2);
-        let round = |x: f64, places: i32| (x * 10f64.powi(places)).round() / 10f64.powi(places);
         let per = |total: Option<i64>| total.map(|t| round(t as f64 / distinct as f64, 2));
         let per_delivery = (distinct > 0).then(|| PerDelivery {
             cpu_ms: round(cpu_total * 1000.0 / distinct as f64, 3),
@@ -179,7 +183,6 @@ impl Report {
     pub fn set_round_trip(&mut self, rtt: Duration, endpoints: usize) {
         let bound = 1.0 / rtt.as_secs_f64().max(1e-9);
         let per_endpoint = self.deliveries_per_sec / endpoints.max(1) as f64;
-        let round = |x: f64, places: i32| (x * 10f64.powi(places)).round() / 10f64.powi(places);
         self.one_key = Some(OneKey {
             receiver_round_trip_ms: round(rtt.as_secs_f64() * 1000.0, 3),
             per_endpoint_per_sec: round(per_endpoint, 1),
