@@ -11,9 +11,11 @@
 //! address) or of the api it reports to, around when it arrived. Every event
 //! carries one of 32 ordering keys, and two more endpoints order per key
 //! (one healthy, one failing 30 % at random): each must see every key's
-//! events in publish order — 0 order violations, where a request for an
-//! event older than one of its key already seen is one, and only a repeat
-//! of the key's latest event (a kill's duplicate) is not.
+//! events in publish order — 0 order violations: each event's first request
+//! comes after the first requests of every earlier event of its key and
+//! before any later one's, with a rising sequence number; any other request
+//! must be a repeat of an event that had already arrived, with the same id
+//! and number (a kill's duplicate, which a receiver drops by its id).
 //!
 //! `RELAY_TORTURE_SECONDS` (default 30) is how long the killing goes on;
 //! `RELAY_TORTURE_SEED` replays a run. `deploy/local/torture` runs a long one.
@@ -43,9 +45,10 @@ const ORDERED: [&str; 2] = ["/ordered", "/ordered-fails-30"];
 const KEYS: usize = 32;
 
 /// The requests at an ordered endpoint that break its keys' order, in
-/// words: each key's requests in arrival order must name its events in
-/// their publish order (`events.ordering_sequence`), a repeat allowed only
-/// of the key's latest event, and carry rising sequence numbers.
+/// words: each key's first requests for its events, in arrival order, name
+/// them in their publish order (`events.ordering_sequence`) with rising
+/// sequence numbers; every other request repeats an event that had
+/// arrived before, with the number it came with then.
 async fn order_violations(pg: &sqlx::PgPool, receiver: &Receiver, path: &str) -> Result<Vec<String>> {
     let numbers: std::collections::HashMap<String, (String, i64)> = sqlx::query_as::<_, (String, String, i64)>(
         "SELECT id::text, ordering_key, ordering_sequence FROM events WHERE ordering_key IS NOT NULL",
@@ -57,8 +60,10 @@ async fn order_violations(pg: &sqlx::PgPool, receiver: &Receiver, path: &str) ->
     .collect();
     let mut arrivals = receiver.at(path);
     arrivals.sort_by_key(|r| r.at);
-    // Per key: the latest event seen, its number and its sequence header.
+    // Per key: the latest event to arrive for the first time, its number and
+    // its sequence header; per event: the sequence it first came with.
     let mut latest: std::collections::HashMap<String, (String, i64, u64)> = std::collections::HashMap::new();
+    let mut first_sequence: std::collections::HashMap<String, u64> = std::collections::HashMap::new();
     let mut found = Vec::new();
     for r in arrivals {
         let id = r.header("relay-webhook-id");
@@ -67,17 +72,19 @@ async fn order_violations(pg: &sqlx::PgPool, receiver: &Receiver, path: &str) ->
             continue;
         };
         let sequence: u64 = r.header("relay-webhook-sequence").parse().unwrap_or(0);
-        match latest.get(&key) {
-            Some((last, _, last_sequence)) if *last == id && sequence != *last_sequence => {
-                found.push(format!("{path} {key}: a repeat of {id} numbered {sequence}, first {last_sequence}"))
+        if let Some(&first) = first_sequence.get(&id) {
+            // A repeat of an event that arrived before: a kill's duplicate.
+            if sequence != first {
+                found.push(format!("{path} {key}: a repeat of {id} numbered {sequence}, first {first}"));
             }
-            // A repeat of the key's latest event: a kill's duplicate.
-            Some((last, _, _)) if *last == id => {}
-            Some((last, last_n, last_sequence)) if n <= *last_n || sequence <= *last_sequence => {
-                found.push(format!("{path} {key}: event {n} (sequence {sequence}) after {last} (event {last_n}, sequence {last_sequence})"))
-            }
-            _ => {}
+            continue;
         }
+        if let Some((last, last_n, last_sequence)) = latest.get(&key)
+            && (n <= *last_n || sequence <= *last_sequence)
+        {
+            found.push(format!("{path} {key}: event {n} (sequence {sequence}) after {last} (event {last_n}, sequence {last_sequence})"));
+        }
+        first_sequence.insert(id.clone(), sequence);
         latest.insert(key, (id, n, sequence));
     }
     Ok(found)

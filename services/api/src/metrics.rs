@@ -1,7 +1,7 @@
 //! Prometheus metrics, served as text on the operator's metrics port.
 //! Labels carry decisions and never a secret, key, URL or payload.
 
-use prometheus::{Encoder, Gauge, HistogramOpts, HistogramVec, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -10,6 +10,9 @@ pub struct Metrics {
     pub attempts: IntCounterVec,
     /// Attempt latency as the dispatcher measured it, by decision.
     pub attempt_latency: HistogramVec,
+    /// Lane followers' attempts recorded: sent on their predecessor's 2xx,
+    /// before its outcome was recorded (`MaterialResponse.followers`).
+    pub(crate) lane_follower_attempts: IntCounter,
     pub(crate) depths: IntGaugeVec,
     /// Attempts handed to the broker and not yet reported, per endpoint.
     pub(crate) endpoint_in_flight: IntGaugeVec,
@@ -38,6 +41,11 @@ impl Default for Metrics {
             &["decision"],
         )
         .expect("valid metric");
+        let lane_follower_attempts = IntCounter::new(
+            "relay_lane_follower_attempts_total",
+            "Ordered lanes' attempts sent on their predecessor's 2xx before its outcome was recorded, and recorded",
+        )
+        .expect("valid metric");
         let depths = IntGaugeVec::new(Opts::new("relay_queue_depth", "Work waiting, by queue"), &["queue"]).expect("valid metric");
         let endpoint_in_flight = IntGaugeVec::new(
             Opts::new(
@@ -59,6 +67,7 @@ impl Default for Metrics {
         for m in [
             Box::new(attempts.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempt_latency.clone()),
+            Box::new(lane_follower_attempts.clone()),
             Box::new(depths.clone()),
             Box::new(endpoint_in_flight.clone()),
             Box::new(circuits.clone()),
@@ -67,7 +76,17 @@ impl Default for Metrics {
         ] {
             registry.register(m).expect("metrics register once");
         }
-        Self { registry, attempts, attempt_latency, depths, endpoint_in_flight, circuits, oldest_unpublished, dependency_up }
+        Self {
+            registry,
+            attempts,
+            attempt_latency,
+            lane_follower_attempts,
+            depths,
+            endpoint_in_flight,
+            circuits,
+            oldest_unpublished,
+            dependency_up,
+        }
     }
 }
 

@@ -17,12 +17,12 @@ use std::{
 };
 
 use anyhow::Result;
-use async_nats::jetstream::{AckKind, message::Message};
+use async_nats::jetstream::message::Message;
 use relay_config::timing::MATERIAL_FRESH;
 use relay_contracts::{
     AttemptKey,
     relay::{
-        dispatch::v1::{MaterialRequest, MaterialResponse, OutcomeRequest},
+        dispatch::v1::{MaterialRequest, MaterialResponse},
         queue::v1::DeliveryJob,
     },
 };
@@ -34,53 +34,34 @@ use crate::{
     config::DispatcherConfig,
     http_client::Sender,
     seam::Seam,
+    settle::{SentLately, Source, report},
     switched_off::Switches,
-    verdict::{Verdict, retry_later, settle_by, verdict},
+    verdict::{Verdict, verdict},
 };
+
+/// The job an attempt handed over with its material is.
+fn job_of(material: &MaterialResponse) -> DeliveryJob {
+    DeliveryJob {
+        delivery_id: material.delivery_id.clone(),
+        endpoint_id: material.endpoint_id.clone(),
+        environment_id: material.environment_id.clone(),
+        attempt: material.attempt,
+        generation: material.generation,
+    }
+}
 
 /// A lane with nothing to do for this long closes.
 const LANE_IDLE: Duration = Duration::from_secs(30);
-
-/// Where a job came from, which is how it is settled.
-enum Source {
-    /// A DELIVERIES message, acked once the outcome is recorded.
-    Broker(Arc<Message>),
-    /// Handed over by an expansion, leased to this process in Postgres: there
-    /// is nothing to ack, and a job given up on falls due again when its
-    /// lease runs out. Carries its event's trace context.
-    InHand { traceparent: Option<String> },
-}
-
-impl Source {
-    async fn settle(&self, v: Verdict) {
-        match self {
-            Self::Broker(msg) => settle_by(msg, v).await,
-            Self::InHand { .. } => {
-                if v != Verdict::Ack {
-                    tracing::debug!(verdict = ?v, "an attempt in hand given up; its lease brings it back");
-                }
-            }
-        }
-    }
-
-    async fn retry_later(&self) {
-        if let Self::Broker(msg) = self {
-            crate::verdict::settle(msg, retry_later(msg)).await;
-        }
-    }
-
-    async fn in_progress(&self) {
-        if let Self::Broker(msg) = self {
-            let _ = msg.ack_with(AckKind::Progress).await;
-        }
-    }
-}
 
 /// One attempt to make, with its material if already fetched (and when).
 struct Job {
     source: Arc<Source>,
     job: DeliveryJob,
     material: Option<(Result<MaterialResponse, tonic::Status>, Instant)>,
+    /// Followers that came with material since gone stale (and asked for
+    /// again, which comes without them): released with this attempt's
+    /// report, as a run stopped before them.
+    release: Vec<String>,
 }
 
 type Lanes = Arc<std::sync::Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
@@ -128,6 +109,7 @@ impl LaneSet {
             sender,
             permits: Arc::new(Semaphore::new(cfg.max_in_flight)),
             unsettled: Default::default(),
+            sent_lately: Default::default(),
             progress_every: cfg.deliveries_ack_wait() / 3,
             stop: stop.clone(),
             claimant,
@@ -139,7 +121,7 @@ impl LaneSet {
 
     /// Hands a DELIVERIES job to its endpoint's lane.
     pub(crate) fn route(&self, msg: Message, job: DeliveryJob) {
-        self.shared.enqueue(Job { source: Arc::new(Source::Broker(Arc::new(msg))), job, material: None })
+        self.shared.enqueue(Job { source: Arc::new(Source::Broker(Arc::new(msg))), job, material: None, release: Vec::new() })
     }
 
     /// Hands an attempt the api gave this process with a reply (an
@@ -172,6 +154,7 @@ struct LaneShared {
     sender: Sender,
     permits: Arc<Semaphore>,
     unsettled: Unsettled,
+    sent_lately: SentLately,
     /// How often jobs waiting in (or being worked by) a lane tell the broker
     /// they are in progress, so a slow endpoint's queue never outlives the
     /// ack wait and gets redelivered while still queued.
@@ -193,16 +176,10 @@ struct LaneShared {
 
 impl LaneShared {
     fn hand(self: &Arc<Self>, material: MaterialResponse, traceparent: Option<String>) {
-        let job = DeliveryJob {
-            delivery_id: material.delivery_id.clone(),
-            endpoint_id: material.endpoint_id.clone(),
-            environment_id: material.environment_id.clone(),
-            attempt: material.attempt,
-            generation: material.generation,
-        };
+        let job = job_of(&material);
         let traceparent = Some(material.traceparent.clone()).filter(|t| !t.is_empty()).or(traceparent);
         let source = Arc::new(Source::InHand { traceparent });
-        self.enqueue(Job { source, job, material: Some((Ok(material), Instant::now())) })
+        self.enqueue(Job { source, job, material: Some((Ok(material), Instant::now())), release: Vec::new() })
     }
 
     /// Queues a job on its endpoint's lane, opening the lane if it has none.
@@ -220,6 +197,14 @@ impl LaneShared {
             tokio::spawn(Lane { key, shared: self.clone() }.run(rx));
         }
     }
+}
+
+/// A lane head's run as it goes: the followers still to send, when their
+/// material was read, and followers to release whatever happens.
+struct Run<'a> {
+    followers: &'a mut VecDeque<MaterialResponse>,
+    fetched_at: Instant,
+    release: Vec<String>,
 }
 
 /// Time, after an attempt ends, for its outcome to reach the api before
@@ -287,7 +272,9 @@ impl Lane {
     async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
         let mut mine = Vec::with_capacity(chunk.len());
         for job in chunk {
-            if self.shared.unsettled.lock().expect("unpoisoned").insert(AttemptKey::of(&job.job)) {
+            let key = AttemptKey::of(&job.job);
+            let sent_lately = job.material.is_some() && self.shared.sent_lately.holds(&key);
+            if !sent_lately && self.shared.unsettled.lock().expect("unpoisoned").insert(key) {
                 mine.push(job);
             } else {
                 tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
@@ -309,7 +296,9 @@ impl Lane {
         .await;
         let fetched_at = Instant::now();
         for (i, material) in asked.into_iter().zip(fetched) {
-            mine[i].material = Some((material, fetched_at));
+            if let Some((Ok(old), _)) = mine[i].material.replace((material, fetched_at)) {
+                mine[i].release.extend(old.followers.into_iter().map(|f| f.delivery_id));
+            }
         }
         // As many at once as the endpoint's own cap says (the api handed out
         // no more than it across dispatchers); without one, one at a time.
@@ -341,8 +330,57 @@ impl Lane {
         leftover.into_iter().map(|(_, job)| job).collect()
     }
 
-    async fn send_one(&self, Job { source, job, material }: Job) {
-        let material = match material.map(|(m, _)| m) {
+    /// Sends a job's attempt and has it reported; then, for a lane head
+    /// that came with followers (the lane's next deliveries), each follower
+    /// in turn on its predecessor's 2xx, without waiting for that outcome to
+    /// be recorded: a key's deliveries go back to back at the receiver's
+    /// pace. The run stops at the first attempt without a 2xx (the rest wait
+    /// in the lane, promoted as usual), at shutdown, when the material has
+    /// gone stale, or at a follower already in hand.
+    async fn send_one(&self, Job { source, job, material, release }: Job) {
+        let (mut head, fetched_at) = match material {
+            Some((Ok(head), fetched_at)) => (head, fetched_at),
+            other => {
+                self.send_attempt(source, job, other.map(|(m, _)| m), false, None).await;
+                return;
+            }
+        };
+        let mut followers: VecDeque<MaterialResponse> = std::mem::take(&mut head.followers).into();
+        let mut next = Some((source, job, head, false));
+        let mut release = Some(release);
+        while let Some((source, job, material, follower)) = next.take() {
+            let run = Run { followers: &mut followers, fetched_at, release: release.take().unwrap_or_default() };
+            let goes_on = self.send_attempt(source, job, Some(Ok(material)), follower, Some(run)).await;
+            if goes_on != Some(true) {
+                return;
+            }
+            let Some(material) = followers.pop_front() else { return };
+            let job = job_of(&material);
+            if !self.shared.unsettled.lock().expect("unpoisoned").insert(AttemptKey::of(&job)) {
+                // Handed here again as a lane head meanwhile: that copy
+                // goes on with the lane, followers of its own included.
+                return;
+            }
+            let traceparent = Some(material.traceparent.clone()).filter(|t| !t.is_empty());
+            next = Some((Arc::new(Source::InHand { traceparent }), job, material, true));
+        }
+    }
+
+    /// Sends one attempt (a lane follower's when `follower`) and reports
+    /// it. `run`: the followers still to send after it, and when the run's
+    /// material was read. Whether the run goes on: the attempt got a 2xx
+    /// with nothing asking the lane to slow down, the material is fresh and
+    /// this process is not stopping; if not, the report releases the
+    /// followers left.
+    async fn send_attempt(
+        &self,
+        source: Arc<Source>,
+        job: DeliveryJob,
+        material: Option<Result<MaterialResponse, tonic::Status>>,
+        follower: bool,
+        run: Option<Run<'_>>,
+    ) -> Option<bool> {
+        let material = match material {
             Some(Ok(m)) => m,
             Some(Err(st)) => {
                 let v = verdict(&st, false);
@@ -353,7 +391,8 @@ impl Lane {
                     }
                 }
                 self.shared.unsettled.lock().expect("unpoisoned").remove(&AttemptKey::of(&job));
-                return source.settle(v).await;
+                source.settle(v).await;
+                return None;
             }
             None => unreachable!("every job sent has been given or fetched its material"),
         };
@@ -376,6 +415,8 @@ impl Lane {
         }
         let key = AttemptKey::of(&job);
         let event_id = material.event_id.clone();
+        tracing::debug!(delivery_id = %job.delivery_id, attempt = job.attempt, follower, followers = material.followers.len(),
+            by_broker = matches!(&*source, Source::Broker(_)), claimant = %self.shared.claimant, "sending");
         // A lane head's successor waits on this outcome to be promoted.
         let urgent = !material.ordering_key.is_empty();
         let outcome = async {
@@ -390,18 +431,35 @@ impl Lane {
         let Some(outcome) = outcome else {
             tracing::info!(delivery_id = %job.delivery_id, endpoint_id = %job.endpoint_id, attempt = job.attempt, "its endpoint was switched off before this attempt started; not sent");
             self.shared.unsettled.lock().expect("unpoisoned").remove(&key);
-            return source.settle(Verdict::Ack).await;
+            source.settle(Verdict::Ack).await;
+            return None;
         };
         if let Some(status) = outcome.http_status {
             span.record("http_status", status);
         }
         span.record("latency_ms", outcome.latency_ms);
         let pause = attempt::back_pressure(&outcome);
+        let delivered = pause.is_none() && outcome.http_status.is_some_and(|s| (200..300).contains(&s));
+        let mut outcome = outcome;
+        outcome.lane_follower = follower;
+        let mut goes_on = false;
+        if let Some(Run { followers, fetched_at, release }) = run {
+            goes_on = delivered && !*self.shared.stop.borrow() && fetched_at.elapsed() <= MATERIAL_FRESH;
+            outcome.released_followers = release;
+            if goes_on {
+                outcome.next_follower = followers.front().map(|f| f.delivery_id.clone()).unwrap_or_default();
+            } else {
+                outcome.released_followers.extend(followers.drain(..).map(|f| f.delivery_id));
+            }
+        }
         // The lane moves on to its next attempt while this one is reported.
         let shared = self.shared.clone();
         tokio::spawn(
             async move {
-                report(&shared, &source, &job, &event_id, outcome, urgent).await;
+                report(&shared.outcomes, |next| shared.hand(next, None), &source, &job, &event_id, outcome, urgent).await;
+                if follower {
+                    shared.sent_lately.note(key.clone());
+                }
                 shared.unsettled.lock().expect("unpoisoned").remove(&key);
             }
             .instrument(span),
@@ -417,42 +475,6 @@ impl Lane {
                 _ = stop.wait_for(|stopped| *stopped) => {}
             }
         }
+        Some(goes_on)
     }
-}
-
-/// The POST has happened; report it, retrying briefly. If the api stays away
-/// a broker job comes back and is sent again, and an attempt in hand falls
-/// due again when its lease runs out: the receiver may see the event id
-/// twice, and the schedule still advances once. An attempt in hand is
-/// retried for longer first, as nothing else would bring it back sooner.
-/// `urgent`: the next delivery of the attempt's ordering key waits on it,
-/// so its call does not linger for company.
-async fn report(shared: &Arc<LaneShared>, source: &Source, job: &DeliveryJob, event_id: &str, outcome: OutcomeRequest, urgent: bool) {
-    let (status, error) = (outcome.http_status, outcome.error.clone());
-    let backoffs: &[u64] = match source {
-        Source::Broker(_) => &[0, 200, 1000],
-        Source::InHand { .. } => &[0, 200, 1000, 2000, 4000, 8000],
-    };
-    for &backoff in backoffs {
-        tokio::time::sleep(Duration::from_millis(backoff)).await;
-        let recorded = if urgent { shared.outcomes.call_now(outcome.clone()).await } else { shared.outcomes.call(outcome.clone()).await };
-        match recorded {
-            Ok(mut decision) => {
-                // The endpoint's next attempts, taking the slot this one freed.
-                for next in std::mem::take(&mut decision.next) {
-                    shared.hand(next, None);
-                }
-                tracing::Span::current().record("outcome", decision.decision().as_str_name());
-                tracing::info!(
-                    delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
-                    decision = decision.decision, "attempt recorded"
-                );
-                return source.settle(Verdict::Ack).await;
-            }
-            Err(st) => {
-                tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed")
-            }
-        }
-    }
-    source.retry_later().await
 }

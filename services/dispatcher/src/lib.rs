@@ -11,6 +11,7 @@ mod lanes;
 mod listen;
 mod oauth2;
 pub mod seam;
+mod settle;
 mod switched_off;
 mod verdict;
 

@@ -36,15 +36,18 @@ pub(crate) enum Verdict {
 /// The verdict for an answer of the api that is not a success. `for_event`:
 /// an EVENTS message (expansion), else a DELIVERIES job (material).
 pub(crate) fn verdict(st: &tonic::Status, for_event: bool) -> Verdict {
-    let reason = st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).and_then(Reason::parse);
-    reason.and_then(|r| by_reason(r, for_event)).unwrap_or_else(|| by_code(st.code(), for_event))
+    reason_of(st).and_then(|r| by_reason(r, for_event)).unwrap_or_else(|| by_code(st.code(), for_event))
+}
+
+/// The reason the api named in a status, if it is one of the catalogue's.
+pub(crate) fn reason_of(st: &tonic::Status) -> Option<Reason> {
+    st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).and_then(Reason::parse)
 }
 
 /// The api asked for the same call again shortly (an event waiting for an
 /// earlier event of its ordering key, a reply without room for an attempt).
 pub(crate) fn is_deferred(st: &tonic::Status) -> bool {
-    st.metadata().get(relay_contracts::ERROR_REASON_METADATA).and_then(|v| v.to_str().ok()).and_then(Reason::parse)
-        == Some(Reason::Deferred)
+    reason_of(st) == Some(Reason::Deferred)
 }
 
 /// The verdict for a reason in the contracts' catalogue, whatever the code.
@@ -54,7 +57,7 @@ fn by_reason(reason: Reason, for_event: bool) -> Option<Verdict> {
         // Another dispatcher is sending this attempt (if it reports, the
         // attempt is done; if it died, its claim runs out), or the reply had
         // no room for it: ask again later rather than send.
-        InHandElsewhere | Deferred => Verdict::Retry,
+        InHandElsewhere | Deferred | PredecessorUnrecorded => Verdict::Retry,
         // The attempt is no longer current, or its endpoint was switched
         // off: nothing to send.
         StaleAttempt | EndpointInactive | AlreadyReplayed => Verdict::Ack,

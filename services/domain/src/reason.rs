@@ -41,6 +41,9 @@ catalogue! {
     /// has not yet reported): do not send, ask again later. If the holder
     /// died, its claim runs out and the attempt is handed out again.
     InHandElsewhere = "in_hand_elsewhere",
+    /// A lane follower's report (sent on its predecessor's 2xx) whose
+    /// predecessor's outcome is not yet recorded: report it again shortly.
+    PredecessorUnrecorded = "predecessor_unrecorded",
     /// The attempt is no longer the delivery's current one (reported, the
     /// delivery finished, or a replay began a new generation): nothing to send.
     StaleAttempt = "stale_attempt",
@@ -238,6 +241,7 @@ impl Reason {
     pub const SEAM: &'static [Reason] = &[
         Reason::Deferred,
         Reason::InHandElsewhere,
+        Reason::PredecessorUnrecorded,
         Reason::StaleAttempt,
         Reason::EndpointInactive,
         Reason::NotFound,

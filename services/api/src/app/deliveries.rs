@@ -63,6 +63,10 @@ pub struct Material {
     /// The trace the delivery's attempts continue, for an attempt handed
     /// over in a reply rather than asked for.
     pub traceparent: Option<String>,
+    /// A lane head's next deliveries, in lane order, each numbered as it
+    /// will be when promoted: sent on their predecessor's 2xx by the
+    /// dispatcher the head was handed to (`lanes::attach_followers`).
+    pub followers: Vec<Material>,
 }
 
 /// How Relay authenticates to the receiver beyond signing, when the
@@ -118,6 +122,15 @@ pub struct AttemptReport {
     /// The scheme the attempt was signed with; `None` from a dispatcher
     /// that does not say.
     pub signature_scheme: Option<Scheme>,
+    /// Sent as a lane follower, on its predecessor's 2xx and perhaps before
+    /// that outcome was recorded: the report waits for it.
+    pub lane_follower: bool,
+    /// Followers of this attempt's run that its dispatcher will not send:
+    /// their claims are given up.
+    pub released_followers: Vec<DeliveryId>,
+    /// The follower its dispatcher sends next, its run going on: leased to
+    /// it once promoted.
+    pub next_follower: Option<DeliveryId>,
 }
 
 /// One event to expand. `trace_context` is the traceparent its deliveries

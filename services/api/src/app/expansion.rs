@@ -165,6 +165,28 @@ impl App {
         if !to_broker.is_empty() {
             self.dispatch_leased(&to_broker).await;
         }
+        let claim = asks.iter().find_map(|a| a.claim).filter(|_| self.direct.is_some());
+        // The lanes opened here hand their heads over with their followers
+        // (the rows of the same key this expansion queued behind them).
+        if let Some(claim) = claim {
+            let mut heads: Vec<(usize, Material)> = Vec::new();
+            for (i, o) in out.iter_mut().enumerate() {
+                if let Some(Ok(expanded)) = o {
+                    let (lane, unordered) = std::mem::take(&mut expanded.attempts).into_iter().partition(|m| m.ordering.is_some());
+                    expanded.attempts = unordered;
+                    heads.extend(std::iter::repeat(i).zip(lane));
+                }
+            }
+            if !heads.is_empty() {
+                let (carriers, mut handed): (Vec<usize>, Vec<Material>) = heads.into_iter().unzip();
+                self.attach_followers(conn, &mut handed, claim).await;
+                for (i, head) in carriers.into_iter().zip(handed) {
+                    if let Some(Ok(expanded)) = &mut out[i] {
+                        expanded.attempts.push(head);
+                    }
+                }
+            }
+        }
         // Rows queued in their lanes: each lane promotes its next row if it
         // has no head (after the commit, so the promotion sees them). A
         // dispatcher taking attempts in hand gets the new heads with this
@@ -178,7 +200,6 @@ impl App {
             .filter_map(|r| Some((r.endpoint_id?, r.ordering_key.clone()?)))
             .filter(|(e, k)| !opened.contains(&(*e, k.as_str())))
             .collect();
-        let claim = asks.iter().find_map(|a| a.claim).filter(|_| self.direct.is_some());
         match claim {
             _ if lanes.is_empty() => {}
             Some(claim) => {
@@ -254,6 +275,7 @@ impl App {
             ordering: row.ordering_key.clone().filter(|_| row.lane_head).map(|key| (key, 1)),
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
+            followers: Vec::new(),
         })
     }
 

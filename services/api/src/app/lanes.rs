@@ -20,6 +20,12 @@ use crate::{
 /// How many headless lanes one sweep promotes at most.
 const SWEEP_BATCH: i64 = 1000;
 
+/// How many of a lane's next deliveries go out with its head: enough for a
+/// dispatcher to keep sending a key's deliveries back to back while their
+/// predecessors' outcomes are recorded (a few milliseconds each), few
+/// enough that a run cut short wastes little reading.
+const LANE_FOLLOWERS: i64 = 32;
+
 impl App {
     /// Promotes the next row of each of these lanes that has no head, and
     /// wakes the relay for those now pending. Never fails its caller: what it
@@ -85,7 +91,7 @@ impl App {
         };
         let now = self.clock.now();
         let mut sending_of = SendingByEndpoint::new();
-        let out = match handed {
+        let mut out: Vec<Material> = match handed {
             Ok(rows) => rows
                 .into_iter()
                 .filter_map(|row| {
@@ -102,6 +108,7 @@ impl App {
         if (out.len() as u64) < promoted {
             self.deliveries_wake.wake();
         }
+        self.attach_followers(conn, &mut out, claim).await;
         out
     }
 
@@ -123,5 +130,64 @@ impl App {
             }
         }
         Ok(n)
+    }
+
+    /// Gives each lane head in `handed` (material going to the dispatcher
+    /// of `claim`) the lane's next deliveries as followers, claimed for it, each
+    /// numbered as its promotion will number it: one more than its
+    /// predecessor, as nothing else in a lane is promoted between a head's
+    /// end and its successor's promotion, and the lane's order is the queue's
+    /// (nothing is ever queued ahead of a waiting row: an event is expanded
+    /// only after its key's predecessors, a replay joins the tail). Never
+    /// fails its caller: without followers the heads go as before.
+    pub(crate) async fn attach_followers(&self, conn: &mut PgConnection, handed: &mut [Material], claim: Claim) {
+        let lanes: Vec<(EndpointId, String)> =
+            handed.iter().filter_map(|m| m.ordering.as_ref().map(|(key, _)| (m.endpoint_id, key.clone()))).collect();
+        if lanes.is_empty() {
+            return;
+        }
+        let rows = match db::deliveries::lanes::followers(
+            conn,
+            &Lanes::of(lanes),
+            LANE_FOLLOWERS,
+            relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64,
+            claim.claimant,
+            claim.hold,
+        )
+        .await
+        {
+            Ok(rows) => rows,
+            Err(e) => {
+                tracing::warn!(error = ?e, "reading lane heads' followers failed; the heads go without");
+                return;
+            }
+        };
+        let now = self.clock.now();
+        let mut sending_of = SendingByEndpoint::new();
+        let mut by_lane: std::collections::HashMap<(EndpointId, String), Vec<Option<Material>>> = std::collections::HashMap::new();
+        for row in rows {
+            let lane = (row.endpoint_id, row.ordering_key.clone().unwrap_or_default());
+            match self.refilled(row, now, &mut sending_of) {
+                Ok(m) => by_lane.entry(lane).or_default().push(Some(m)),
+                // A lane's followers are a prefix of its queue or nothing.
+                Err(e) => {
+                    tracing::warn!(error = ?e, "no material for a lane follower; its lane's head goes with those before it");
+                    by_lane.entry(lane).or_default().push(None);
+                }
+            }
+        }
+        for head in handed.iter_mut() {
+            let Some((key, position)) = head.ordering.clone() else { continue };
+            let Some(followers) = by_lane.remove(&(head.endpoint_id, key.clone())) else { continue };
+            head.followers = followers
+                .into_iter()
+                .map_while(|f| f)
+                .zip(1..)
+                .map(|(mut f, i)| {
+                    f.ordering = Some((key.clone(), position + i));
+                    f
+                })
+                .collect();
+        }
     }
 }

@@ -195,6 +195,7 @@ impl App {
             ordering: row.ordering_key.clone().zip(row.ordering_position),
             payload: row.envelope.clone().context("a servable row carries its envelope")?,
             traceparent: None,
+            followers: Vec::new(),
         })
     }
 }

@@ -24,6 +24,7 @@ pub mod operational;
 mod outcomes;
 pub mod portal;
 mod refill;
+mod runs;
 mod statistics;
 
 use std::sync::Arc;

@@ -73,11 +73,16 @@ impl App {
     /// a report repeated inside the batch or sent again, a straggler from
     /// before a replay, an unknown delivery — and a success that changes a
     /// circuit (a probe) follow in a transaction of their own.
+    ///
+    /// A lane follower's report (`AttemptReport::lane_follower`) may come
+    /// in the same batch as its predecessor's, or before it: the batch is
+    /// recorded in passes, each taking the reports whose delivery is no
+    /// longer queued (its predecessor recorded by an earlier pass, and it
+    /// promoted), so a run of a key's deliveries is recorded in one call.
+    /// A follower still queued after the passes is answered
+    /// `predecessor_unrecorded`, to be reported again.
     pub(crate) async fn record_outcome_batch(&self, conn: &mut PgConnection, asks: &[OutcomeAsk]) -> AppResult<Vec<AppResult<Recorded>>> {
-        let reports: Vec<AttemptReport> = asks.iter().map(|a| a.report.clone()).collect();
-        let (decisions, endpoints, promoted) = self.record_reports(&mut *conn, &reports).await?;
-        let mut recorded: Vec<AppResult<Recorded>> =
-            decisions.into_iter().map(|d| d.map(|decision| Recorded { decision, next: Vec::new() })).collect();
+        let (mut recorded, endpoints, promoted) = self.record_in_passes(&mut *conn, asks).await?;
         // The outcomes are recorded; a refill that fails leaves the waiting
         // rows to the relay.
         let handed_heads = match self.refill_freed_slots(conn, asks, &endpoints, &mut recorded).await {
@@ -105,7 +110,7 @@ impl App {
 
     /// Records the reports of one batch (see `record_outcome_batch`): each
     /// one's answer, and the endpoint of each that recorded an attempt.
-    async fn record_reports(
+    pub(super) async fn record_reports(
         &self,
         conn: &mut PgConnection,
         reports: &[AttemptReport],

@@ -66,9 +66,10 @@ impl App {
                 .await?
             };
             found += rows.len();
-            for row in rows {
-                let material = self.refilled(row, now, &mut sending_of)?;
-                lane_heads += usize::from(material.ordering.is_some());
+            let mut handed = rows.into_iter().map(|row| self.refilled(row, now, &mut sending_of)).collect::<AppResult<Vec<_>>>()?;
+            lane_heads += handed.iter().filter(|m| m.ordering.is_some()).count();
+            self.attach_followers(&mut *conn, &mut handed, Claim { claimant, hold: holds[&claimant] }).await;
+            for material in handed {
                 if let Some(Ok(r)) = endpoints.get(&material.endpoint_id).and_then(|&i| recorded.get_mut(i)) {
                     r.next.push(material);
                 }
@@ -115,6 +116,7 @@ impl App {
             ordering: row.ordering_key.zip(row.ordering_position),
             payload: row.envelope,
             traceparent: row.trace_context,
+            followers: Vec::new(),
         })
     }
 }

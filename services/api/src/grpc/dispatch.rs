@@ -36,6 +36,7 @@ fn item_error(e: AppError) -> pb::ItemError {
 
 fn material_message(m: Material) -> pb::MaterialResponse {
     pb::MaterialResponse {
+        followers: m.followers.into_iter().map(material_message).collect(),
         delivery_id: m.delivery_id.to_string(),
         endpoint_id: m.endpoint_id.to_string(),
         environment_id: m.environment_id.to_string(),
@@ -105,6 +106,9 @@ fn attempt_and_generation(attempt: u32, generation: u32) -> Result<(u32, u32), A
     Ok((attempt, generation))
 }
 
+/// The most followers one report may release (a run hands out fewer).
+const MAX_RELEASED_FOLLOWERS: usize = 1000;
+
 /// The highest attempt number any schedule can reach.
 const MAX_ATTEMPT: u32 = 1000;
 
@@ -132,6 +136,14 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
     if r.latency_ms > MAX_LATENCY_MS {
         return Err(invalid(Reason::LatencyOutOfRange, format!("latency_ms may be at most {MAX_LATENCY_MS}, got {}", r.latency_ms)));
     }
+    if r.released_followers.len() > MAX_RELEASED_FOLLOWERS {
+        return Err(invalid(
+            Reason::ReportTooLarge,
+            format!("released_followers may name at most {MAX_RELEASED_FOLLOWERS} deliveries; got {}", r.released_followers.len()),
+        ));
+    }
+    let released_followers = r.released_followers.iter().map(|id| parse_id("released_followers", id)).collect::<Result<_, _>>()?;
+    let next_follower = Some(r.next_follower.as_str()).filter(|id| !id.is_empty()).map(|id| parse_id("next_follower", id)).transpose()?;
     Ok(AttemptReport {
         delivery_id,
         generation,
@@ -141,6 +153,9 @@ pub(crate) fn report(r: pb::OutcomeRequest) -> Result<AttemptReport, AppError> {
         latency_ms: r.latency_ms,
         response_body: r.response_body,
         retry_after: r.retry_after_ms.map(std::time::Duration::from_millis),
+        lane_follower: r.lane_follower,
+        released_followers,
+        next_follower,
         signature_scheme: match pb::SignatureScheme::try_from(r.signature_scheme) {
             Ok(pb::SignatureScheme::Unspecified) => None,
             Ok(pb::SignatureScheme::RelayV1) => Some(relay_signing::Scheme::RelayV1),
@@ -366,7 +381,11 @@ mod tests {
             latency_ms in any::<u64>(),
             retry_after_ms in proptest::option::of(any::<u64>()),
             signature_scheme in -2i32..6,
+            released_followers in proptest::collection::vec(prop_oneof![Just(uuid::Uuid::new_v4().to_string()), "\\PC{0,12}"], 0..3),
+            next_follower in prop_oneof![Just(String::new()), Just(uuid::Uuid::new_v4().to_string()), "\\PC{1,12}"],
         ) {
+            let ids_valid = released_followers.iter().all(|f| uuid::Uuid::parse_str(f.trim()).is_ok())
+                && (next_follower.is_empty() || uuid::Uuid::parse_str(next_follower.trim()).is_ok());
             let r = pb::OutcomeRequest {
                 delivery_id: id.clone(),
                 attempt,
@@ -377,8 +396,12 @@ mod tests {
                 response_body: Vec::new(),
                 retry_after_ms,
                 signature_scheme,
+                lane_follower: latency_ms % 2 == 0,
+                released_followers,
+                next_follower,
             };
-            let valid = uuid::Uuid::parse_str(id.trim()).is_ok()
+            let valid = ids_valid
+                && uuid::Uuid::parse_str(id.trim()).is_ok()
                 && (1..=MAX_ATTEMPT).contains(&attempt)
                 && generation <= i32::MAX as u32
                 && http_status.is_none_or(|s| (100..=599).contains(&s))

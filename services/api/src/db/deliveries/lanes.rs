@@ -6,7 +6,7 @@
 //! lane afterwards, and the upkeep's sweep finds any lane that a crash
 //! between the two left without one.
 
-use relay_domain::EndpointId;
+use relay_domain::{DeliveryId, DispatcherId, EndpointId};
 use sqlx::{Connection, PgConnection, PgPool};
 
 use crate::error::AppResult;
@@ -166,4 +166,147 @@ pub async fn headless(db: &PgPool, limit: i64) -> AppResult<Lanes> {
     .fetch_all(db)
     .await?;
     Ok(Lanes::of(rows.into_iter().map(|r| (r.endpoint_id, r.ordering_key)).collect()))
+}
+
+/// The next queued deliveries of each of these lanes, at most `per_lane`
+/// each, in lane order (lane by lane), with what sending them needs, as far
+/// as `payload_budget` bytes of envelopes go, each claimed for `claimant`
+/// for `hold` as a lane head is when handed out: the followers that go
+/// with a lane head (`crate::app::lanes`). A follower is on the wire under
+/// its claim like any attempt, so a switch-off waits for it (see
+/// `switch_off`). Where a row's claim is another's, the lane's followers
+/// end before it. Their positions are the caller's to predict. Committed
+/// without waiting for the disk (see `crate::relay`): a claim lost in a
+/// crash is one the dispatcher also lost.
+pub async fn followers(
+    conn: &mut PgConnection,
+    lanes: &Lanes,
+    per_lane: i64,
+    payload_budget: i64,
+    claimant: DispatcherId,
+    hold: std::time::Duration,
+) -> AppResult<Vec<super::RefillRow>> {
+    let hold_ms = i64::try_from(hold.as_millis()).unwrap_or(i64::MAX);
+    Ok(sqlx::query_as!(
+        super::RefillRow,
+        r#"WITH lanes AS (SELECT * FROM UNNEST($1::uuid[], $2::text[]) AS l(endpoint_id, ordering_key)),
+             queued AS MATERIALIZED (
+               SELECT q.*, v.envelope, sum(octet_length(v.envelope)) OVER (ORDER BY q.endpoint_id, q.ordering_key, q.ordering_rank, q.id) AS upto
+               FROM lanes l
+               CROSS JOIN LATERAL (
+                 SELECT d.id, d.environment_id, d.endpoint_id, d.event_id, d.attempt, d.generation, d.trace_context, d.ordering_key,
+                        d.ordering_rank
+                 FROM webhook_deliveries d
+                 WHERE d.state = 'queued' AND d.endpoint_id = l.endpoint_id AND d.ordering_key = l.ordering_key
+                 ORDER BY d.ordering_rank, d.id LIMIT $3) AS q
+               JOIN events v ON v.environment_id = q.environment_id AND v.id = q.event_id),
+             wanted AS MATERIALIZED (SELECT * FROM queued WHERE upto <= $4),
+             claimed AS (
+               INSERT INTO attempt_claims AS c (delivery_id, attempt, generation, claimant, until)
+               SELECT id, attempt, generation, $5, now() + $6::bigint * interval '1 millisecond' FROM wanted
+               ON CONFLICT (delivery_id) DO UPDATE
+                 SET attempt = excluded.attempt, generation = excluded.generation, claimant = excluded.claimant, until = excluded.until
+                 WHERE c.claimant = excluded.claimant OR c.until < now()
+                    OR (c.generation, c.attempt) <> (excluded.generation, excluded.attempt)
+               RETURNING delivery_id),
+             -- Each lane's followers up to its first row claimed by another.
+             unclaimed AS MATERIALIZED (
+               SELECT endpoint_id, ordering_key, min(ordering_rank) AS from_rank FROM wanted
+               WHERE id NOT IN (SELECT delivery_id FROM claimed) GROUP BY endpoint_id, ordering_key)
+         SELECT q.id AS "id!", q.environment_id AS "environment_id!", q.endpoint_id AS "endpoint_id!", q.event_id AS "event_id!",
+                q.attempt AS "attempt!", q.generation AS "generation!", q.trace_context, e.url, e.signature_scheme, e.secret_key_id,
+                e.secret_ciphertext,
+                e.previous_secret_key_id, e.previous_secret_ciphertext, e.secret_rotated_at, e.headers_key_id, e.headers_ciphertext,
+                e.client_tls_key_id, e.client_tls_ciphertext, e.ca_bundle, e.oauth2_key_id, e.oauth2_ciphertext, e.max_in_flight,
+                q.ordering_key, NULL::bigint AS ordering_position, q.envelope
+         FROM wanted q
+         JOIN webhook_endpoints e ON e.id = q.endpoint_id
+         CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+         WHERE q.ordering_rank < coalesce((SELECT u.from_rank FROM unclaimed u
+                                           WHERE u.endpoint_id = q.endpoint_id AND u.ordering_key = q.ordering_key), 9223372036854775807::bigint)
+         ORDER BY q.endpoint_id, q.ordering_key, q.ordering_rank, q.id"#,
+        &lanes.endpoint_id as _,
+        &lanes.ordering_key,
+        per_lane,
+        payload_budget,
+        claimant as _,
+        hold_ms,
+    )
+    .fetch_all(&mut *conn)
+    .await?)
+}
+
+/// Leases to `claimant` for `hold` those of these lane followers that are
+/// pending and not leased (promoted by the outcome of their predecessor,
+/// which the claimant's run sent them after), extending its claims on
+/// them: no relay or refill hands them out while they are on the wire.
+pub async fn lease_next_followers(
+    conn: &mut PgConnection,
+    ids: &[DeliveryId],
+    claimant: DispatcherId,
+    hold: std::time::Duration,
+) -> AppResult<u64> {
+    let hold_ms = i64::try_from(hold.as_millis()).unwrap_or(i64::MAX);
+    Ok(sqlx::query!(
+        "WITH claimed AS (
+           UPDATE attempt_claims c SET until = now() + $3::bigint * interval '1 millisecond'
+           FROM webhook_deliveries d
+           WHERE c.delivery_id = ANY ($1) AND c.claimant = $2 AND d.id = c.delivery_id
+             AND d.state = 'pending' AND d.dispatched_at IS NULL AND (d.generation, d.attempt) = (c.generation, c.attempt)
+           RETURNING c.delivery_id)
+         UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $3::bigint * interval '1 millisecond'
+         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+         WHERE d.id = ANY (ARRAY(SELECT delivery_id FROM claimed))",
+        ids as _,
+        claimant as _,
+        hold_ms,
+    )
+    .execute(&mut *conn)
+    .await?
+    .rows_affected())
+}
+
+/// Lane followers whose run stopped before them, each with the attempt
+/// whose report said so (the run's last), column by column.
+#[derive(Default, Debug)]
+pub struct Released {
+    pub follower: Vec<DeliveryId>,
+    pub reporter: Vec<DeliveryId>,
+    pub attempt: Vec<i32>,
+    pub generation: Vec<i32>,
+}
+
+/// Gives up `claimant`'s claims on these lane followers, still queued, that
+/// its run did not send, so that whoever sends them once promoted may claim
+/// them. Only while the reporting attempt is still its delivery's current
+/// one (not yet recorded): once it is, the followers may have been handed
+/// out again with its successor attempt, claimed afresh by the same
+/// dispatcher, and a report sent again must not take those claims away.
+pub async fn release_followers(conn: &mut PgConnection, released: &Released, claimant: DispatcherId) -> AppResult<u64> {
+    Ok(sqlx::query!(
+        "DELETE FROM attempt_claims c
+         USING UNNEST($1::uuid[], $2::uuid[], $3::int[], $4::int[]) AS r(follower, reporter, attempt, generation)
+         WHERE c.delivery_id = r.follower AND c.claimant = $5
+           AND EXISTS (SELECT 1 FROM webhook_deliveries d WHERE d.id = r.follower AND d.state = 'queued')
+           AND EXISTS (SELECT 1 FROM webhook_deliveries x WHERE x.id = r.reporter AND x.state IN ('pending', 'held', 'queued')
+                         AND (x.generation, x.attempt) = (r.generation, r.attempt))",
+        &released.follower as _,
+        &released.reporter as _,
+        &released.attempt,
+        &released.generation,
+        claimant as _,
+    )
+    .execute(&mut *conn)
+    .await?
+    .rows_affected())
+}
+
+/// Which of these deliveries are queued.
+pub async fn still_queued(conn: &mut PgConnection, ids: &[DeliveryId]) -> AppResult<Vec<DeliveryId>> {
+    Ok(sqlx::query_scalar!(
+        r#"SELECT d.id AS "id!: DeliveryId" FROM webhook_deliveries d WHERE d.id = ANY ($1::uuid[]) AND d.state = 'queued'"#,
+        ids as _,
+    )
+    .fetch_all(&mut *conn)
+    .await?)
 }

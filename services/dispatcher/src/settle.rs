@@ -1,0 +1,144 @@
+//! How an attempt in a lane's hands is settled: where it came from (which
+//! says what the broker is told), its report to the api, retried briefly
+//! (a lane follower's while its predecessor's report has not landed), and
+//! the lane followers lately sent, whose copies handed back are dropped.
+
+use std::{
+    collections::HashMap,
+    time::{Duration, Instant},
+};
+
+use async_nats::jetstream::{AckKind, message::Message};
+use relay_config::timing::MATERIAL_FRESH;
+use relay_contracts::{
+    AttemptKey,
+    relay::{
+        dispatch::v1::{MaterialResponse, OutcomeRequest},
+        queue::v1::DeliveryJob,
+    },
+};
+use relay_domain::Reason;
+use std::sync::Arc;
+
+use crate::{
+    batch,
+    verdict::{Verdict, retry_later, settle_by},
+};
+
+/// Where a job came from, which is how it is settled.
+pub(crate) enum Source {
+    /// A DELIVERIES message, acked once the outcome is recorded.
+    Broker(Arc<Message>),
+    /// Handed over by an expansion, leased to this process in Postgres: there
+    /// is nothing to ack, and a job given up on falls due again when its
+    /// lease runs out. Carries its event's trace context.
+    InHand { traceparent: Option<String> },
+}
+
+impl Source {
+    pub(crate) async fn settle(&self, v: Verdict) {
+        match self {
+            Self::Broker(msg) => settle_by(msg, v).await,
+            Self::InHand { .. } => {
+                if v != Verdict::Ack {
+                    tracing::debug!(verdict = ?v, "an attempt in hand given up; its lease brings it back");
+                }
+            }
+        }
+    }
+
+    pub(crate) async fn retry_later(&self) {
+        if let Self::Broker(msg) = self {
+            crate::verdict::settle(msg, retry_later(msg)).await;
+        }
+    }
+
+    pub(crate) async fn in_progress(&self) {
+        if let Self::Broker(msg) = self {
+            let _ = msg.ack_with(AckKind::Progress).await;
+        }
+    }
+}
+
+/// Lane followers' attempts this process sent and settled within
+/// `MATERIAL_FRESH`. A follower is sent before its predecessor's outcome is
+/// recorded, and the api may meanwhile hand the same attempt back as its
+/// lane's new head, with material still fresh: that copy is dropped, not
+/// sent again (and not its followers after it). Older material is asked
+/// for again, and the api refuses a recorded attempt's.
+#[derive(Default)]
+pub(crate) struct SentLately(std::sync::Mutex<HashMap<AttemptKey, Instant>>);
+
+impl SentLately {
+    pub(crate) fn note(&self, key: AttemptKey) {
+        let mut sent = self.0.lock().expect("unpoisoned");
+        if sent.len() >= 4096 {
+            sent.retain(|_, at| at.elapsed() <= MATERIAL_FRESH);
+        }
+        sent.insert(key, Instant::now());
+    }
+
+    pub(crate) fn holds(&self, key: &AttemptKey) -> bool {
+        self.0.lock().expect("unpoisoned").get(key).is_some_and(|at| at.elapsed() <= MATERIAL_FRESH)
+    }
+}
+
+/// How many times a lane follower's report is sent again while its
+/// predecessor's outcome is unrecorded (2, 4, … 512 ms apart: about 12 s).
+const PREDECESSOR_WAITS: u32 = 30;
+
+/// The POST has happened; report it, retrying briefly. If the api stays away
+/// a broker job comes back and is sent again, and an attempt in hand falls
+/// due again when its lease runs out: the receiver may see the event id
+/// twice, and the schedule still advances once. An attempt in hand is
+/// retried for longer first, as nothing else would bring it back sooner.
+/// `urgent`: the next delivery of the attempt's ordering key waits on it,
+/// so its call does not linger for company.
+pub(crate) async fn report(
+    outcomes: &batch::Outcomes,
+    hand: impl Fn(MaterialResponse),
+    source: &Source,
+    job: &DeliveryJob,
+    event_id: &str,
+    outcome: OutcomeRequest,
+    urgent: bool,
+) {
+    let (status, error) = (outcome.http_status, outcome.error.clone());
+    let backoffs: &[u64] = match source {
+        Source::Broker(_) => &[0, 200, 1000],
+        Source::InHand { .. } => &[0, 200, 1000, 2000, 4000, 8000],
+    };
+    let mut backoffs = backoffs.iter().copied();
+    let mut behind_predecessor = 0u32;
+    let mut backoff = backoffs.next();
+    while let Some(wait) = backoff {
+        tokio::time::sleep(Duration::from_millis(wait)).await;
+        let recorded = if urgent { outcomes.call_now(outcome.clone()).await } else { outcomes.call(outcome.clone()).await };
+        match recorded {
+            Ok(mut decision) => {
+                // The endpoint's next attempts, taking the slot this one freed.
+                for next in std::mem::take(&mut decision.next) {
+                    hand(next);
+                }
+                tracing::Span::current().record("outcome", decision.decision().as_str_name());
+                tracing::info!(
+                    delivery_id = %job.delivery_id, event_id = %event_id, attempt = job.attempt, status = ?status, error = %error,
+                    decision = decision.decision, "attempt recorded"
+                );
+                return source.settle(Verdict::Ack).await;
+            }
+            // A lane follower's report that overtook its predecessor's:
+            // again in a moment, for a few seconds at most (its
+            // predecessor's report is on its way from this process).
+            Err(st) if crate::verdict::reason_of(&st) == Some(Reason::PredecessorUnrecorded) && behind_predecessor < PREDECESSOR_WAITS => {
+                backoff = Some(2u64 << behind_predecessor.min(8));
+                behind_predecessor += 1;
+            }
+            Err(st) => {
+                tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed");
+                backoff = backoffs.next();
+            }
+        }
+    }
+    source.retry_later().await
+}
