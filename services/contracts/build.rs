@@ -19,7 +19,10 @@ const SECRET_BEARING: &[&str] = &[
 ];
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../proto");
+    // Read when the script runs, not when it was compiled: a build script
+    // compiled for one checkout may be run for another sharing the target
+    // directory (a worktree), and would generate that one's contracts.
+    let root = PathBuf::from(env::var("CARGO_MANIFEST_DIR")?).join("../../proto");
     let out = PathBuf::from(env::var("OUT_DIR")?);
     if env::var_os("PROTOC").is_none() {
         // SAFETY: build scripts are single-threaded.
