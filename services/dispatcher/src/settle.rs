@@ -83,9 +83,20 @@ impl SentLately {
     }
 }
 
-/// How many times a lane follower's report is sent again while its
-/// predecessor's outcome is unrecorded (2, 4, … 512 ms apart: about 12 s).
-const PREDECESSOR_WAITS: u32 = 30;
+/// How long a lane follower's report waits before it is sent again while
+/// its predecessor's outcome is unrecorded, by how many times it has been
+/// told so: a millisecond for the first 64 (the predecessor's report is
+/// usually in the batch call beside it, landing within milliseconds; a
+/// longer wait would hold up the key's next run, which is handed out only
+/// once the last of this one is recorded), then doubling to half a
+/// second, about 12 s in all, then given up like any report.
+fn predecessor_wait(told: u32) -> Option<u64> {
+    match told {
+        0..64 => Some(1),
+        64..94 => Some(2u64 << (told - 64).min(8)),
+        _ => None,
+    }
+}
 
 /// The POST has happened; report it, retrying briefly. If the api stays away
 /// a broker job comes back and is sent again, and an attempt in hand falls
@@ -130,8 +141,11 @@ pub(crate) async fn report(
             // A lane follower's report that overtook its predecessor's:
             // again in a moment, for a few seconds at most (its
             // predecessor's report is on its way from this process).
-            Err(st) if crate::verdict::reason_of(&st) == Some(Reason::PredecessorUnrecorded) && behind_predecessor < PREDECESSOR_WAITS => {
-                backoff = Some(2u64 << behind_predecessor.min(8));
+            Err(st)
+                if crate::verdict::reason_of(&st) == Some(Reason::PredecessorUnrecorded)
+                    && predecessor_wait(behind_predecessor).is_some() =>
+            {
+                backoff = predecessor_wait(behind_predecessor);
                 behind_predecessor += 1;
             }
             Err(st) => {

@@ -248,15 +248,21 @@ pub async fn lease_next_followers(
 ) -> AppResult<u64> {
     let hold_ms = i64::try_from(hold.as_millis()).unwrap_or(i64::MAX);
     Ok(sqlx::query!(
-        "WITH claimed AS (
-           UPDATE attempt_claims c SET until = now() + $3::bigint * interval '1 millisecond'
-           FROM webhook_deliveries d
-           WHERE c.delivery_id = ANY ($1) AND c.claimant = $2 AND d.id = c.delivery_id
-             AND d.state = 'pending' AND d.dispatched_at IS NULL AND (d.generation, d.attempt) = (c.generation, c.attempt)
-           RETURNING c.delivery_id)
-         UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $3::bigint * interval '1 millisecond'
-         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
-         WHERE d.id = ANY (ARRAY(SELECT delivery_id FROM claimed))",
+        // The deliveries locked before their claims, in the order a
+        // refill takes them (which locks the rows it reads, then claims
+        // them): the other order deadlocks with it.
+        "WITH leased AS (
+           UPDATE webhook_deliveries d SET dispatched_at = now(), next_attempt_at = now() + $3::bigint * interval '1 millisecond'
+           FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+           -- Each delivery by its key: the state compared through a
+           -- subquery's value proves no partial index's predicate (see
+           -- `promote`), so none is walked for it.
+           WHERE d.id = ANY ($1) AND d.state = (SELECT 'pending'::text) AND d.dispatched_at IS NULL
+             AND EXISTS (SELECT 1 FROM attempt_claims c WHERE c.delivery_id = d.id AND c.claimant = $2
+                           AND (c.generation, c.attempt) = (d.generation, d.attempt))
+           RETURNING d.id)
+         UPDATE attempt_claims c SET until = now() + $3::bigint * interval '1 millisecond'
+         WHERE c.delivery_id = ANY (ARRAY(SELECT id FROM leased)) AND c.claimant = $2",
         ids as _,
         claimant as _,
         hold_ms,
@@ -287,8 +293,10 @@ pub async fn release_followers(conn: &mut PgConnection, released: &Released, cla
         "DELETE FROM attempt_claims c
          USING UNNEST($1::uuid[], $2::uuid[], $3::int[], $4::int[]) AS r(follower, reporter, attempt, generation)
          WHERE c.delivery_id = r.follower AND c.claimant = $5
-           AND EXISTS (SELECT 1 FROM webhook_deliveries d WHERE d.id = r.follower AND d.state = 'queued')
-           AND EXISTS (SELECT 1 FROM webhook_deliveries x WHERE x.id = r.reporter AND x.state IN ('pending', 'held', 'queued')
+           -- By key, the states through a subquery's value (see `promote`).
+           AND EXISTS (SELECT 1 FROM webhook_deliveries d WHERE d.id = r.follower AND d.state = (SELECT 'queued'::text))
+           AND EXISTS (SELECT 1 FROM webhook_deliveries x WHERE x.id = r.reporter
+                         AND x.state = ANY (SELECT unnest(ARRAY['pending', 'held', 'queued']::text[]))
                          AND (x.generation, x.attempt) = (r.generation, r.attempt))",
         &released.follower as _,
         &released.reporter as _,
@@ -301,12 +309,17 @@ pub async fn release_followers(conn: &mut PgConnection, released: &Released, cla
     .rows_affected())
 }
 
-/// Which of these deliveries are queued.
+/// Which of these deliveries are queued. The state is tested here, not in
+/// the statement: a state named there lets the planner walk the lane queue
+/// index (its partial predicate) filtering by id, as `promote` explains;
+/// read by id, each is one primary key probe.
 pub async fn still_queued(conn: &mut PgConnection, ids: &[DeliveryId]) -> AppResult<Vec<DeliveryId>> {
-    Ok(sqlx::query_scalar!(
-        r#"SELECT d.id AS "id!: DeliveryId" FROM webhook_deliveries d WHERE d.id = ANY ($1::uuid[]) AND d.state = 'queued'"#,
+    let rows = sqlx::query!(
+        r#"SELECT d.id AS "id!: DeliveryId", d.state AS "state!: relay_domain::delivery::DeliveryState"
+           FROM webhook_deliveries d WHERE d.id = ANY ($1::uuid[])"#,
         ids as _,
     )
     .fetch_all(&mut *conn)
-    .await?)
+    .await?;
+    Ok(rows.into_iter().filter(|r| r.state == relay_domain::delivery::DeliveryState::Queued).map(|r| r.id).collect())
 }
