@@ -1,6 +1,7 @@
 //! The benchmark's receiver on loopback, keep-alive: the path chooses the
 //! answer — `/ok/<n>` 200, `/status/<code>/<n>` that status, `/hang/<secs>/<n>`
-//! hold the request that long, then 200.
+//! hold the request that long, then 200. A receiver started with a delay
+//! holds each other request that long before its 200.
 
 use std::{
     collections::HashMap,
@@ -29,7 +30,7 @@ pub struct Receiver {
 }
 
 impl Receiver {
-    pub async fn start() -> Result<Self> {
+    pub async fn start(delay: Duration) -> Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let arrivals: Arc<Mutex<Arrivals>> = Default::default();
@@ -57,7 +58,12 @@ impl Receiver {
                         tokio::time::sleep(Duration::from_secs(secs.parse().unwrap_or(60))).await;
                         StatusCode::OK
                     }
-                    _ => StatusCode::OK,
+                    _ => {
+                        if !delay.is_zero() {
+                            tokio::time::sleep(delay).await;
+                        }
+                        StatusCode::OK
+                    }
                 }
             }
         });

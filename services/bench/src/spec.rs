@@ -40,6 +40,10 @@ pub struct Workload {
     /// The catalogue (issue 29): realistic payloads (`crate::catalogue`),
     /// checked against their type's schema (`Some(true)`) or not.
     pub schema: Option<bool>,
+    /// How long the receiver holds each healthy request (and each
+    /// round-trip probe) before answering: a receiver at a realistic
+    /// distance, whose round trip is not below what the machine can drive.
+    pub answer_delay_ms: u64,
 }
 
 /// How the healthy endpoints filter: `Half`: each endpoint takes half the
@@ -101,6 +105,7 @@ impl Workload {
             filter: None,
             ordering_keys: None,
             schema: None,
+            answer_delay_ms: 0,
         };
         // The measured environment of W4 and W5 publishes at a steady rate
         // unless the name says otherwise.
@@ -156,6 +161,10 @@ impl Workload {
             // endpoint, each after the one before it has ended).
             "w6" => Workload { ordering_keys: Some(1_000), ..w(2_000, 32, 10, 0, 0, 0) },
             "w6-1" => Workload { ordering_keys: Some(1), ..w(500, 32, 10, 0, 0, 0) },
+            // w6-1 to a receiver 20 ms away: one key's rate against a round
+            // trip that the machine can keep up with (on loopback, ten
+            // lanes at 1 / round trip would need ten times W1's rate).
+            "w6-1-20ms" => Workload { ordering_keys: Some(1), answer_delay_ms: 20, ..w(500, 32, 10, 0, 0, 0) },
             // W1 with realistic payloads (about 20 properties, nested) whose
             // type has a schema in the catalogue (w1s: every publish checked),
             // or the same payloads without one (w1s-none).
@@ -169,7 +178,7 @@ impl Workload {
             // What CI runs so the benchmark keeps working.
             "smoke" => w(200, 8, 3, 1, 1, 0),
             other => bail!(
-                "unknown workload {other:?}: w1, w1f, w1f-all, w1h, w1s, w1s-none, w6, w6-1, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
+                "unknown workload {other:?}: w1, w1f, w1f-all, w1h, w1s, w1s-none, w6, w6-1, w6-1-20ms, w2, w2b, w2b-solo, w3, w4, w4-solo, w5, w5-solo, bodies, idle or smoke, optionally with N apis and dispatchers as <name>x<N> and paced as <name>@<events per second>"
             ),
         })
     }

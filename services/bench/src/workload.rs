@@ -42,7 +42,7 @@ impl Child {
         let out = std::fs::File::create(&log)?;
         let child = tokio::process::Command::new(&bin)
             .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
-            .env("RELAY_LOG", "warn")
+            .env("RELAY_LOG", std::env::var("RELAY_BENCH_LOG").unwrap_or_else(|_| "warn".into()))
             .stdout(Stdio::from(out.try_clone()?))
             .stderr(Stdio::from(out))
             .kill_on_drop(true)
@@ -128,7 +128,7 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
     let mut admin = AdminServiceClient::new(channel);
     let (environment_id, key) = environment_with_key(&mut admin, format!("bench-{}", w.name), w.endpoints() as u32).await?;
 
-    let receiver = Receiver::start().await?;
+    let receiver = Receiver::start(Duration::from_millis(w.answer_delay_ms)).await?;
     let mut healthy_paths = Vec::new();
     let mut paths = Vec::new();
     for i in 0..w.healthy {
@@ -276,14 +276,16 @@ pub async fn run(w: &Workload, env: &Env) -> Result<(Report, crate::chart::Serie
         report.set_round_trip(rtt, w.healthy);
     }
     // RELAY_BENCH_KEEP_DB=1 leaves the run's database behind, to EXPLAIN its
-    // statements against the tables as the run left them.
-    if std::env::var_os("RELAY_BENCH_KEEP_DB").is_some_and(|v| v == "1") {
-        eprintln!("{}: kept database {tag}", w.name);
+    // statements against the tables as the run left them, and the
+    // services' logs (`RELAY_BENCH_LOG` is their `RELAY_LOG`; `warn` unless set).
+    let keep = std::env::var_os("RELAY_BENCH_KEEP_DB").is_some_and(|v| v == "1");
+    if keep {
+        eprintln!("{}: kept database {tag} and the services' logs in {}", w.name, work.display());
     } else {
         let _ = admin_conn.execute(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {tag} WITH (FORCE)"))).await;
+        let _ = std::fs::remove_dir_all(&work);
     }
     delete_streams(&env.nats_url, &prefix).await;
-    let _ = std::fs::remove_dir_all(&work);
     Ok((report, series))
 }
 
