@@ -171,7 +171,9 @@ impl App {
         if let Some(claim) = claim {
             let mut heads: Vec<(usize, Material)> = Vec::new();
             for (i, o) in out.iter_mut().enumerate() {
-                if let Some(Ok(expanded)) = o {
+                if let Some(Ok(expanded)) = o
+                    && expanded.attempts.iter().any(|m| m.ordering.is_some())
+                {
                     let (lane, unordered) = std::mem::take(&mut expanded.attempts).into_iter().partition(|m| m.ordering.is_some());
                     expanded.attempts = unordered;
                     heads.extend(std::iter::repeat(i).zip(lane));
