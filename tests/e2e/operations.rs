@@ -27,11 +27,23 @@ async fn recovering_a_range_sends_its_dead_letters_once_throttled_and_survives_a
         }
         Ok(ids)
     };
+    // The range is of deliveries' creation, which follows a publish by the
+    // time the event takes to be expanded: each bound is taken once the
+    // deliveries before it have been sent (so exist), not a fixed pause after
+    // publishing (CI once saw 3 of 8 expanded after a 50 ms pause).
+    let sent = async |ids: &[String]| {
+        let seen = eventually(Duration::from_secs(20), || async {
+            let at: std::collections::HashSet<String> = receiver.at("/r").iter().map(|r| r.header("relay-webhook-id")).collect();
+            ids.iter().all(|id| at.contains(id)).then_some(())
+        })
+        .await;
+        assert!(seen.is_some(), "each of {ids:?} was sent once at least");
+    };
     let before = publish(2).await?;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    sent(&before).await;
     let since = chrono::Utc::now();
     let inside = publish(8).await?;
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    sent(&inside).await;
     let until = chrono::Utc::now();
     let after = publish(2).await?;
     assert_eq!(receiver.wait_at("/r", 12 * 7, Duration::from_secs(30)).await.len(), 12 * 7, "every attempt of every event failed");
