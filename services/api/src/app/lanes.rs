@@ -83,12 +83,14 @@ impl App {
             return Vec::new();
         }
         let cap = self.direct.as_ref().map_or(0, |d| d.endpoint_cap);
-        let handed = if budget > 0 && cap > 0 {
+        let refilling = budget > 0 && cap > 0;
+        let handed = if refilling {
             let _leasing = self.lease_guard.lock().await;
             db::deliveries::refill(&mut *conn, &endpoints, cap, claim.claimant, claim.hold, budget).await
         } else {
             Ok(Vec::new())
         };
+        let refilled = refilling && handed.is_ok();
         let now = self.clock.now();
         let mut sending_of = SendingByEndpoint::new();
         let mut out: Vec<Material> = match handed {
@@ -106,10 +108,30 @@ impl App {
             }
         };
         if (out.len() as u64) < promoted {
-            self.deliveries_wake.wake();
+            self.heads_left_behind(conn, refilled).await;
         }
         self.attach_followers(conn, &mut out, claim).await;
         out
+    }
+
+    /// New heads that `promote_and_hand` did not hand out. Where its refill
+    /// ran, they wait behind their endpoints' caps (it fills every free
+    /// slot, or leaves the rows another pass holds to that pass), so each
+    /// endpoint has attempts in flight whose outcomes fill the next slots:
+    /// every api is told to refill, as for rows an expansion writes beyond a
+    /// cap. A relay woken instead raced those refills for each slot an
+    /// outcome freed and won a third of `w6`'s deliveries for the broker's
+    /// longer way (a DELIVERIES message and a material call each). Where
+    /// the refill did not run, the relay sends them.
+    async fn heads_left_behind(&self, conn: &mut PgConnection, refilled: bool) {
+        if refilled {
+            self.slots_awaited.store(true, std::sync::atomic::Ordering::Relaxed);
+            match db::deliveries::notify_capped(conn).await {
+                Ok(()) => return,
+                Err(e) => tracing::warn!(error = ?e, "telling the apis that lane heads wait behind caps failed; the relay sends them"),
+            }
+        }
+        self.deliveries_wake.wake();
     }
 
     /// Promotes the next row of lanes left without a head; how many lanes
