@@ -13,6 +13,10 @@ pub struct Metrics {
     /// Lane followers' attempts recorded: sent on their predecessor's 2xx,
     /// before its outcome was recorded (`MaterialResponse.followers`).
     pub(crate) lane_follower_attempts: IntCounter,
+    /// Attempts the delivery relay handed to the broker: retries fallen
+    /// due, leases run out, and first attempts no refill took. The rest
+    /// went to a dispatcher with an expansion's or an outcome's answer.
+    pub(crate) relayed_attempts: IntCounter,
     pub(crate) depths: IntGaugeVec,
     /// Attempts handed to the broker and not yet reported, per endpoint.
     pub(crate) endpoint_in_flight: IntGaugeVec,
@@ -46,6 +50,11 @@ impl Default for Metrics {
             "Ordered lanes' attempts sent on their predecessor's 2xx before its outcome was recorded, and recorded",
         )
         .expect("valid metric");
+        let relayed_attempts = IntCounter::new(
+            "relay_relayed_attempts_total",
+            "Attempts the delivery relay handed to the broker (due retries, leases run out, first attempts no answer carried)",
+        )
+        .expect("valid metric");
         let depths = IntGaugeVec::new(Opts::new("relay_queue_depth", "Work waiting, by queue"), &["queue"]).expect("valid metric");
         let endpoint_in_flight = IntGaugeVec::new(
             Opts::new(
@@ -68,6 +77,7 @@ impl Default for Metrics {
             Box::new(attempts.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempt_latency.clone()),
             Box::new(lane_follower_attempts.clone()),
+            Box::new(relayed_attempts.clone()),
             Box::new(depths.clone()),
             Box::new(endpoint_in_flight.clone()),
             Box::new(circuits.clone()),
@@ -81,6 +91,7 @@ impl Default for Metrics {
             attempts,
             attempt_latency,
             lane_follower_attempts,
+            relayed_attempts,
             depths,
             endpoint_in_flight,
             circuits,

@@ -203,6 +203,11 @@ impl App {
         &self.slots_awaited
     }
 
+    /// Attempts a relay pass handed to the broker (`relay_relayed_attempts_total`).
+    pub fn count_relayed(&self, attempts: usize) {
+        self.metrics.relayed_attempts.inc_by(attempts as u64);
+    }
+
     pub fn lease_guard(&self) -> &tokio::sync::Mutex<()> {
         &self.lease_guard
     }

@@ -183,6 +183,7 @@ impl DeliveryRelay {
             let (ids, at) = still_ours(&refused);
             db::deliveries::release_refused(&mut *conn, &ids, &at).await.context("releasing deliveries the broker refused")?;
         }
+        self.app.count_relayed(leased.len());
         match first_error {
             Some(e) if leased.is_empty() => Err(e.context("publishing to DELIVERIES")),
             _ => Ok(leased.len()),
