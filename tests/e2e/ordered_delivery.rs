@@ -311,12 +311,7 @@ async fn a_keys_run_goes_on_its_predecessors_2xx_and_keeps_order_through_every_k
     }
     // The runs carried deliveries: recorded as followers, sent before their
     // predecessors' outcomes were.
-    let metrics = reqwest::get(&stack.metrics_url).await?.text().await?;
-    let followers: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("relay_lane_follower_attempts_total "))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or_default();
+    let followers = metric(&stack, "relay_lane_follower_attempts_total").await?;
     assert!(followers >= 50.0, "{followers} follower attempts recorded");
     stack.stop().await
 }
