@@ -119,13 +119,13 @@ impl App {
     /// slot, or leaves the rows another pass holds to that pass), so each
     /// endpoint has attempts in flight whose outcomes fill the next slots:
     /// every api is told to refill, as for rows an expansion writes beyond a
-    /// cap. A relay woken instead raced those refills for each slot an
-    /// outcome freed and won a third of `w6`'s deliveries for the broker's
-    /// longer way (a DELIVERIES message and a material call each). Where
-    /// the refill did not run, the relay sends them.
+    /// cap (this api's flag is up already: the promotion raised it). A
+    /// relay woken instead raced those refills for each slot an outcome
+    /// freed and won a third of `w6`'s deliveries for the broker's longer
+    /// way (a DELIVERIES message and a material call each). Where the
+    /// refill did not run, the relay sends them.
     async fn heads_left_behind(&self, conn: &mut PgConnection, refilled: bool) {
         if refilled {
-            self.slots_awaited.store(true, std::sync::atomic::Ordering::Relaxed);
             match db::deliveries::notify_capped(conn).await {
                 Ok(()) => return,
                 Err(e) => tracing::warn!(error = ?e, "telling the apis that lane heads wait behind caps failed; the relay sends them"),
