@@ -103,6 +103,69 @@ async fn a_keys_events_are_numbered_in_publish_order_without_gaps_across_concurr
     stack.stop().await
 }
 
+/// A keyed publish tells new events from repeats before it writes them and
+/// numbers them as it writes. A repeat of its id under no key (or another
+/// key) holds none of its locks, so it can commit in between: here it is
+/// held open in a transaction of the test's own until the publish waits for
+/// it. The publish must then answer a duplicate and its key must not have
+/// lost a number: the next event of the key is 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_repeat_committed_under_another_key_while_a_keyed_publish_writes_leaves_no_gap() -> anyhow::Result<()> {
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let tenant = stack.tenant("ordering-race").await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let pg = stack.pg().await?;
+    let id = "0196b1a4-0000-7000-8000-00000000b001";
+    let mut other = pg.begin().await?;
+    sqlx::query("INSERT INTO events (environment_id, id, event_type, envelope) VALUES ($1::uuid, $2::uuid, 'o', '\\x7b7d'::bytea)")
+        .bind(&tenant.environment_id)
+        .bind(id)
+        .execute(&mut *other)
+        .await?;
+    let publishing = {
+        let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+        tokio::spawn(async move { rest.post("/v1/events", json!({"id": id, "type": "o", "payload": 1, "ordering_key": "race"})).await })
+    };
+    // The publish has read its snapshot (no such event) and waits on the
+    // other transaction's row.
+    let mut waited = false;
+    for _ in 0..200 {
+        let waiting: i64 = sqlx::query_scalar(
+            // (Waiting on a transaction: the only one here is the test's own.
+            // The statement's text is cut at 1 KiB in this view.)
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND wait_event = 'transactionid'",
+        )
+        .fetch_one(&pg)
+        .await?;
+        if waiting > 0 {
+            waited = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    if !waited {
+        let seen: Vec<(Option<String>, Option<String>, Option<String>)> =
+            sqlx::query_as("SELECT wait_event_type, wait_event, left(query, 80) FROM pg_stat_activity WHERE datname = current_database()")
+                .fetch_all(&pg)
+                .await?;
+        let answer = if publishing.is_finished() { format!("{:?}", publishing.await?) } else { "still waiting".into() };
+        panic!("the keyed publish never waited for the other insert of its id: {seen:?}; publish: {answer}");
+    }
+    other.commit().await?;
+    let (status, reply) = publishing.await??;
+    assert_eq!((status, &reply["duplicate"], &reply["ordering_sequence"]), (202, &json!(true), &json!("0")), "{reply}");
+    let (_, next) = publish_keyed(&rest, json!({"type": "o", "payload": 2, "ordering_key": "race"})).await?;
+    assert_eq!(next, 1, "the repeat took no number of its key");
+    let numbers: Vec<i64> =
+        sqlx::query_scalar("SELECT ordering_sequence FROM events WHERE environment_id = $1::uuid AND ordering_key = 'race' ORDER BY seq")
+            .bind(&tenant.environment_id)
+            .fetch_all(&pg)
+            .await?;
+    assert_eq!(numbers, vec![1], "one event of the key, numbered 1");
+    pg.close().await;
+    stack.stop().await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_ordering_keys_are_refused_by_name_and_nothing_is_written() -> anyhow::Result<()> {
     let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;

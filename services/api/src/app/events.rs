@@ -229,8 +229,9 @@ impl App {
         Ok(Published { event_id, duplicate: written.is_none(), ordering_sequence: written.and_then(|w| w.ordering_sequence) })
     }
 
-    /// One batch of the publish batcher: every event in one insert (and the
-    /// keyed ones numbered in a second statement). Each answers with what
+    /// One batch of the publish batcher: every event in one insert (a batch
+    /// with keyed events locks its keys first and numbers them as they are
+    /// written). Each answers with what
     /// this publish wrote, `None` if the environment already had an event
     /// with its id.
     pub(crate) async fn insert_events_on(
@@ -250,28 +251,31 @@ impl App {
         }
         let (key_environments, keys): (Vec<EnvironmentId>, Vec<String>) =
             events.iter().filter_map(|e| e.ordering_key.clone().map(|k| (e.environment_id, k))).unzip();
-        let (inserted, mut number_of) = if keys.is_empty() {
+        let inserted = if keys.is_empty() {
             // The common case: one statement, committed by itself.
-            (db::events::insert(conn, &rows).await?, std::collections::HashMap::new())
+            db::events::insert(conn, &rows).await?
         } else {
-            // Keys first (see `lock_keys`), then the events, then their
+            // Keys first (see `lock_keys`), then the events with their
             // numbers, in one transaction: nobody sees a keyed event without
-            // its number, and the keys stay locked until the commit. Only
-            // events this insert wrote take a number: a repeat publish must
-            // not leave a gap in its key's order.
+            // its number, and the keys stay locked until the commit.
             let mut tx = sqlx::Connection::begin(&mut *conn).await?;
             db::events::lock_keys(&mut tx, &key_environments, &keys).await?;
-            let inserted = db::events::insert(&mut tx, &rows).await?;
-            let keyed: Vec<&db::events::Inserted> = inserted.iter().filter(|e| e.ordering_key.is_some()).collect();
-            let numbers = if keyed.is_empty() { Vec::new() } else { db::events::number_by_key(&mut tx, &keyed).await? };
-            tx.commit().await?;
-            (inserted, numbers.into_iter().map(|(env, id, n)| ((env, id), n)).collect())
+            match db::events::insert_numbered(&mut tx, &rows).await? {
+                Some(inserted) => {
+                    tx.commit().await?;
+                    inserted
+                }
+                None => {
+                    tx.rollback().await?;
+                    insert_then_number(conn, &rows, &key_environments, &keys).await?
+                }
+            }
         };
         let mut written_of: std::collections::HashMap<(EnvironmentId, EventId), Written> = inserted
             .iter()
             .map(|e| {
                 let key = (e.environment_id, e.id);
-                (key, Written { seq: e.seq, ordering_sequence: number_of.remove(&key) })
+                (key, Written { seq: e.seq, ordering_sequence: e.ordering_sequence })
             })
             .collect();
         // The same id twice in one batch: the first is the one written.
@@ -404,4 +408,29 @@ mod tests {
         assert_eq!(checked_payload("").unwrap().get(), "null");
         assert_eq!(checked_payload("{\"a\": 1} {}").unwrap_err().reason, Reason::InvalidPayload);
     }
+}
+
+/// The long way of a keyed batch, for when a repeat of one of its ids
+/// committed under another key while it was being written
+/// (`db::events::insert_numbered`): the keys, the events, then numbers for
+/// the events written and no others, so a repeat publish leaves no gap in
+/// its key's order.
+async fn insert_then_number(
+    conn: &mut sqlx::PgConnection,
+    rows: &db::events::NewEvents,
+    key_environments: &[EnvironmentId],
+    keys: &[String],
+) -> AppResult<Vec<db::events::Inserted>> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    db::events::lock_keys(&mut tx, key_environments, keys).await?;
+    let mut inserted = db::events::insert(&mut tx, rows).await?;
+    let keyed: Vec<&db::events::Inserted> = inserted.iter().filter(|e| e.ordering_key.is_some()).collect();
+    let numbers = if keyed.is_empty() { Vec::new() } else { db::events::number_by_key(&mut tx, &keyed).await? };
+    tx.commit().await?;
+    let mut number_of: std::collections::HashMap<(EnvironmentId, EventId), i64> =
+        numbers.into_iter().map(|(env, id, n)| ((env, id), n)).collect();
+    for e in &mut inserted {
+        e.ordering_sequence = number_of.remove(&(e.environment_id, e.id));
+    }
+    Ok(inserted)
 }

@@ -111,6 +111,9 @@ pub struct Inserted {
     /// Its place in the outbox.
     pub seq: i64,
     pub ordering_key: Option<String>,
+    /// Its number in its key's publish order, where this statement gave it
+    /// one ([`insert_numbered`]).
+    pub ordering_sequence: Option<i64>,
 }
 
 /// Inserts the events in one statement; returns each one inserted. An event
@@ -121,7 +124,7 @@ pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<
         "INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context, ordering_key)
          SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::timestamptz[], $6::text[], $7::text[])
          ON CONFLICT (environment_id, id) DO NOTHING
-         RETURNING environment_id, id, seq, ordering_key",
+         RETURNING environment_id, id, seq, ordering_key, ordering_sequence",
         &events.id as _,
         &events.environment_id as _,
         &events.event_type,
@@ -133,8 +136,86 @@ pub async fn insert(db: &mut PgConnection, events: &NewEvents) -> AppResult<Vec<
     .fetch_all(&mut *db)
     .await?
     .into_iter()
-    .map(|r| Inserted { environment_id: r.environment_id.into(), id: r.id.into(), seq: r.seq, ordering_key: r.ordering_key })
+    .map(|r| Inserted {
+        environment_id: r.environment_id.into(),
+        id: r.id.into(),
+        seq: r.seq,
+        ordering_key: r.ordering_key,
+        ordering_sequence: r.ordering_sequence,
+    })
     .collect())
+}
+
+/// Inserts the events numbered, in one statement, after [`lock_keys`] in
+/// the same transaction: the events this environment does not have yet
+/// (each id's first mention), each keyed one numbered next in its key as it
+/// is written, and each key's counter advanced by its events written. One
+/// statement where [`insert`] and [`number_by_key`] take two, and each event
+/// written once instead of written and then updated with its number.
+///
+/// The new events are told from repeats before writing, in this statement's
+/// snapshot (taken after the keys' locks were granted). A publish of the
+/// same id under another key, or none, holds no lock of these keys, so it
+/// may commit in between: then a numbered event is not written and its
+/// number would be a gap in its key. `None` says so: the caller rolls back
+/// and takes the two statements, which number only what was written.
+pub async fn insert_numbered(db: &mut PgConnection, events: &NewEvents) -> AppResult<Option<Vec<Inserted>>> {
+    let rows = sqlx::query!(
+        r#"WITH asked AS (
+             SELECT * FROM UNNEST($1::uuid[], $2::uuid[], $3::text[], $4::bytea[], $5::timestamptz[], $6::text[], $7::text[])
+               WITH ORDINALITY AS a(id, environment_id, event_type, envelope, created_at, trace_context, ordering_key, ord)),
+           fresh AS (
+             SELECT DISTINCT ON (environment_id, id) * FROM asked a
+             WHERE NOT EXISTS (SELECT 1 FROM events v WHERE v.environment_id = a.environment_id AND v.id = a.id)
+             ORDER BY environment_id, id, ord),
+           counts AS (
+             SELECT environment_id, ordering_key, count(*) AS n FROM fresh WHERE ordering_key IS NOT NULL
+             GROUP BY environment_id, ordering_key),
+           -- The keys' rows are this transaction's already (`lock_keys`).
+           taken AS (
+             UPDATE ordering_keys k SET last_sequence = k.last_sequence + c.n FROM counts c
+             WHERE k.environment_id = c.environment_id AND k.ordering_key = c.ordering_key
+             RETURNING k.environment_id, k.ordering_key, k.last_sequence - c.n AS before),
+           numbered AS (
+             SELECT f.*, t.before + row_number() OVER (PARTITION BY f.environment_id, f.ordering_key ORDER BY f.ord) AS number
+             FROM fresh f LEFT JOIN taken t ON t.environment_id = f.environment_id AND t.ordering_key = f.ordering_key),
+           -- In the order asked, so the outbox's order (`seq`) is the
+           -- numbers' order within a key.
+           written AS (
+             INSERT INTO events (id, environment_id, event_type, envelope, created_at, trace_context, ordering_key, ordering_sequence)
+             SELECT id, environment_id, event_type, envelope, created_at, trace_context, ordering_key, number FROM numbered ORDER BY ord
+             ON CONFLICT (environment_id, id) DO NOTHING
+             RETURNING environment_id, id, seq, ordering_key, ordering_sequence)
+         SELECT environment_id, id, seq, ordering_key, ordering_sequence, NULL::bigint AS numbered FROM written
+         -- The tally the caller checks: every numbered event written.
+         UNION ALL
+         SELECT NULL, NULL, NULL, NULL, NULL, (SELECT count(*) FROM numbered WHERE number IS NOT NULL)"#,
+        &events.id as _,
+        &events.environment_id as _,
+        &events.event_type,
+        &events.envelope,
+        &events.occurred_at,
+        &events.trace_context as &[Option<String>],
+        &events.ordering_key as &[Option<String>],
+    )
+    .fetch_all(&mut *db)
+    .await?;
+    let mut numbered = 0;
+    let mut inserted = Vec::with_capacity(rows.len());
+    for r in rows {
+        match (r.environment_id, r.id, r.seq) {
+            (Some(environment_id), Some(id), Some(seq)) => inserted.push(Inserted {
+                environment_id: environment_id.into(),
+                id: id.into(),
+                seq,
+                ordering_key: r.ordering_key,
+                ordering_sequence: r.ordering_sequence,
+            }),
+            _ => numbered = r.numbered.unwrap_or(0),
+        }
+    }
+    let written_numbered = inserted.iter().filter(|e| e.ordering_sequence.is_some()).count();
+    Ok((usize::try_from(numbered).ok() == Some(written_numbered)).then_some(inserted))
 }
 
 /// Takes the counter rows of these keys (creating those never used), locked
