@@ -155,7 +155,15 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                           e.rate_per_second IS NOT NULL AS gated,
                           CASE WHEN h.one_at_a_time THEN 1 ELSE LEAST(COALESCE(e.max_in_flight, $8::bigint), $8::bigint) END AS cap
                    FROM webhook_endpoints e JOIN endpoint_health h ON h.endpoint_id = e.id
-                   WHERE e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($5::uuid[]))
+                   -- Found through the event types' index (and the targets
+                   -- by id) before they are locked in id order: asked for
+                   -- in one set, the planner walked the primary key in lock
+                   -- order through every endpoint of the environment,
+                   -- 10,000 rows a batch beside a large one (W3-10M).
+                   WHERE e.id = ANY (ARRAY(SELECT s.id FROM webhook_endpoints s
+                                           WHERE s.environment_id = ANY ($1::uuid[]) AND s.event_types && $3::text[]
+                                             AND s.deleted_at IS NULL) || $5::uuid[])
+                     AND e.environment_id = ANY ($1::uuid[]) AND (e.event_types && $3::text[] OR e.id = ANY ($5::uuid[]))
                      AND e.deleted_at IS NULL
                      AND (e.enabled OR e.disabled_reason IN ('gone', 'failing'))
                    -- KEY SHARE on the health row: a change of circuit (FOR
