@@ -10,6 +10,7 @@ pub mod pgstats;
 pub mod procs;
 pub mod receiver;
 pub mod report;
+mod seed;
 pub mod spec;
 mod tenants;
 pub mod workload;

@@ -16,7 +16,7 @@ use relay_bench::{
 /// Relay's benchmark: runs workloads against the api and dispatcher
 /// binaries next to this one (Postgres and NATS on 127.0.0.1, or
 /// RELAY_BENCH_PG / RELAY_BENCH_NATS) and reports rates, latencies, CPU and
-/// memory. Workloads: w1, w1f, w1f-all, w1h, w1s, w1s-none, w6, w6-1, w2, w2b, w2b-solo, w3,
+/// memory. Workloads: w1, w1f, w1f-all, w1h, w1s, w1s-none, w6, w6-1, w2, w2b, w2b-solo, w3, w3-10m,
 /// w4, w4-solo, w5, w5-solo, bodies, idle, smoke; `<name>x<N>` runs N apis
 /// and dispatchers, `<name>@<events per second>` paces it.
 #[derive(Parser)]
