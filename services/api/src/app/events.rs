@@ -334,6 +334,31 @@ impl App {
     }
 }
 
+/// The long way of a keyed batch, for when a repeat of one of its ids
+/// committed under another key while it was being written
+/// (`db::events::insert_numbered`): the keys, the events, then numbers for
+/// the events written and no others, so a repeat publish leaves no gap in
+/// its key's order.
+async fn insert_then_number(
+    conn: &mut sqlx::PgConnection,
+    rows: &db::events::NewEvents,
+    key_environments: &[EnvironmentId],
+    keys: &[String],
+) -> AppResult<Vec<db::events::Inserted>> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    db::events::lock_keys(&mut tx, key_environments, keys).await?;
+    let mut inserted = db::events::insert(&mut tx, rows).await?;
+    let keyed: Vec<&db::events::Inserted> = inserted.iter().filter(|e| e.ordering_key.is_some()).collect();
+    let numbers = if keyed.is_empty() { Vec::new() } else { db::events::number_by_key(&mut tx, &keyed).await? };
+    tx.commit().await?;
+    let mut number_of: std::collections::HashMap<(EnvironmentId, EventId), i64> =
+        numbers.into_iter().map(|(env, id, n)| ((env, id), n)).collect();
+    for e in &mut inserted {
+        e.ordering_sequence = number_of.remove(&(e.environment_id, e.id));
+    }
+    Ok(inserted)
+}
+
 #[cfg(test)]
 mod tests {
     use proptest::prelude::*;
@@ -408,29 +433,4 @@ mod tests {
         assert_eq!(checked_payload("").unwrap().get(), "null");
         assert_eq!(checked_payload("{\"a\": 1} {}").unwrap_err().reason, Reason::InvalidPayload);
     }
-}
-
-/// The long way of a keyed batch, for when a repeat of one of its ids
-/// committed under another key while it was being written
-/// (`db::events::insert_numbered`): the keys, the events, then numbers for
-/// the events written and no others, so a repeat publish leaves no gap in
-/// its key's order.
-async fn insert_then_number(
-    conn: &mut sqlx::PgConnection,
-    rows: &db::events::NewEvents,
-    key_environments: &[EnvironmentId],
-    keys: &[String],
-) -> AppResult<Vec<db::events::Inserted>> {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    db::events::lock_keys(&mut tx, key_environments, keys).await?;
-    let mut inserted = db::events::insert(&mut tx, rows).await?;
-    let keyed: Vec<&db::events::Inserted> = inserted.iter().filter(|e| e.ordering_key.is_some()).collect();
-    let numbers = if keyed.is_empty() { Vec::new() } else { db::events::number_by_key(&mut tx, &keyed).await? };
-    tx.commit().await?;
-    let mut number_of: std::collections::HashMap<(EnvironmentId, EventId), i64> =
-        numbers.into_iter().map(|(env, id, n)| ((env, id), n)).collect();
-    for e in &mut inserted {
-        e.ordering_sequence = number_of.remove(&(e.environment_id, e.id));
-    }
-    Ok(inserted)
 }
