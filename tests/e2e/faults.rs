@@ -372,3 +372,42 @@ async fn a_first_attempt_leased_but_never_published_is_sent_once_its_lease_lapse
     assert_eq!(deliveries.len(), 1, "the expansion added no second row");
     stack.stop().await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outcome_the_api_could_not_take_is_reported_when_it_is_back_and_the_attempt_is_not_sent_again() -> anyhow::Result<()> {
+    let mut stack = Stack::start(Options {
+        dispatcher: false,
+        attempt_timeout: Duration::from_secs(5),
+        seam_timeout: Duration::from_secs(1),
+        ..Options::default()
+    })
+    .await?;
+    let tenant = stack.tenant("kept-outcome").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/kept", Reply::Hang(Duration::from_secs(2)));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/kept"), &["k"]).await?;
+    let dispatcher = Process::spawn("relay-dispatcher", &stack.dispatcher_env())?;
+    let event_id = rest.publish("k", json!({"kept": true})).await?;
+    assert_eq!(receiver.wait_at("/kept", 1, Duration::from_secs(20)).await.len(), 1);
+    // The receiver answers 200 two seconds later, to a dispatcher whose api is
+    // gone, and stays gone past every try of the report (about 15 s for an
+    // attempt handed over with its expansion) and the attempt's lease: once
+    // back, the api's relay hands the unrecorded attempt out again at once.
+    stack.stop_api().await?;
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    stack.start_api().await?;
+    let done = eventually(Duration::from_secs(30), || async {
+        let d = rest.deliveries(&event_id).await.ok()?;
+        d.into_iter().next().filter(|d| d["state"] == "DELIVERY_STATE_DELIVERED")
+    })
+    .await
+    .expect("the kept outcome is recorded once the api is back");
+    assert_eq!(done["attempts"].as_array().map(Vec::len), Some(1), "one outcome recorded: {done}");
+    assert_eq!(done["attempts"][0]["http_status"], 200, "the outcome the receiver gave: {done}");
+    // Room for a second request, had the attempt been handed out and sent again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(receiver.at("/kept").len(), 1, "the receiver got the event once");
+    dispatcher.kill9().await?;
+    stack.stop().await
+}

@@ -29,13 +29,16 @@ use relay_contracts::{
 use tokio::sync::{Semaphore, mpsc, watch};
 use tracing::Instrument as _;
 
+mod reporting;
+
 use crate::{
     attempt, batch,
     config::DispatcherConfig,
     http_client::Sender,
     seam::Seam,
-    settle::{SentLately, Source, report},
+    settle::{SentLately, Source},
     switched_off::Switches,
+    unreported::Unreported,
     verdict::{Verdict, verdict},
 };
 
@@ -68,8 +71,12 @@ type Lanes = Arc<std::sync::Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
 /// Attempts in this process's hands, by their `AttemptKey`: taken
 /// before their material is asked for, given back once the outcome is
 /// recorded (or the job goes back to the broker). A second copy of such a job
-/// (a redelivery racing its original) is acked unsent: the original either
-/// records its outcome or comes back itself. Taking the key before asking
+/// (a redelivery racing its original) is not sent: a broker's copy is asked
+/// back later, when the original's outcome is recorded (the api then says it
+/// is stale) or kept. Acking it would take the attempt off the broker with
+/// its outcome unrecorded, and the relay's re-publish of it, under the same
+/// message id, is dropped as a duplicate until the broker's duplicate window
+/// (two minutes) has passed: the attempt would wait that long. Taking the key before asking
 /// matters: the api hands this process's own claim back to it, so a copy
 /// whose material was fetched while the original was still being reported
 /// would otherwise be sent again once the report landed.
@@ -115,7 +122,9 @@ impl LaneSet {
             claimant,
             claim_hold,
             switches: Default::default(),
+            unreported: Default::default(),
         });
+        shared.start_retrying(stop);
         Ok(Self { shared })
     }
 
@@ -172,6 +181,8 @@ struct LaneShared {
     /// Attempts the api switched off (their endpoint disabled or deleted)
     /// while in this process's hands, and those on the wire.
     switches: Arc<Switches>,
+    /// Outcomes the api has not taken yet.
+    unreported: Unreported,
 }
 
 impl LaneShared {
@@ -274,11 +285,18 @@ impl Lane {
         for job in chunk {
             let key = AttemptKey::of(&job.job);
             let sent_lately = job.material.is_some() && self.shared.sent_lately.holds(&key);
-            if !sent_lately && self.shared.unsettled.lock().expect("unpoisoned").insert(key) {
-                mine.push(job);
-            } else {
-                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
+            if sent_lately {
+                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "this follower was sent lately; not again");
                 job.source.settle(Verdict::Ack).await;
+            } else if !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
+                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; asking for it later");
+                job.source.retry_later().await;
+            } else if let Some(kept) = self.shared.unreported.take(&key) {
+                // Sent already: its outcome goes to the api, not a second request to the receiver.
+                tracing::info!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "an attempt whose outcome the api had not taken came back; reporting it");
+                self.shared.report_spawned(job.source, kept.job, kept.event_id, kept.outcome, (false, false), tracing::Span::current());
+            } else {
+                mine.push(job);
             }
         }
         let stale = |j: &Job| j.material.as_ref().is_none_or(|(_, at)| at.elapsed() > MATERIAL_FRESH);
@@ -453,17 +471,7 @@ impl Lane {
             }
         }
         // The lane moves on to its next attempt while this one is reported.
-        let shared = self.shared.clone();
-        tokio::spawn(
-            async move {
-                report(&shared.outcomes, |next| shared.hand(next, None), &source, &job, &event_id, outcome, urgent).await;
-                if follower {
-                    shared.sent_lately.note(key.clone());
-                }
-                shared.unsettled.lock().expect("unpoisoned").remove(&key);
-            }
-            .instrument(span),
-        );
+        self.shared.report_spawned(source, job, event_id, outcome, (urgent, follower), span);
         // The receiver asked to be sent less: its next request waits (the
         // jobs queued meanwhile keep their place; material that goes stale
         // is fetched again). Shutdown does not wait for it.

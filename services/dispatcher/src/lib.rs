@@ -13,6 +13,7 @@ mod oauth2;
 pub mod seam;
 mod settle;
 mod switched_off;
+mod unreported;
 mod verdict;
 
 use std::{sync::Arc, time::Duration};

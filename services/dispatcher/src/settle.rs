@@ -22,6 +22,7 @@ use std::sync::Arc;
 
 use crate::{
     batch,
+    unreported::Unreported,
     verdict::{Verdict, retry_later, settle_by},
 };
 
@@ -98,16 +99,26 @@ fn predecessor_wait(told: u32) -> Option<u64> {
     }
 }
 
+/// Where reports go: the api's outcome batcher, the outcomes it has not
+/// taken, and what takes the next attempts a decision hands back.
+pub(crate) struct Reporting<'a, H: Fn(MaterialResponse)> {
+    pub outcomes: &'a batch::Outcomes,
+    pub unreported: &'a Unreported,
+    pub hand: H,
+}
+
 /// The POST has happened; report it, retrying briefly. If the api stays away
-/// a broker job comes back and is sent again, and an attempt in hand falls
-/// due again when its lease runs out: the receiver may see the event id
-/// twice, and the schedule still advances once. An attempt in hand is
-/// retried for longer first, as nothing else would bring it back sooner.
-/// `urgent`: the next delivery of the attempt's ordering key waits on it,
-/// so its call does not linger for company.
-pub(crate) async fn report(
-    outcomes: &batch::Outcomes,
-    hand: impl Fn(MaterialResponse),
+/// the outcome is kept (`unreported`) and reported again in the background;
+/// a broker job comes back meanwhile, and an attempt in hand falls due again
+/// when its lease runs out, and either is reported from what is kept rather
+/// than sent again when it reaches this process (another dispatcher may
+/// send it once this one's claim runs out: the receiver may then see the
+/// event id twice, and the schedule still advances once). An attempt in
+/// hand is retried for longer first, as nothing else would bring it back
+/// sooner. `urgent`: the next delivery of the attempt's ordering key waits
+/// on it, so its call does not linger for company.
+pub(crate) async fn report<H: Fn(MaterialResponse)>(
+    to: &Reporting<'_, H>,
     source: &Source,
     job: &DeliveryJob,
     event_id: &str,
@@ -124,12 +135,12 @@ pub(crate) async fn report(
     let mut backoff = backoffs.next();
     while let Some(wait) = backoff {
         tokio::time::sleep(Duration::from_millis(wait)).await;
-        let recorded = if urgent { outcomes.call_now(outcome.clone()).await } else { outcomes.call(outcome.clone()).await };
+        let recorded = if urgent { to.outcomes.call_now(outcome.clone()).await } else { to.outcomes.call(outcome.clone()).await };
         match recorded {
             Ok(mut decision) => {
                 // The endpoint's next attempts, taking the slot this one freed.
                 for next in std::mem::take(&mut decision.next) {
-                    hand(next);
+                    (to.hand)(next);
                 }
                 tracing::Span::current().record("outcome", decision.decision().as_str_name());
                 tracing::info!(
@@ -148,11 +159,17 @@ pub(crate) async fn report(
                 backoff = predecessor_wait(behind_predecessor);
                 behind_predecessor += 1;
             }
+            // The api knows better (the attempt is no longer current): nothing to keep.
+            Err(st) if crate::verdict::verdict(&st, false) != Verdict::Retry => {
+                tracing::info!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "the api refused an outcome");
+                return source.settle(Verdict::Ack).await;
+            }
             Err(st) => {
                 tracing::warn!(delivery_id = %job.delivery_id, code = ?st.code(), message = st.message(), "reporting an outcome failed");
                 backoff = backoffs.next();
             }
         }
     }
+    to.unreported.keep(job, event_id, outcome);
     source.retry_later().await
 }
