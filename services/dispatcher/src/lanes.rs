@@ -290,7 +290,7 @@ impl Lane {
                 job.source.settle(Verdict::Ack).await;
             } else if !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
                 tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; asking for it later");
-                job.source.retry_later().await;
+                job.source.retry_soon().await;
             } else if let Some(kept) = self.shared.unreported.take(&key) {
                 // Sent already: its outcome goes to the api, not a second request to the receiver.
                 tracing::info!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "an attempt whose outcome the api had not taken came back; reporting it");
@@ -409,7 +409,11 @@ impl Lane {
                     }
                 }
                 self.shared.unsettled.lock().expect("unpoisoned").remove(&AttemptKey::of(&job));
-                source.settle(v).await;
+                if crate::verdict::reason_of(&st) == Some(relay_domain::Reason::InHandElsewhere) {
+                    source.retry_soon().await;
+                } else {
+                    source.settle(v).await;
+                }
                 return None;
             }
             None => unreachable!("every job sent has been given or fetched its material"),

@@ -54,6 +54,14 @@ impl Source {
         }
     }
 
+    /// Asks for a job back soon: its attempt is in another claimant's hands
+    /// (or this process's), which ends within the claim's hold.
+    pub(crate) async fn retry_soon(&self) {
+        if let Self::Broker(msg) = self {
+            crate::verdict::settle(msg, crate::verdict::retry_soon(msg)).await;
+        }
+    }
+
     pub(crate) async fn in_progress(&self) {
         if let Self::Broker(msg) = self {
             let _ = msg.ack_with(AckKind::Progress).await;

@@ -21,6 +21,17 @@ pub(crate) fn retry_later(msg: &Message) -> AckKind {
     AckKind::Nak(Some((Duration::from_secs(1) * 2u32.pow(delivered - 1)).min(Duration::from_secs(30))))
 }
 
+/// Asking for a job back whose attempt someone holds (another dispatcher's
+/// claim, or a copy in this process's hands): 1 s, doubling, at most 4 s.
+/// A claim ends with its outcome or runs out (a dead claimant's) within its
+/// hold; at `retry_later`'s pace a job refused five times would wait 16–30 s
+/// more after that. Well within `MAX_DELIVER`: the longest claim (an attempt
+/// of 120 s) is outlived in about 35 tries.
+pub(crate) fn retry_soon(msg: &Message) -> AckKind {
+    let delivered = msg.info().map(|i| i.delivered).unwrap_or(1).clamp(1, 6) as u32;
+    AckKind::Nak(Some((Duration::from_secs(1) * 2u32.pow(delivered - 1)).min(Duration::from_secs(4))))
+}
+
 /// What the broker is told about a message, decided from the api's answer in
 /// this one place.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
