@@ -224,6 +224,7 @@ impl Stack {
             attempt_timeout: self.opts.attempt_timeout,
             max_in_flight: self.opts.max_in_flight,
             max_expanding: 256,
+            expanding_per_environment: 16,
             seam_timeout: self.opts.seam_timeout,
             url_policy: self.opts.url_policy(),
             resolver: self.opts.dispatcher_resolver.clone().unwrap_or_else(|| std::sync::Arc::new(relay_netguard::SystemResolver)),

@@ -199,6 +199,12 @@ pub const KNOBS: &[Knob] = &[
     knob("RELAY_MAX_IN_FLIGHT", Dispatcher, "512", "attempts in flight across all endpoints (1–100000; one per endpoint)"),
     knob("RELAY_MAX_EXPANDING", Dispatcher, "256", "expansions in flight (1–10000)"),
     knob(
+        "RELAY_EXPANDING_PER_ENVIRONMENT",
+        Dispatcher,
+        "16",
+        "expansions in flight of any one environment (1–10000): the rest wait their turn, so a burst cannot queue ahead of a quiet environment's events",
+    ),
+    knob(
         "RELAY_DISPATCHER_THREADS",
         Dispatcher,
         "1",

@@ -24,6 +24,8 @@ pub struct DispatcherConfig {
     pub max_in_flight: usize,
     /// Expansions in flight.
     pub max_expanding: usize,
+    /// Expansions in flight of any one environment (see `turns`).
+    pub expanding_per_environment: usize,
     /// Deadline of one call to the api's seam.
     pub seam_timeout: Duration,
     pub url_policy: Policy,
@@ -57,6 +59,7 @@ impl DispatcherConfig {
             attempt_timeout: env.millis("RELAY_ATTEMPT_TIMEOUT_MS", 100..=120_000)?,
             max_in_flight: env.number("RELAY_MAX_IN_FLIGHT", 1..=100_000)?,
             max_expanding: env.number("RELAY_MAX_EXPANDING", 1..=10_000)?,
+            expanding_per_environment: env.number("RELAY_EXPANDING_PER_ENVIRONMENT", 1..=10_000)?,
             seam_timeout: env.millis("RELAY_SEAM_TIMEOUT_MS", 100..=60_000)?,
             url_policy: Policy::from_dev_settings(
                 env.string("RELAY_DEV_ALLOW_HTTP_ENDPOINTS").as_deref(),
@@ -127,6 +130,7 @@ mod tests {
             attempt_timeout: Duration::from_millis(attempt_ms),
             max_in_flight: 1,
             max_expanding: 1,
+            expanding_per_environment: 1,
             seam_timeout: Duration::from_millis(seam_ms),
             url_policy: Policy::strict(),
             resolver: std::sync::Arc::new(relay_netguard::SystemResolver),

@@ -12,7 +12,7 @@ use relay_contracts::{
     StreamNames,
     relay::{dispatch::v1::ExpandRequest, queue::v1::DeliveryJob},
 };
-use tokio::sync::{Semaphore, watch};
+use tokio::sync::watch;
 use tracing::Instrument as _;
 
 use crate::{
@@ -20,6 +20,7 @@ use crate::{
     config::DispatcherConfig,
     lanes::LaneSet,
     seam::Seam,
+    turns::Turns,
     verdict::{Verdict, is_deferred, settle, settle_by, verdict},
 };
 
@@ -83,64 +84,89 @@ pub(crate) async fn expand_loop(
     )
     .await?;
     let mut messages = pull(&consumer).await.context("subscribing to EVENTS")?;
-    let permits = Arc::new(Semaphore::new(cfg.max_expanding));
+    // Expansions in flight, in fair turns across environments (see `turns`).
+    let mut turns = Turns::new(cfg.max_expanding, cfg.expanding_per_environment);
+    let (ended_tx, mut ended_rx) = tokio::sync::mpsc::unbounded_channel::<String>();
     // First attempts come back with their expansion, into this process's
     // lanes, instead of through DELIVERIES.
     let (claimant, hold) = lanes.claim();
     let expansions = batch::expansions(seam, claimant, hold);
-    while let Some(msg) = next_message(&mut messages, &mut stop, "EVENTS").await {
-        let permit = permits.clone().acquire_owned().await.expect("semaphore open");
-        let (expansions, lanes) = (expansions.clone(), lanes.clone());
-        let span = tracing::info_span!("expand_event", event_id = tracing::field::Empty);
-        if let Some(headers) = &msg.headers {
-            relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
-        }
-        let task = async move {
-            let _permit = permit;
-            let Some(mut req) = decode_event(&msg.payload) else {
-                tracing::error!(subject = %msg.subject, "undecodable event; terminating it");
-                return settle(&msg, AckKind::Term).await;
-            };
-            tracing::Span::current().record("event_id", req.event_id.as_str());
-            // Batched with other events: the context rides in the item.
-            let traceparent = relay_telemetry::current_traceparent();
-            req.traceparent = traceparent.clone().unwrap_or_default();
-            // An event whose key's earlier event is still being expanded
-            // (by another batch or dispatcher) is asked for again here, a
-            // few times over about a second, before the broker is told to
-            // bring it back: each redelivery counts against MAX_DELIVER.
-            let mut pause = DEFERRED_FIRST_PAUSE;
-            let answer = loop {
-                match expansions.call(req.clone()).await {
-                    Err(st) if is_deferred(&st) && pause <= DEFERRED_LAST_PAUSE => {
-                        tokio::time::sleep(pause).await;
-                        pause *= 2;
-                    }
-                    answer => break answer,
-                }
-            };
-            match answer {
-                Ok(expanded) => {
-                    for attempt in expanded.attempts {
-                        lanes.hand(attempt, traceparent.clone());
-                    }
-                    settle(&msg, AckKind::Ack).await
-                }
-                Err(st) => {
-                    let v = verdict(&st, true);
-                    match v {
-                        Verdict::Term => {
-                            tracing::error!(code = ?st.code(), message = st.message(), "event cannot be expanded; terminating it")
-                        }
-                        _ => tracing::warn!(code = ?st.code(), message = st.message(), "expand failed; the event will come back"),
-                    }
-                    settle_by(&msg, v).await
-                }
+    loop {
+        let start = tokio::select! {
+            msg = next_message(&mut messages, &mut stop, "EVENTS") => {
+                let Some(msg) = msg else { break };
+                let Some(req) = decode_event(&msg.payload) else {
+                    tracing::error!(subject = %msg.subject, "undecodable event; terminating it");
+                    settle(&msg, AckKind::Term).await;
+                    continue;
+                };
+                turns.offer(req.environment_id.clone(), (msg, req))
             }
+            Some(env) = ended_rx.recv() => turns.ended(&env),
         };
-        tokio::spawn(task.instrument(span));
+        for (env, (msg, req)) in start {
+            let ended = EndedTurn(Some((env, ended_tx.clone())));
+            tokio::spawn(expand_one(msg, req, expansions.clone(), lanes.clone(), ended));
+        }
     }
     Ok(())
+}
+
+/// Tells the expand loop an environment's turn ended, however its task ends.
+struct EndedTurn(Option<(String, tokio::sync::mpsc::UnboundedSender<String>)>);
+
+impl Drop for EndedTurn {
+    fn drop(&mut self) {
+        if let Some((env, tx)) = self.0.take() {
+            let _ = tx.send(env);
+        }
+    }
+}
+
+/// Expands one event (batched with others by `expansions`) and settles its message.
+async fn expand_one(msg: Message, mut req: ExpandRequest, expansions: batch::Expansions, lanes: Arc<LaneSet>, _turn: EndedTurn) {
+    let span = tracing::info_span!("expand_event", event_id = %req.event_id);
+    if let Some(headers) = &msg.headers {
+        relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
+    }
+    let task = async move {
+        // Batched with other events: the context rides in the item.
+        let traceparent = relay_telemetry::current_traceparent();
+        req.traceparent = traceparent.clone().unwrap_or_default();
+        // An event whose key's earlier event is still being expanded
+        // (by another batch or dispatcher) is asked for again here, a
+        // few times over about a second, before the broker is told to
+        // bring it back: each redelivery counts against MAX_DELIVER.
+        let mut pause = DEFERRED_FIRST_PAUSE;
+        let answer = loop {
+            match expansions.call(req.clone()).await {
+                Err(st) if is_deferred(&st) && pause <= DEFERRED_LAST_PAUSE => {
+                    tokio::time::sleep(pause).await;
+                    pause *= 2;
+                }
+                answer => break answer,
+            }
+        };
+        match answer {
+            Ok(expanded) => {
+                for attempt in expanded.attempts {
+                    lanes.hand(attempt, traceparent.clone());
+                }
+                settle(&msg, AckKind::Ack).await
+            }
+            Err(st) => {
+                let v = verdict(&st, true);
+                match v {
+                    Verdict::Term => {
+                        tracing::error!(code = ?st.code(), message = st.message(), "event cannot be expanded; terminating it")
+                    }
+                    _ => tracing::warn!(code = ?st.code(), message = st.message(), "expand failed; the event will come back"),
+                }
+                settle_by(&msg, v).await
+            }
+        }
+    };
+    task.instrument(span).await
 }
 
 fn decode_event(body: &[u8]) -> Option<ExpandRequest> {

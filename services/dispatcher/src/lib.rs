@@ -13,6 +13,7 @@ mod oauth2;
 pub mod seam;
 mod settle;
 mod switched_off;
+mod turns;
 mod unreported;
 mod verdict;
 
