@@ -78,10 +78,11 @@ type Lanes = Arc<std::sync::Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
 /// as copies) a healthy p99 of 22 s: the copies bounced every few seconds.
 /// Left open: if this process dies after acking a copy, the relay's next
 /// publish of the attempt carries the same message id and is dropped by the
-/// broker's duplicate window, so the attempt waits up to two minutes. Taking the key before asking
-/// matters: the api hands this process's own claim back to it, so a copy
-/// whose material was fetched while the original was still being reported
-/// would otherwise be sent again once the report landed.
+/// broker's duplicate window, so the attempt waits up to two minutes.
+/// Taking the key before asking matters: the api hands this process's own
+/// claim back to it, so a copy whose material was fetched while the
+/// original was still being reported would otherwise be sent again once the
+/// report landed.
 type Unsettled = Arc<std::sync::Mutex<HashSet<AttemptKey>>>;
 
 /// Jobs a lane fetches material for in one go.
@@ -287,10 +288,7 @@ impl Lane {
         for job in chunk {
             let key = AttemptKey::of(&job.job);
             let sent_lately = job.material.is_some() && self.shared.sent_lately.holds(&key);
-            if sent_lately {
-                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "this follower was sent lately; not again");
-                job.source.settle(Verdict::Ack).await;
-            } else if !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
+            if sent_lately || !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
                 tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
                 job.source.settle(Verdict::Ack).await;
             } else if let Some(kept) = self.shared.unreported.take(&key) {

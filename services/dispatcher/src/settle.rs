@@ -54,8 +54,8 @@ impl Source {
         }
     }
 
-    /// Asks for a job back soon: its attempt is in another claimant's hands
-    /// (or this process's), which ends within the claim's hold.
+    /// Asks for a job back soon: its attempt is in another claimant's
+    /// hands, which ends within the claim's hold.
     pub(crate) async fn retry_soon(&self) {
         if let Self::Broker(msg) = self {
             crate::verdict::settle(msg, crate::verdict::retry_soon(msg)).await;

@@ -21,8 +21,8 @@ pub(crate) fn retry_later(msg: &Message) -> AckKind {
     AckKind::Nak(Some((Duration::from_secs(1) * 2u32.pow(delivered - 1)).min(Duration::from_secs(30))))
 }
 
-/// Asking for a job back whose attempt someone holds (another dispatcher's
-/// claim, or a copy in this process's hands): 1 s, doubling, at most 4 s.
+/// Asking for a job back whose attempt another dispatcher's claim holds:
+/// 1 s, doubling, at most 4 s.
 /// A claim ends with its outcome or runs out (a dead claimant's) within its
 /// hold; at `retry_later`'s pace a job refused five times would wait 16–30 s
 /// more after that. Well within `MAX_DELIVER`: the longest claim (an attempt
