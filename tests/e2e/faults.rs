@@ -411,3 +411,57 @@ async fn an_outcome_the_api_could_not_take_is_reported_when_it_is_back_and_the_a
     dispatcher.kill9().await?;
     stack.stop().await
 }
+
+/// An attempt in a dispatcher's hands whose lease runs out while it waits
+/// (behind slow attempts to the same endpoint) is published by the relay,
+/// and that copy reaches the same dispatcher. If the dispatcher then dies,
+/// the copy brings the attempt back once its claim has run out — not the
+/// attempt's next lease (a minute here, five in production), as when the
+/// copy was acked unsent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_of_an_attempt_in_hand_brings_it_back_when_the_dispatcher_holding_it_dies() -> anyhow::Result<()> {
+    // A claim holds 2 + 3 + 5 = 10 s; so does the lease of a first attempt
+    // handed over with its expansion.
+    let stack =
+        Stack::start(Options { dispatcher: false, attempt_timeout: Duration::from_secs(3), endpoint_cap: 6, ..Options::default() }).await?;
+    let tenant = stack.tenant("copy-in-hand").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/slow", Reply::Hang(Duration::from_millis(2500)));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/slow"), &["c"]).await?;
+    let first = Process::spawn("relay-dispatcher", &stack.dispatcher_env())?;
+    let mut published = HashSet::new();
+    for i in 0..6 {
+        published.insert(rest.publish("c", json!({"i": i})).await?);
+    }
+    // Six in hand, one at a time, 2.5 s each: the fifth and sixth are still
+    // there when their leases run out at 10 s, and the relay publishes them.
+    let copies = eventually(Duration::from_secs(30), || async {
+        let info = stack.consumer_info(true).await.ok()?;
+        (info.delivered.stream_sequence >= 2).then_some(info.delivered.stream_sequence)
+    })
+    .await
+    .expect("the relay published the attempts whose leases ran out, and the dispatcher took them");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let before_kill = arrivals(&receiver, "/slow").1;
+    assert!(before_kill.len() < published.len(), "some attempts were still waiting when the dispatcher died: {before_kill:?}");
+    first.kill9().await?;
+    let killed_at = std::time::Instant::now();
+    let second = Process::spawn("relay-dispatcher", &stack.dispatcher_env())?;
+    // The copies come back a claim's hold after the dead dispatcher saw them,
+    // and the attempts go out once its claims have run out: about 10 s. The
+    // relay's next lease would take 60.
+    let all = eventually(Duration::from_secs(30), || async {
+        let (_, distinct) = arrivals(&receiver, "/slow");
+        (distinct == published).then_some(distinct)
+    })
+    .await;
+    assert!(
+        all.is_some(),
+        "every event reached the receiver within 30 s of the dispatcher's death ({copies} copies published): got {:?} of {published:?}",
+        arrivals(&receiver, "/slow").1
+    );
+    eprintln!("every event arrived {:?} after the dispatcher died", killed_at.elapsed());
+    second.kill9().await?;
+    stack.stop().await
+}

@@ -71,14 +71,15 @@ type Lanes = Arc<std::sync::Mutex<HashMap<String, mpsc::UnboundedSender<Job>>>>;
 /// Attempts in this process's hands, by their `AttemptKey`: taken
 /// before their material is asked for, given back once the outcome is
 /// recorded (or the job goes back to the broker). A second copy of such a job
-/// (a redelivery racing its original) is acked unsent: the original either
-/// records its outcome (now, or from `unreported` once the api takes it) or
-/// comes back itself. Asking for the copy again instead cost W4 (hanging
-/// endpoints, whose in-hand attempts outlive their lease and are published
-/// as copies) a healthy p99 of 22 s: the copies bounced every few seconds.
-/// Left open: if this process dies after acking a copy, the relay's next
-/// publish of the attempt carries the same message id and is dropped by the
-/// broker's duplicate window, so the attempt waits up to two minutes.
+/// (a redelivery racing its original, or the relay's publish of an attempt
+/// in hand whose lease ran out) is not sent and not acked: the broker is
+/// asked for it back after a claim's hold, by when the original has ended
+/// (it is then refused its material and acked) or this process has died
+/// (another dispatcher sends it, as nothing else would until the attempt's
+/// next lease, minutes away, ran out). Asked for every few seconds instead,
+/// the copies cost W4 (hanging endpoints, whose in-hand attempts outlive
+/// their lease) a healthy p99 of 22 s; once a hold, while the original is
+/// still here, they cost a broker round trip and no call to the api.
 /// Taking the key before asking matters: the api hands this process's own
 /// claim back to it, so a copy whose material was fetched while the
 /// original was still being reported would otherwise be sent again once the
@@ -282,15 +283,19 @@ impl Lane {
     /// another, or as many at once as the endpoint's own `max_in_flight`.
     /// Returns the jobs it did not get to (material gone stale behind a slow
     /// attempt, or shutdown), in order. Copies of an attempt
-    /// already in hand are acked before anything is asked for them.
+    /// already in hand go back to the broker (or, sent lately, are acked)
+    /// before anything is asked for them.
     async fn work(&self, chunk: Vec<Job>) -> Vec<Job> {
         let mut mine = Vec::with_capacity(chunk.len());
         for job in chunk {
             let key = AttemptKey::of(&job.job);
             let sent_lately = job.material.is_some() && self.shared.sent_lately.holds(&key);
-            if sent_lately || !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
-                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; acking the duplicate");
+            if sent_lately {
+                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of an attempt sent lately; acking the duplicate");
                 job.source.settle(Verdict::Ack).await;
+            } else if !self.shared.unsettled.lock().expect("unpoisoned").insert(key.clone()) {
+                tracing::debug!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "a copy of this attempt is already in hand; asking for it back after the claim");
+                job.source.back_after(self.shared.claim_hold).await;
             } else if let Some(kept) = self.shared.unreported.take(&key) {
                 // Sent already: its outcome goes to the api, not a second request to the receiver.
                 tracing::info!(delivery_id = %job.job.delivery_id, attempt = job.job.attempt, "an attempt whose outcome the api had not taken came back; reporting it");

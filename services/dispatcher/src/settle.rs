@@ -62,6 +62,16 @@ impl Source {
         }
     }
 
+    /// Asks the broker for a copy back once `after` has passed: the copy of
+    /// an attempt this process holds stays in the stream (not acked) until
+    /// the original has surely ended, so that if this process dies
+    /// meanwhile the copy, not the attempt's next lease, brings it back.
+    pub(crate) async fn back_after(&self, after: Duration) {
+        if let Self::Broker(msg) = self {
+            crate::verdict::settle(msg, AckKind::Nak(Some(after))).await;
+        }
+    }
+
     pub(crate) async fn in_progress(&self) {
         if let Self::Broker(msg) = self {
             let _ = msg.ack_with(AckKind::Progress).await;
