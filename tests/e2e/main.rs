@@ -3,6 +3,7 @@
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
 mod admission;
+mod broker_loss;
 mod catalogue;
 mod claims;
 mod cli;

@@ -66,6 +66,16 @@ impl PrivateNats {
         Ok(())
     }
 
+    /// Deletes the server's store (while it is down): it comes back
+    /// without streams or consumers, as a broker that lost its disk.
+    pub fn wipe_store(&self) -> Result<()> {
+        anyhow::ensure!(self.child.is_none(), "the server is running");
+        if self.dir.exists() {
+            std::fs::remove_dir_all(&self.dir)?;
+        }
+        Ok(())
+    }
+
     /// Stops the server the way an operator would (SIGTERM), and waits.
     pub async fn stop(&mut self) -> Result<()> {
         if let Some(mut c) = self.child.take() {

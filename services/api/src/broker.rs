@@ -25,18 +25,47 @@ pub fn servers(url: &str) -> Result<Vec<async_nats::ServerAddr>> {
         .collect()
 }
 
-pub async fn connect(url: &str) -> Result<jetstream::Context> {
+/// What this api has seen of its connection to the broker: how many times
+/// it came back after losing it, and when it last lost it.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Link {
+    pub reconnects: u64,
+    pub lost_at: Option<std::time::Instant>,
+}
+
+pub async fn connect(url: &str) -> Result<(jetstream::Context, tokio::sync::watch::Receiver<Link>)> {
+    let (link_tx, link_rx) = tokio::sync::watch::channel(Link::default());
+    let link_tx = std::sync::Arc::new(link_tx);
     // Retry on initial connect: the api must come up, and keep its outbox,
     // while the broker is away; the relays keep trying.
     let client = async_nats::ConnectOptions::new()
         .retry_on_initial_connect()
         .name("relay-api")
+        .event_callback(move |event| {
+            let link = link_tx.clone();
+            async move {
+                match event {
+                    // Noted, not announced: what matters is the return.
+                    async_nats::Event::Disconnected => link.send_if_modified(|l| {
+                        l.lost_at = Some(std::time::Instant::now());
+                        false
+                    }),
+                    // The first connection is not a return.
+                    async_nats::Event::Connected => link.send_if_modified(|l| {
+                        let back = l.lost_at.is_some();
+                        l.reconnects += u64::from(back);
+                        back
+                    }),
+                    _ => false,
+                };
+            }
+        })
         .connect(servers(url)?)
         .await
         .with_context(|| format!("connecting to NATS at {url}"))?;
     let mut js = jetstream::new(client);
     js.set_timeout(PUBLISH_ACK_TIMEOUT);
-    Ok(js)
+    Ok((js, link_rx))
 }
 
 /// How long a publish waits for the stream's ack before it counts as failed

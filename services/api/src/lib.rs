@@ -110,7 +110,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         schema_is_current(&db).await?;
     }
     let names = StreamNames::new(&cfg.broker.stream_prefix).map_err(anyhow::Error::msg)?;
-    let js = broker::connect(&cfg.broker.nats_url).await?;
+    let (js, broker_link) = broker::connect(&cfg.broker.nats_url).await?;
     let app = build_app(&cfg, db, &js, &names);
     if !cfg.delivery.url_policy.is_strict() {
         tracing::warn!(policy = ?cfg.delivery.url_policy, "development endpoint allowances are ON: plain http and/or blocked address ranges are accepted");
@@ -123,7 +123,7 @@ pub async fn run(cfg: ApiConfig, listeners: Listeners) -> Result<RunningApi> {
         tasks.spawn(follower.run(stop_rx.clone()));
     }
     if cfg.delivery.run_relays {
-        tasks.spawn(relays(app.clone(), js.clone(), names, cfg.clone(), stop_rx.clone()));
+        tasks.spawn(relays(app.clone(), js.clone(), names, cfg.clone(), stop_rx.clone(), broker_link));
         let announcer = relay::upkeep::Announcer::new(app.clone());
         let stop = stop_rx.clone();
         tasks.spawn(async move {
@@ -190,7 +190,14 @@ fn build_app(cfg: &ApiConfig, db: sqlx::PgPool, js: &async_nats::jetstream::Cont
 
 /// The relays (outbox, deliveries and their NOTIFY listener, the prober,
 /// bulk recoveries), once the broker's streams are there.
-async fn relays(app: App, js: async_nats::jetstream::Context, names: StreamNames, cfg: ApiConfig, rx: watch::Receiver<bool>) -> Result<()> {
+async fn relays(
+    app: App,
+    js: async_nats::jetstream::Context,
+    names: StreamNames,
+    cfg: ApiConfig,
+    rx: watch::Receiver<bool>,
+    broker_link: watch::Receiver<broker::Link>,
+) -> Result<()> {
     let (batch, idle, lease, endpoint_cap) =
         (cfg.delivery.relay_batch, cfg.delivery.relay_idle, cfg.delivery.lease, cfg.delivery.endpoint_in_flight_cap);
     let (events_backlog, replicas) = (cfg.broker.events_backlog, cfg.broker.stream_replicas);
@@ -223,9 +230,17 @@ async fn relays(app: App, js: async_nats::jetstream::Context, names: StreamNames
         busy: Default::default(),
         last: Default::default(),
     };
+    let lost = relay::lost_events::LostEvents { app: app.clone(), js: js.clone(), names: names.clone(), replicas, link: broker_link };
     let conn = tokio::sync::Mutex::new(db::batcher::KeptConnection::new(app.db()));
     let deliveries = DeliveryRelay { app, js, names, batch, lease, idle, endpoint_cap, conn };
-    tokio::join!(outbox.run(rx.clone()), deliveries.run(rx.clone()), listen, prober.run(rx.clone()), recoverer.run(rx));
+    tokio::join!(
+        outbox.run(rx.clone()),
+        deliveries.run(rx.clone()),
+        listen,
+        prober.run(rx.clone()),
+        recoverer.run(rx.clone()),
+        lost.run(rx)
+    );
     Ok(())
 }
 

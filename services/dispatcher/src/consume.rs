@@ -46,9 +46,18 @@ async fn durable(stream: &jetstream::stream::Stream, config: pull::Config) -> Re
     }
 }
 
-/// The next message of a consumer, or `None` once it ends or the process
-/// stops. A consumer error is logged and skipped: the pull stream goes on.
+/// Consumer errors in a row after which the consumer is created again: a
+/// broker back without its store has no consumer to pull from, and the
+/// pull stream would report missed heartbeats for ever (`PULL_HEARTBEAT`
+/// apart, so about ten seconds).
+const ERRORS_BEFORE_RECREATING: u32 = 5;
+
+/// The next message of a consumer, or `None` once it ends, fails
+/// `ERRORS_BEFORE_RECREATING` times in a row (the caller's loop ends and
+/// the consumer is created again), or the process stops. A lone consumer
+/// error is logged and skipped: the pull stream goes on.
 async fn next_message(messages: &mut pull::Stream, stop: &mut watch::Receiver<bool>, what: &str) -> Option<Message> {
+    let mut errors = 0;
     loop {
         let next = tokio::select! {
             m = messages.next() => m,
@@ -56,7 +65,14 @@ async fn next_message(messages: &mut pull::Stream, stop: &mut watch::Receiver<bo
         };
         match next? {
             Ok(m) => return Some(m),
-            Err(e) => tracing::warn!(error = %e, consumer = what, "consumer error"),
+            Err(e) => {
+                errors += 1;
+                tracing::warn!(error = %e, consumer = what, "consumer error");
+                if errors >= ERRORS_BEFORE_RECREATING {
+                    tracing::warn!(consumer = what, errors, "the consumer keeps failing; creating it again");
+                    return None;
+                }
+            }
         }
     }
 }

@@ -97,7 +97,14 @@ struct Offers {
     /// Offers were refused for want of room: the outbox holds more than
     /// `rows` says.
     overflowed: bool,
+    /// When this process's relay published lately, with the lowest outbox
+    /// place of each batch (see `relay::lost_events`).
+    published: std::collections::VecDeque<(std::time::Instant, i64)>,
 }
+
+/// Batches remembered in `Offers::published`, at most and for how long.
+const PUBLISHED_KEPT: usize = 20_000;
+const PUBLISHED_FOR: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Offers held at most; beyond, events wait for the relay's next look.
 const MAX_OFFERS: usize = 10_000;
@@ -125,6 +132,28 @@ impl OutboxOffers {
     pub fn take(&self) -> (Vec<db::events::OutboxRow>, bool) {
         let mut o = self.0.lock().expect("unpoisoned");
         (std::mem::take(&mut o.rows), std::mem::take(&mut o.overflowed))
+    }
+
+    /// The outbox holds events the offers do not show: the relay's next
+    /// pass looks at it.
+    pub fn look_at_outbox(&self) {
+        self.0.lock().expect("unpoisoned").overflowed = true;
+    }
+
+    /// The broker took a batch whose lowest outbox place is `lowest_seq`.
+    pub fn note_published(&self, lowest_seq: i64) {
+        let now = std::time::Instant::now();
+        let mut o = self.0.lock().expect("unpoisoned");
+        while o.published.front().is_some_and(|(at, _)| now.duration_since(*at) > PUBLISHED_FOR) || o.published.len() >= PUBLISHED_KEPT {
+            o.published.pop_front();
+        }
+        o.published.push_back((now, lowest_seq));
+    }
+
+    /// The lowest outbox place this process published at or after `since`.
+    pub fn lowest_published_since(&self, since: std::time::Instant) -> Option<i64> {
+        let o = self.0.lock().expect("unpoisoned");
+        o.published.iter().filter(|(at, _)| *at >= since).map(|(_, seq)| *seq).min()
     }
 
     /// Offers of events published some other way need no publishing.

@@ -92,6 +92,32 @@ pub async fn release_refused<'e>(db: impl sqlx::PgExecutor<'e>, seqs: &[i64]) ->
         .rows_affected())
 }
 
+/// Puts back in the outbox (unpublished, unclaimed) up to `limit` events at
+/// or after outbox place `from_seq`, published at least `min_age` ago, that
+/// no expansion has taken: the broker acknowledged them and then lost them,
+/// or holds them where its consumer will not deliver them. Returns their
+/// places. The walk follows `seq` from `from_seq`: it reads every event
+/// since then, which is why it runs only after the broker came back.
+pub async fn unpublish_unexpanded<'e>(db: impl sqlx::PgExecutor<'e>, from_seq: i64, min_age: Duration, limit: i64) -> AppResult<Vec<i64>> {
+    let min_age = super::interval(min_age)?;
+    Ok(sqlx::query_scalar!(
+        "WITH lost AS (
+           SELECT e.seq FROM events e
+           WHERE e.seq >= $1 AND e.published_at IS NOT NULL AND e.published_at < now() - $2::interval
+             AND NOT EXISTS (SELECT 1 FROM consumed_events c
+                             WHERE c.consumer = 'expand' AND c.environment_id = e.environment_id AND c.event_id = e.id)
+           ORDER BY e.seq LIMIT $3)
+         UPDATE events SET published_at = NULL, relay_claim_until = NULL
+         WHERE seq IN (SELECT seq FROM lost) AND published_at IS NOT NULL
+         RETURNING seq",
+        from_seq,
+        min_age,
+        limit,
+    )
+    .fetch_all(db)
+    .await?)
+}
+
 /// New events, column by column; each is also its outbox row.
 #[derive(Default)]
 pub struct NewEvents {

@@ -20,6 +20,7 @@
 
 pub mod bulk_recovery;
 pub mod deliveries;
+pub mod lost_events;
 pub mod outbox;
 pub mod prober;
 pub mod upkeep;

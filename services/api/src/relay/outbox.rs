@@ -247,6 +247,9 @@ impl OutboxRelay {
             if ok { published.push(seq) } else { refused.push(seq) }
         }
         self.published(published.len());
+        if let Some(lowest) = published.iter().min() {
+            self.app.outbox_offers().note_published(*lowest);
+        }
         if !published.is_empty() {
             if shortcut {
                 // Marked with the next ones (see `MARK_DELAY`).
