@@ -191,7 +191,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
         // Retries within the run (the production schedule waits minutes
         // from the fifth attempt on); seven attempts, as in production.
         let env = with(env, "RELAY_RETRY_TIERS", "0,500,1000,1000,1000,1000,1000".into());
-        let env = with(env, "RELAY_LOG", "error".into());
+        let env = with(env, "RELAY_LOG", "error,relay_api::relay::lost_events=warn".into());
         let env = with(env, "RELAY_GRPC_ADDR", addrs.grpc.to_string());
         let env = with(env, "RELAY_REST_ADDR", addrs.rest.to_string());
         with(env, "RELAY_INTERNAL_ADDR", addrs.internal.to_string())
@@ -203,7 +203,7 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
         let env = with(env, "RELAY_DEV_SOURCE_ADDRESS", source.into());
         let env = with(env, "RELAY_ATTEMPT_TIMEOUT_MS", "2000".into());
         let env = with(env, "RELAY_SEAM_TIMEOUT_MS", "2000".into());
-        with(env, "RELAY_LOG", "error".into())
+        with(env, "RELAY_LOG", "error,relay_dispatcher::consume=warn".into())
     };
     let mut fleet = Fleet {
         apis: vec![(api_env(&stack.addrs), None), (api_env(&second), None)],
@@ -269,6 +269,24 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
     // and the outbox empties once claims of killed relays run out.
     let pg = stack.pg().await?;
     let settled = load::settle(&pg, &ledger, &receiver, &paths).await?;
+    // Where the missing events wait, printed before the verdict: what the
+    // broker holds for each consumer (pending, unacknowledged, redelivered).
+    if !settled.all_arrived {
+        let js = async_nats::jetstream::new(async_nats::connect(fleet.nats.url()).await?);
+        let names = relay_contracts::StreamNames::new(&stack.prefix).map_err(anyhow::Error::msg)?;
+        for (stream, durable) in [(names.events_stream(), names.expand_durable()), (names.deliveries_stream(), names.deliver_durable())] {
+            let mut st = js.get_stream(&stream).await?;
+            let info = st.info().await?.clone();
+            println!("DIAG stream {stream}: {:?}", info.state);
+            let mut c: async_nats::jetstream::consumer::PullConsumer =
+                st.get_consumer(&durable).await.map_err(|e| anyhow::anyhow!("{e}"))?;
+            let ci = c.info().await?.clone();
+            println!(
+                "DIAG consumer {durable}: delivered {:?} ack_floor {:?} pending {} ack_pending {} redelivered {} waiting {}",
+                ci.delivered, ci.ack_floor, ci.num_pending, ci.num_ack_pending, ci.num_redelivered, ci.num_waiting
+            );
+        }
+    }
     let counted =
         load::account(&pg, &receiver, &paths, &settled.owed, |request, _| kills.iter().rev().find(|k| k.lost(request)).map(|k| k.victim))
             .await?;

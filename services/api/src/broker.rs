@@ -25,11 +25,10 @@ pub fn servers(url: &str) -> Result<Vec<async_nats::ServerAddr>> {
         .collect()
 }
 
-/// What this api has seen of its connection to the broker: how many times
-/// it came back after losing it, and when it last lost it.
+/// What this api has seen of its connection to the broker: when it last
+/// lost it. Receivers are told each time it comes back.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Link {
-    pub reconnects: u64,
     pub lost_at: Option<std::time::Instant>,
 }
 
@@ -51,11 +50,7 @@ pub async fn connect(url: &str) -> Result<(jetstream::Context, tokio::sync::watc
                         false
                     }),
                     // The first connection is not a return.
-                    async_nats::Event::Connected => link.send_if_modified(|l| {
-                        let back = l.lost_at.is_some();
-                        l.reconnects += u64::from(back);
-                        back
-                    }),
+                    async_nats::Event::Connected => link.send_if_modified(|l| l.lost_at.is_some()),
                     _ => false,
                 };
             }

@@ -4,22 +4,24 @@
 //! The outbox marks an event published when the broker acknowledges it, and
 //! from then on only the broker holds the way to its expansion. A broker
 //! killed outright can come back without messages it acknowledged just
-//! before (not yet on its disk), or with a consumer whose acknowledged
-//! position is ahead of its stream, so that it skips what is published next
-//! (nats-server issues #3402 and #5412 describe both; the crash torture
-//! showed them). Postgres still holds every such event, and the expansion
-//! ledger says which were never expanded.
+//! before (not yet on its disk), or without its streams (nats-server issue
+//! #3402 describes the first; the crash torture showed both). Postgres
+//! still holds every such event, and the expansion ledger says which were
+//! never expanded.
 //!
 //! So each time this api's connection to the broker comes back, it looks
 //! twice at the events published from shortly before the connection was
-//! lost: soon, for messages the broker no longer has (published again now,
-//! they are stored anew; those it still has are dropped by its duplicate
-//! window), and once the duplicate window has passed, for messages it has
-//! but does not deliver. Each look puts the published, never-expanded events
-//! back in the outbox, and the outbox relay publishes them under their own
-//! message ids; an event that was only slow is expanded once either way
-//! (the expansion ledger). The streams are created again first, should the
-//! broker have come back without them.
+//! lost until the return: soon, for messages the broker no longer has
+//! (published again now, they are stored anew; those it still has are
+//! dropped by its duplicate window), and once the duplicate window has
+//! passed, for messages it holds but has not delivered by then. Each look
+//! puts the published, never-expanded events back in the outbox, and the
+//! outbox relay publishes them under their own message ids; an event that
+//! was only slow is expanded once either way (the expansion ledger). The
+//! streams are created again first, should the broker have come back
+//! without them. A consumer that stops delivering altogether after the
+//! return (nats-server issue #5412 and others) is not this module's to
+//! mend: what it publishes again would wait behind that consumer too.
 
 use std::time::{Duration, Instant};
 
