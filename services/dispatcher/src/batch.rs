@@ -18,9 +18,20 @@ use crate::seam::Seam;
 
 type Reply<T> = oneshot::Sender<Result<T, Status>>;
 
-/// A request, where its answer goes, and whether someone waits on it to go
-/// on (then the call it rides in lingers no longer).
-type Item<Req, Resp> = (Req, Reply<Resp>, bool);
+/// A request, where its answer goes, whether someone waits on it to go on
+/// (then the call it rides in lingers no longer), and how many times it
+/// was answered deferred and put back.
+type Item<Req, Resp> = (Req, Reply<Resp>, bool, u32);
+
+/// Times an item answered deferred goes back in the queue before the
+/// answer is its caller's. A deferred expansion waits for its key's
+/// earlier event, usually in a call beside it; one whose earlier event is
+/// nowhere in flight (still in the broker, or queued behind it in the
+/// dispatcher's turns) would otherwise ride every call for ever, and hold
+/// its caller — and its environment's turn — meanwhile: with every turn of
+/// an environment so held, the earlier events never started (the crash
+/// torture's silent stalls).
+const REQUEUES: u32 = 16;
 
 pub struct Batcher<Req, Resp> {
     tx: mpsc::UnboundedSender<Item<Req, Resp>>,
@@ -37,7 +48,8 @@ type Call<Req, Resp> = dyn Fn(Vec<Req>) -> Pin<Box<dyn Future<Output = Result<Ve
 impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
     /// `call` answers a batch item by item, in order, or fails as a whole.
     /// An item answered `deferred` (see [`relay_domain::Reason::Deferred`])
-    /// goes back in the queue, behind whatever waits, for the next call; a
+    /// goes back in the queue, behind whatever waits, for the next call (at
+    /// most `REQUEUES` times, then the caller is answered deferred); a
     /// batch that fails as a whole for what may be one item's sake is split
     /// until the failure is that item's alone.
     pub fn spawn<F, Fut>(max_batch: usize, calls_in_flight: usize, call: F) -> Self
@@ -109,7 +121,7 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
 
     async fn send(&self, req: Req, urgent: bool) -> Result<Resp, Status> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send((req, reply, urgent)).map_err(|_| Status::unavailable("the batcher has stopped"))?;
+        self.tx.send((req, reply, urgent, 0)).map_err(|_| Status::unavailable("the batcher has stopped"))?;
         answer.await.map_err(|_| Status::unavailable("the batch call was dropped"))?
     }
 }
@@ -134,21 +146,23 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
 ) -> Pin<Box<dyn Future<Output = ()> + Send + 'a>> {
     Box::pin(async move {
         let n = items.len();
-        let reqs: Vec<Req> = items.iter().map(|(r, _, _)| r.clone()).collect();
+        let reqs: Vec<Req> = items.iter().map(|(r, _, _, _)| r.clone()).collect();
         match call(reqs).await {
             Ok(answers) if answers.len() == n => {
-                for ((req, reply, urgent), answer) in items.into_iter().zip(answers) {
+                for ((req, reply, urgent, requeued), answer) in items.into_iter().zip(answers) {
                     match answer {
-                        Err(st) if reason(&st) == Some(relay_domain::Reason::Deferred.as_str()) => match requeue.upgrade() {
-                            Some(tx) => {
-                                if let Err(mpsc::error::SendError((_, reply, _))) = tx.send((req, reply, urgent)) {
+                        Err(st) if reason(&st) == Some(relay_domain::Reason::Deferred.as_str()) && requeued < REQUEUES => {
+                            match requeue.upgrade() {
+                                Some(tx) => {
+                                    if let Err(mpsc::error::SendError((_, reply, _, _))) = tx.send((req, reply, urgent, requeued + 1)) {
+                                        let _ = reply.send(Err(st));
+                                    }
+                                }
+                                None => {
                                     let _ = reply.send(Err(st));
                                 }
                             }
-                            None => {
-                                let _ = reply.send(Err(st));
-                            }
-                        },
+                        }
                         answer => {
                             let _ = reply.send(answer);
                         }
@@ -157,7 +171,7 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
             }
             Ok(answers) => {
                 let st = Status::internal(format!("a batch of {n} came back with {} answers", answers.len()));
-                for (_, reply, _) in items {
+                for (_, reply, _, _) in items {
                     let _ = reply.send(Err(st.clone()));
                 }
             }
@@ -169,7 +183,7 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
                 run(call, second, requeue).await;
             }
             Err(st) => {
-                for (_, reply, _) in items {
+                for (_, reply, _, _) in items {
                     let _ = reply.send(Err(st.clone()));
                 }
             }
@@ -307,6 +321,25 @@ mod tests {
             }
         }
         assert!(calls.lock().unwrap().iter().all(|c| c.len() <= 64));
+    }
+
+    /// An item the api keeps deferring (its key's earlier event is nowhere
+    /// in flight) is answered deferred after `REQUEUES` more calls, so its
+    /// caller can let go (and the event's turn with it), instead of riding
+    /// every call for ever while the caller waits.
+    #[tokio::test]
+    async fn an_item_deferred_again_and_again_is_answered_deferred() {
+        let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let counted = calls.clone();
+        let batcher: Batcher<u32, u32> = Batcher::spawn(64, 1, move |items: Vec<u32>| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async move { Ok(items.into_iter().map(|_| Err(deferred())).collect()) }
+        });
+        let answer = tokio::time::timeout(std::time::Duration::from_secs(5), batcher.call(7))
+            .await
+            .expect("the caller is answered, not kept waiting while the item rides every call");
+        assert_eq!(reason(&answer.unwrap_err()), Some(relay_domain::Reason::Deferred.as_str()));
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), REQUEUES + 1, "the first call and one per requeue");
     }
 
     /// A lingering call waits for company; an urgent item (a lane head's
