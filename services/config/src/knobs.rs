@@ -202,7 +202,7 @@ pub const KNOBS: &[Knob] = &[
         "RELAY_EXPANDING_PER_ENVIRONMENT",
         Dispatcher,
         "16",
-        "expansions in flight of any one environment (1–10000): the rest wait their turn, so a burst cannot queue ahead of a quiet environment's events",
+        "expansions in flight of any one environment while another has had work in the last 2 s (1–10000): the rest wait their turn, so a burst cannot queue ahead of a quiet environment's events; an environment alone may use all of RELAY_MAX_EXPANDING",
     ),
     knob(
         "RELAY_DISPATCHER_THREADS",
