@@ -17,9 +17,9 @@ pub async fn queue_depths(db: &PgPool) -> AppResult<QueueDepths> {
            (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NULL)
              + (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL) AS "deliveries_pending!",
            (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NULL AND next_attempt_at <= now())
-             + (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at <= now())
+             + (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at <= now() AND next_attempt_at > '-infinity')
              AS "deliveries_due!",
-           (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at > now())
+           (SELECT count(*) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at > now() AND next_attempt_at > '-infinity')
              AS "deliveries_in_flight!",
            (SELECT count(*) FROM webhook_dead_letters) AS "dead_letters!""#,
     )

@@ -31,7 +31,10 @@ pub async fn earliest_due<'e>(db: impl sqlx::PgExecutor<'e>) -> AppResult<Option
                             ELSE greatest(w.next_attempt_at,
                                           h.rate_tat - (e.rate_burst - 1) * interval '1 second' / e.rate_per_second) END)
             FROM walk w JOIN webhook_endpoints e ON e.id = w.endpoint_id JOIN endpoint_health h ON h.endpoint_id = w.endpoint_id),
-           (SELECT min(next_attempt_at) FROM webhook_deliveries WHERE state = 'pending' AND dispatched_at IS NOT NULL))"
+           -- The expiry index, asked for by its own clause (see the migration
+           -- `lease_expiry_index_by_name`).
+           (SELECT min(next_attempt_at) FROM webhook_deliveries
+            WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at > '-infinity'))"
     )
     .fetch_one(db)
     .await?)
@@ -108,7 +111,7 @@ pub async fn due_candidates<'e>(db: impl sqlx::PgExecutor<'e>, limit: i64, cap: 
            WHERE c.n < c.cap AND c.tokens > 0 AND d.next_attempt_at <= now()
            UNION ALL
            (SELECT id, endpoint_id, true, next_attempt_at FROM webhook_deliveries
-            WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at <= now()
+            WHERE state = 'pending' AND dispatched_at IS NOT NULL AND next_attempt_at <= now() AND next_attempt_at > '-infinity'
             ORDER BY next_attempt_at LIMIT $1)) AS due
          -- Turns across endpoints (every endpoint's oldest row, then every
          -- one's second…), not oldest first overall: a batch cut short by
