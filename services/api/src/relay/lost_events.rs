@@ -63,10 +63,10 @@ impl LostEvents {
             let lost_at = self.link.borrow_and_update().lost_at.unwrap_or_else(Instant::now);
             let since = lost_at.checked_sub(AT_RISK_BEFORE).unwrap_or(lost_at);
             // Soon, then once a re-publish is no longer a duplicate; a
-            // further return starts over.
-            for (wait, min_age) in
-                [(FIRST_LOOK, FIRST_LOOK), (broker::DUPLICATE_WINDOW + FIRST_LOOK, broker::DUPLICATE_WINDOW + FIRST_LOOK)]
-            {
+            // further return starts over. Each look takes events at least as
+            // old as the wait before it: published before that look's wait
+            // began, so any expansion of theirs had the whole wait to happen.
+            for wait in [FIRST_LOOK, broker::DUPLICATE_WINDOW + FIRST_LOOK] {
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     changed = self.link.changed() => {
@@ -75,7 +75,7 @@ impl LostEvents {
                     }
                     _ = stop.changed() => return,
                 }
-                if let Err(e) = self.look(since, min_age).await {
+                if let Err(e) = self.look(since, wait).await {
                     tracing::warn!(
                         error = format!("{e:#}"),
                         "looking for events the broker lost failed; the next return of the broker looks again"
