@@ -327,9 +327,14 @@ fn describe(e: reqwest::Error) -> String {
 
 /// A transport error for the attempt log, saying so in words when the
 /// receiver refused the client certificate (the TLS alert alone reads
-/// `unknownca` or `certificaterequired`).
+/// `unknownca` or `certificaterequired`), or closed the connection before a
+/// request presenting one could be written: under TLS 1.3 a receiver's
+/// refusal comes after the client's side of the handshake, and when the
+/// connection closes before its alert is read, all that surfaces is
+/// hyper's "connection was not ready" (seen in CI's `receiver_tls` run).
 fn explain(e: reqwest::Error, presented_certificate: bool) -> String {
     let refused = refused_client_certificate(&e);
+    let unwritten = !refused && presented_certificate && never_written(&e);
     let mut message = describe(e);
     if refused {
         message.push_str(if presented_certificate {
@@ -337,6 +342,9 @@ fn explain(e: reqwest::Error, presented_certificate: bool) -> String {
         } else {
             " (the receiver refused the TLS handshake: it may require a client certificate, and this endpoint has none)"
         });
+    } else if unwritten {
+        message
+            .push_str(" (the receiver closed the connection before the request was written: it may have refused the client certificate)");
     }
     message
 }
