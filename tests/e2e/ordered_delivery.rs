@@ -397,6 +397,75 @@ async fn a_busy_ordered_endpoints_idle_lanes_wait_for_slots_and_every_key_arrive
     stack.stop().await
 }
 
+/// A key whose lane went idle (its last delivery ended, nothing queued)
+/// gets its next event's delivery as the lane's head in the expansion's
+/// own write, numbered after the last: no queued row and no promotion of
+/// its own. Seen in the lane's row: while that head is on the wire, its
+/// last writer is the transaction that expanded the event (a promotion
+/// would have numbered it in a transaction of its own).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_whose_lane_went_idle_gets_its_next_event_as_its_head_at_once_numbered_after_its_last() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let pg = stack.pg().await?;
+    let tenant = stack.tenant("idle-lanes").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/idle", Reply::Flaky(Flaky::new(Behaviour::Slow(Duration::from_millis(1500)))));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    let endpoint = ordered_endpoint(&rest, &receiver, "/idle", json!({})).await?;
+    let lane = |key: &'static str| {
+        let (pg, endpoint) = (pg.clone(), endpoint.clone());
+        async move {
+            let row: Option<(bool, i64, String)> = sqlx::query_as(
+                "SELECT idle, last_position, xmin::text FROM ordering_lanes WHERE endpoint_id = $1::uuid AND ordering_key = $2",
+            )
+            .bind(&endpoint)
+            .bind(key)
+            .fetch_optional(&pg)
+            .await?;
+            anyhow::Ok(row)
+        }
+    };
+    let expanded_by = |event: String| {
+        let pg = pg.clone();
+        async move {
+            let xid: String =
+                sqlx::query_scalar("SELECT xmin::text FROM consumed_events WHERE consumer = 'expand' AND event_id = $1::uuid")
+                    .bind(&event)
+                    .fetch_one(&pg)
+                    .await?;
+            anyhow::Ok(xid)
+        }
+    };
+    for n in 1..=3u64 {
+        let (event, sequence) = publish_keyed(&rest, "k", json!({"n": n})).await?;
+        assert_eq!(sequence, n);
+        // On the wire (the receiver holds it 1.5 s): numbered n, by whom.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let (idle, position, writer) = loop {
+            if let Some(row) = lane("k").await?.filter(|r| r.1 == n as i64) {
+                break row;
+            }
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "event {n} was not numbered in 10 s: {:?}", lane("k").await?);
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert!(!idle, "event {n}: the lane has a head, and is not idle");
+        assert_eq!(position, n as i64);
+        if n > 1 {
+            assert_eq!(writer, expanded_by(event).await?, "event {n}: its lane was taken by its expansion, not a promotion");
+        }
+        let got = receiver.wait_at("/idle", n as usize, Duration::from_secs(10)).await;
+        assert_eq!(got.len(), n as usize, "event {n} arrived");
+        assert_eq!(got[n as usize - 1].header("relay-webhook-sequence"), n.to_string());
+        // Its outcome recorded, the lane's promotion finds nothing queued.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while !lane("k").await?.is_some_and(|r| r.0) {
+            anyhow::ensure!(tokio::time::Instant::now() < deadline, "the lane did not go idle after event {n}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    stack.stop().await
+}
+
 /// A counter's value on the api's metrics port.
 async fn metric(stack: &Stack, name: &str) -> anyhow::Result<f64> {
     let text = reqwest::get(&stack.metrics_url).await?.text().await?;

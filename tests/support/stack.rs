@@ -445,6 +445,11 @@ pub const INVARIANTS: &[(&str, &str)] = &[
          GROUP BY endpoint_id, ordering_key HAVING count(*) > 1",
     ),
     (
+        "a lane marked idle that has a head (an expansion could give it a second)",
+        "SELECT d.id FROM ordering_lanes g JOIN webhook_deliveries d ON d.endpoint_id = g.endpoint_id AND d.ordering_key = g.ordering_key
+         WHERE g.idle AND d.state IN ('pending', 'held')",
+    ),
+    (
         "a lane's position given twice",
         "SELECT min(id::text)::uuid FROM webhook_deliveries WHERE ordering_position IS NOT NULL
          GROUP BY endpoint_id, ordering_key, ordering_position HAVING count(*) > 1",

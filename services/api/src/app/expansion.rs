@@ -272,9 +272,9 @@ impl App {
             headers: sending.headers,
             auth: sending.auth,
             max_in_flight: row.max_in_flight.and_then(|n| u32::try_from(n).ok()),
-            // A row in a lane is handed out by its expansion only as its
-            // new lane's head, numbered 1.
-            ordering: row.ordering_key.clone().filter(|_| row.lane_head).map(|key| (key, 1)),
+            // A row in a lane is handed out by its expansion only as the
+            // head of a lane it opened (numbered 1) or took idle.
+            ordering: row.ordering_key.clone().filter(|_| row.lane_head).zip(row.lane_position),
             payload: envelope.cloned().context("an attempt in hand carries its event's body")?,
             traceparent: None,
             followers: Vec::new(),

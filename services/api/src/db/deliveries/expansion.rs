@@ -48,9 +48,10 @@ pub struct ExpandedRow {
     /// event's ordering key): the lane must be asked to promote
     /// (`lanes::promote`).
     pub queued: bool,
-    /// Written as its new lane's head, numbered 1 (sent as any first
-    /// attempt is).
+    /// Written as its lane's head (a lane it opened, or an idle one it
+    /// took), numbered `lane_position` (sent as any first attempt is).
     pub lane_head: bool,
+    pub lane_position: Option<i64>,
     /// The event's ordering key, on a row in a lane.
     pub ordering_key: Option<String>,
     /// Not expanded now: an earlier event of its ordering key has not been
@@ -196,16 +197,32 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                      AND CASE WHEN c.target IS NULL THEN e.event_types @> ARRAY[c.event_type] ELSE e.id = c.target END
                    WHERE NOT EXISTS (SELECT 1 FROM UNNEST($10::bigint[], $11::uuid[]) AS r(ord, endpoint_id)
                                      WHERE r.ord = c.ord AND r.endpoint_id = e.id)),
-                 -- The lanes this expansion opens: a lane whose row it
-                 -- creates has no other delivery anywhere (every writer of
-                 -- a lane's rows creates or finds its row first, and a
-                 -- concurrent creator is waited for), so its first row here
-                 -- is its head at once, numbered 1. Any other lane's rows
-                 -- are queued for its promotion (`lanes::promote`).
+                 -- The lanes this expansion opens or takes, each with the
+                 -- position its head here gets. A lane whose row it creates
+                 -- has no other delivery anywhere (every writer of a lane's
+                 -- rows creates or finds its row first, and a concurrent
+                 -- creator is waited for): its first row here is its head,
+                 -- numbered 1. An idle lane (its last promotion found no
+                 -- head and nothing queued, under the lane's lock; whoever
+                 -- makes a head clears it under the same lock) with nothing
+                 -- queued now (a key's earlier events are expanded and
+                 -- committed before this one is, so their rows are in this
+                 -- statement's snapshot) is taken: its first row here is its
+                 -- head, numbered after its last. The row's newest version
+                 -- decides, after waiting for a promotion that holds it
+                 -- (which locks lanes before anything else, so never waits
+                 -- for this). Any other lane's rows are queued for its
+                 -- promotion (`lanes::promote`). Through the key's unique
+                 -- index whatever the statistics say (a small lanes table
+                 -- planned as empty was read whole for each lane).
                  opened AS (
-                   INSERT INTO ordering_lanes (endpoint_id, ordering_key, last_position)
+                   INSERT INTO ordering_lanes AS g (endpoint_id, ordering_key, last_position)
                    SELECT DISTINCT endpoint_id, okey, 1 FROM matched WHERE lane ORDER BY endpoint_id, okey
-                   ON CONFLICT (endpoint_id, ordering_key) DO NOTHING RETURNING endpoint_id, ordering_key),
+                   ON CONFLICT (endpoint_id, ordering_key) DO UPDATE SET last_position = g.last_position + 1, idle = false
+                     WHERE g.idle AND NOT EXISTS (SELECT 1 FROM webhook_deliveries q
+                                                  WHERE q.state = 'queued' AND q.endpoint_id = g.endpoint_id
+                                                    AND q.ordering_key = g.ordering_key)
+                   RETURNING g.endpoint_id, g.ordering_key, g.last_position),
                  marked AS MATERIALIZED (
                    SELECT m.*, m.lane AND NOT m.lane_head AS queued,
                           m.gated AND NOT m.holding AND NOT (m.lane AND NOT m.lane_head) AS gated_now,
@@ -214,7 +231,9 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                           NOT m.holding AND NOT m.gated AND NOT (m.lane AND NOT m.lane_head)
                             AND row_number() OVER (PARTITION BY m.endpoint_id ORDER BY m.ord) + m.n <= m.cap AS leased
                    FROM (SELECT x.*, x.lane AND row_number() OVER (PARTITION BY x.endpoint_id, x.okey ORDER BY x.oseq) = 1
-                                AND (x.endpoint_id, x.okey) IN (SELECT endpoint_id, ordering_key FROM opened) AS lane_head
+                                AND (x.endpoint_id, x.okey) IN (SELECT endpoint_id, ordering_key FROM opened) AS lane_head,
+                                (SELECT o.last_position FROM opened o WHERE o.endpoint_id = x.endpoint_id AND o.ordering_key = x.okey)
+                                  AS head_position
                          FROM matched x) m),
                  -- An endpoint that is down gets its deliveries held: no
                  -- relay pass looks at them until it recovers. No conflict
@@ -230,7 +249,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                           CASE WHEN leased THEN now() END,
                           CASE WHEN leased THEN now() + lease_ms * interval '1 millisecond' ELSE now() END,
                           CASE WHEN holding AND NOT queued THEN now() END,
-                          CASE WHEN lane THEN okey END, CASE WHEN lane THEN oseq * 2 END, CASE WHEN lane_head THEN 1 END
+                          CASE WHEN lane THEN okey END, CASE WHEN lane THEN oseq * 2 END, CASE WHEN lane_head THEN head_position END
                    FROM marked),
                  -- The leased first attempts of a claimant's events go into
                  -- its hands in the order asked, as far as the bodies fit.
@@ -245,7 +264,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
           -- A row for each item as asked, then one for each delivery it created.
           SELECT a.ord AS "ord!", f.stored_type AS "stored_type?", fr.ord IS NOT NULL AS "fresh!", NULL::uuid AS "id?: DeliveryId",
                  NULL::uuid AS "endpoint_id?: EndpointId", NULL::text AS "trace_context?", false AS "leased!", false AS "in_hand!", false AS "held!",
-                 false AS "queued!", false AS "lane_head!", NULL::text AS "ordering_key?", EXISTS (SELECT 1 FROM deferred x WHERE x.environment_id = a.environment_id AND x.event_id = a.event_id) AS "deferred!",
+                 false AS "queued!", false AS "lane_head!", NULL::bigint AS "lane_position?", NULL::text AS "ordering_key?", EXISTS (SELECT 1 FROM deferred x WHERE x.environment_id = a.environment_id AND x.event_id = a.event_id) AS "deferred!",
                  false AS "gated!",
                  NULL::text AS "url?", NULL::text AS "signature_scheme?", NULL::text AS "secret_key_id?", NULL::bytea AS "secret_ciphertext?",
                  NULL::text AS "previous_secret_key_id?", NULL::bytea AS "previous_secret_ciphertext?",
@@ -256,7 +275,7 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
           FROM asked a LEFT JOIN found f ON f.ord = a.ord LEFT JOIN fresh fr ON fr.ord = a.ord
           UNION ALL
           SELECT h.ord, NULL, true, h.id, h.endpoint_id, h.trace_context, h.leased, h.in_hand, h.holding AND NOT h.queued, h.queued,
-                 h.lane_head, CASE WHEN h.lane THEN h.okey END, false, h.gated_now,
+                 h.lane_head, CASE WHEN h.lane_head THEN h.head_position END, CASE WHEN h.lane THEN h.okey END, false, h.gated_now,
                  CASE WHEN h.in_hand THEN h.url END, CASE WHEN h.in_hand THEN h.signature_scheme END, CASE WHEN h.in_hand THEN h.secret_key_id END,
                  CASE WHEN h.in_hand THEN h.secret_ciphertext END, CASE WHEN h.in_hand THEN h.previous_secret_key_id END,
                  CASE WHEN h.in_hand THEN h.previous_secret_ciphertext END, CASE WHEN h.in_hand THEN h.secret_rotated_at END,

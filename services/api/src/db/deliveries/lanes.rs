@@ -48,7 +48,8 @@ pub struct Promoted {
 /// waits for it), then, in a statement of its own so that it sees every row
 /// committed before the locks were granted, picks each headless lane's
 /// lowest-ranked queued row, numbers it (the lane's next position) and makes
-/// it pending, or held if its endpoint is down. `notify`: tell every api's
+/// it pending, or held if its endpoint is down; a lane with no head and
+/// nothing queued is marked idle. `notify`: tell every api's
 /// relay of the new pending heads (else the caller hands them out).
 /// `conn`: a hot path's own connection where it has one (no pool round
 /// trips), else one from the pool.
@@ -76,7 +77,14 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
              health AS (
                SELECT 1 FROM endpoint_health WHERE endpoint_id = ANY ($1) ORDER BY endpoint_id FOR KEY SHARE)
          SELECT (SELECT count(*) FROM lanes) + (SELECT count(*) FROM health) AS "locked!"
-         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit"#,
+         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit,
+              -- For the promotion that follows in this transaction: every
+              -- lane and every delivery it reads is found by key, and the
+              -- lanes table is small when its plan is made (a new
+              -- installation, or analysed while empty), so small that the
+              -- planner read it whole for each lane (auto_explain: 256
+              -- scans of the table per promotion, 100 ms under `w6`).
+              (SELECT set_config('enable_seqscan', 'off', true)) AS by_key"#,
         &lanes.endpoint_id as _,
         &lanes.ordering_key,
     )
@@ -127,7 +135,25 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
                                AND (e.enabled OR e.disabled_reason IN ('gone', 'failing')))
                RETURNING d.state, (SELECT g.ctid FROM ordering_lanes g WHERE g.endpoint_id = d.endpoint_id AND g.ordering_key = d.ordering_key) AS lane),
              numbered AS (
-               UPDATE ordering_lanes SET last_position = last_position + 1 WHERE ctid = ANY (ARRAY(SELECT lane FROM promoted)))
+               UPDATE ordering_lanes SET last_position = last_position + 1, idle = false WHERE ctid = ANY (ARRAY(SELECT lane FROM promoted))),
+             -- Lanes with no head and nothing queued, in the snapshot
+             -- taken after their locks: idle, for an expansion to take
+             -- (see `expansion::expand`). A row queued after this snapshot
+             -- is promoted by its writer, whose promotion waits for this
+             -- one; an expansion sees it queued (a key's events commit in
+             -- order) and leaves the lane to that promotion. Through the
+             -- key's unique index (as the expansion does): every lane asked
+             -- for has its row, so nothing is inserted.
+             quiet AS (
+               INSERT INTO ordering_lanes AS g (endpoint_id, ordering_key)
+               SELECT l.endpoint_id, l.ordering_key FROM lanes l
+               -- Probes per lane, kept ones as in `heads`.
+               WHERE (SELECT 1 FROM webhook_deliveries o
+                      WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
+                        AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key LIMIT 1) IS NULL
+                 AND (SELECT 1 FROM webhook_deliveries q
+                      WHERE q.state = 'queued' AND q.endpoint_id = l.endpoint_id AND q.ordering_key = l.ordering_key LIMIT 1) IS NULL
+               ON CONFLICT (endpoint_id, ordering_key) DO UPDATE SET idle = true WHERE NOT g.idle)
          SELECT count(*) FILTER (WHERE state = 'pending') AS "pending!", count(*) FILTER (WHERE state = 'held') AS "held!" FROM promoted"#,
         &lanes.endpoint_id as _,
         &lanes.ordering_key,
