@@ -57,7 +57,15 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
     if lanes.is_empty() {
         return Ok(Promoted::default());
     }
-    let mut tx = conn.begin().await?;
+    // Sequential scans off for this transaction's statements, set before
+    // any is planned (the batchers' connections plan each statement once,
+    // `crate::db::batcher`): every lane and every delivery they read is
+    // found by key, and the lanes table is small when the plans are made (a
+    // new installation, or one analysed while it was empty), so small that
+    // the planner read it whole to lock the lanes asked for, and again for
+    // each lane (auto_explain under `w6`: 256 scans of it per promotion,
+    // 100 ms; the lock 300 buffers a call).
+    let mut tx = conn.begin_with("BEGIN; SET LOCAL enable_seqscan = off").await?;
     // The locks in one statement: the lanes' rows FOR UPDATE, then the
     // health rows. Every lane asked for has its row: whoever writes a lane's
     // rows creates it first (the expansion that opens the lane), and none is
@@ -77,14 +85,7 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
              health AS (
                SELECT 1 FROM endpoint_health WHERE endpoint_id = ANY ($1) ORDER BY endpoint_id FOR KEY SHARE)
          SELECT (SELECT count(*) FROM lanes) + (SELECT count(*) FROM health) AS "locked!"
-         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit,
-              -- For the promotion that follows in this transaction: every
-              -- lane and every delivery it reads is found by key, and the
-              -- lanes table is small when its plan is made (a new
-              -- installation, or analysed while empty), so small that the
-              -- planner read it whole for each lane (auto_explain: 256
-              -- scans of the table per promotion, 100 ms under `w6`).
-              (SELECT set_config('enable_seqscan', 'off', true)) AS by_key"#,
+         FROM (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit"#,
         &lanes.endpoint_id as _,
         &lanes.ordering_key,
     )
@@ -92,20 +93,21 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
     .await?;
     let row = sqlx::query!(
         r#"WITH lanes AS (SELECT * FROM UNNEST($1::uuid[], $2::text[]) AS l(endpoint_id, ordering_key)),
-             heads AS MATERIALIZED (
-               SELECT q.id FROM lanes l
-               CROSS JOIN LATERAL (
-                 SELECT d.id FROM webhook_deliveries d
-                 WHERE d.state = 'queued' AND d.endpoint_id = l.endpoint_id AND d.ordering_key = l.ordering_key
-                 ORDER BY d.ordering_rank, d.id LIMIT 1) AS q
-               -- The lane has no head: a probe of the head index per lane,
-               -- written as a scalar subquery so that it stays one (as NOT
-               -- EXISTS it became an anti join reading every lane's head
-               -- for each lane asked, the index being near empty when
-               -- last analysed).
-               WHERE (SELECT 1 FROM webhook_deliveries o
-                      WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
-                        AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key LIMIT 1) IS NULL),
+             -- Each lane looked at once: whether it has a head (a probe
+             -- of the head index, written as a scalar subquery so that it
+             -- stays one: as NOT EXISTS it became an anti join reading
+             -- every lane's head for each lane asked, the index being near
+             -- empty when last analysed) and its first queued row.
+             looked AS MATERIALIZED (
+               SELECT l.endpoint_id, l.ordering_key,
+                      (SELECT 1 FROM webhook_deliveries o
+                       WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
+                         AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key LIMIT 1) IS NOT NULL AS headed,
+                      (SELECT d.id FROM webhook_deliveries d
+                       WHERE d.state = 'queued' AND d.endpoint_id = l.endpoint_id AND d.ordering_key = l.ordering_key
+                       ORDER BY d.ordering_rank, d.id LIMIT 1) AS next
+               FROM lanes l),
+             heads AS MATERIALIZED (SELECT next AS id FROM looked WHERE NOT headed AND next IS NOT NULL),
              -- Each head updated through its own key: every lookup is a
              -- primary key probe per row (no set joined to another, see
              -- JOINS_BY_ESTIMATE in `crate::db`); its number is its lane's
@@ -146,13 +148,7 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
              -- for has its row, so nothing is inserted.
              quiet AS (
                INSERT INTO ordering_lanes AS g (endpoint_id, ordering_key)
-               SELECT l.endpoint_id, l.ordering_key FROM lanes l
-               -- Probes per lane, kept ones as in `heads`.
-               WHERE (SELECT 1 FROM webhook_deliveries o
-                      WHERE o.ordering_key IS NOT NULL AND o.state IN ('pending', 'held')
-                        AND o.endpoint_id = l.endpoint_id AND o.ordering_key = l.ordering_key LIMIT 1) IS NULL
-                 AND (SELECT 1 FROM webhook_deliveries q
-                      WHERE q.state = 'queued' AND q.endpoint_id = l.endpoint_id AND q.ordering_key = l.ordering_key LIMIT 1) IS NULL
+               SELECT endpoint_id, ordering_key FROM looked WHERE NOT headed AND next IS NULL
                ON CONFLICT (endpoint_id, ordering_key) DO UPDATE SET idle = true WHERE NOT g.idle)
          SELECT count(*) FILTER (WHERE state = 'pending') AS "pending!", count(*) FILTER (WHERE state = 'held') AS "held!" FROM promoted"#,
         &lanes.endpoint_id as _,
