@@ -18,10 +18,16 @@ use crate::seam::Seam;
 
 type Reply<T> = oneshot::Sender<Result<T, Status>>;
 
-/// A request, where its answer goes, whether someone waits on it to go on
-/// (then the call it rides in lingers no longer), and how many times it
-/// was answered deferred and put back.
-type Item<Req, Resp> = (Req, Reply<Resp>, bool, u32);
+/// A request waiting for a call to carry it.
+struct Item<Req, Resp> {
+    req: Req,
+    /// Where its answer goes.
+    reply: Reply<Resp>,
+    /// Someone waits on it to go on: the call it rides in lingers no longer.
+    urgent: bool,
+    /// How many times it was answered deferred and put back.
+    requeued: u32,
+}
 
 /// Times an item answered deferred goes back in the queue before the
 /// answer is its caller's. A deferred expansion waits for its key's
@@ -80,19 +86,19 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
                 // Wait for a call slot before gathering: whatever arrives
                 // meanwhile rides along.
                 let slot = slots.clone().acquire_owned().await.expect("semaphore open");
-                let mut urgent = first.2;
+                let mut urgent = first.urgent;
                 let mut items = vec![first];
                 let until = tokio::time::Instant::now() + linger;
                 while items.len() < max_batch {
                     match rx.try_recv() {
                         Ok(item) => {
-                            urgent |= item.2;
+                            urgent |= item.urgent;
                             items.push(item)
                         }
                         Err(_) if linger.is_zero() || urgent => break,
                         Err(_) => match tokio::time::timeout_at(until, rx.recv()).await {
                             Ok(Some(item)) => {
-                                urgent |= item.2;
+                                urgent |= item.urgent;
                                 items.push(item)
                             }
                             _ => break,
@@ -121,7 +127,7 @@ impl<Req: Clone + Send + 'static, Resp: Send + 'static> Batcher<Req, Resp> {
 
     async fn send(&self, req: Req, urgent: bool) -> Result<Resp, Status> {
         let (reply, answer) = oneshot::channel();
-        self.tx.send((req, reply, urgent, 0)).map_err(|_| Status::unavailable("the batcher has stopped"))?;
+        self.tx.send(Item { req, reply, urgent, requeued: 0 }).map_err(|_| Status::unavailable("the batcher has stopped"))?;
         answer.await.map_err(|_| Status::unavailable("the batch call was dropped"))?
     }
 }
@@ -146,16 +152,17 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
 ) -> Pin<Box<dyn Future<Output = ()> + Send + 'a>> {
     Box::pin(async move {
         let n = items.len();
-        let reqs: Vec<Req> = items.iter().map(|(r, _, _, _)| r.clone()).collect();
+        let reqs: Vec<Req> = items.iter().map(|item| item.req.clone()).collect();
         match call(reqs).await {
             Ok(answers) if answers.len() == n => {
-                for ((req, reply, urgent, requeued), answer) in items.into_iter().zip(answers) {
+                for (Item { req, reply, urgent, requeued }, answer) in items.into_iter().zip(answers) {
                     match answer {
                         Err(st) if reason(&st) == Some(relay_domain::Reason::Deferred.as_str()) && requeued < REQUEUES => {
                             match requeue.upgrade() {
                                 Some(tx) => {
-                                    if let Err(mpsc::error::SendError((_, reply, _, _))) = tx.send((req, reply, urgent, requeued + 1)) {
-                                        let _ = reply.send(Err(st));
+                                    if let Err(mpsc::error::SendError(item)) = tx.send(Item { req, reply, urgent, requeued: requeued + 1 })
+                                    {
+                                        let _ = item.reply.send(Err(st));
                                     }
                                 }
                                 None => {
@@ -171,8 +178,8 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
             }
             Ok(answers) => {
                 let st = Status::internal(format!("a batch of {n} came back with {} answers", answers.len()));
-                for (_, reply, _, _) in items {
-                    let _ = reply.send(Err(st.clone()));
+                for item in items {
+                    let _ = item.reply.send(Err(st.clone()));
                 }
             }
             Err(st) if n > 1 && may_be_one_items(&st) => {
@@ -183,8 +190,8 @@ fn run<'a, Req: Clone + Send + 'static, Resp: Send + 'static>(
                 run(call, second, requeue).await;
             }
             Err(st) => {
-                for (_, reply, _, _) in items {
-                    let _ = reply.send(Err(st.clone()));
+                for item in items {
+                    let _ = item.reply.send(Err(st.clone()));
                 }
             }
         }
@@ -323,23 +330,32 @@ mod tests {
         assert!(calls.lock().unwrap().iter().all(|c| c.len() <= 64));
     }
 
+    /// A batcher over a fake api that answers each call as `answer` says,
+    /// and the count of its calls.
+    fn counting_batcher(
+        answer: impl Fn(Vec<u32>) -> Result<Vec<Result<u32, Status>>, Status> + Send + Sync + 'static,
+    ) -> (Batcher<u32, u32>, Arc<std::sync::atomic::AtomicUsize>) {
+        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = calls.clone();
+        let batcher = Batcher::spawn(64, 1, move |items: Vec<u32>| {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            std::future::ready(answer(items))
+        });
+        (batcher, calls)
+    }
+
     /// An item the api keeps deferring (its key's earlier event is nowhere
     /// in flight) is answered deferred after `REQUEUES` more calls, so its
     /// caller can let go (and the event's turn with it), instead of riding
     /// every call for ever while the caller waits.
     #[tokio::test]
     async fn an_item_deferred_again_and_again_is_answered_deferred() {
-        let calls = Arc::new(std::sync::atomic::AtomicU32::new(0));
-        let counted = calls.clone();
-        let batcher: Batcher<u32, u32> = Batcher::spawn(64, 1, move |items: Vec<u32>| {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            async move { Ok(items.into_iter().map(|_| Err(deferred())).collect()) }
-        });
+        let (batcher, calls) = counting_batcher(|items| Ok(items.into_iter().map(|_| Err(deferred())).collect()));
         let answer = tokio::time::timeout(std::time::Duration::from_secs(5), batcher.call(7))
             .await
             .expect("the caller is answered, not kept waiting while the item rides every call");
         assert_eq!(reason(&answer.unwrap_err()), Some(relay_domain::Reason::Deferred.as_str()));
-        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), REQUEUES + 1, "the first call and one per requeue");
+        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), REQUEUES as usize + 1, "the first call and one per requeue");
     }
 
     /// A lingering call waits for company; an urgent item (a lane head's
@@ -366,12 +382,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_api_that_is_away_fails_the_batch_without_splitting_it() {
-        let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let counted = calls.clone();
-        let batcher: Batcher<u32, u32> = Batcher::spawn(64, 1, move |_items: Vec<u32>| {
-            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            async { Err(Status::unavailable("connection refused")) }
-        });
+        let (batcher, calls) = counting_batcher(|_| Err(Status::unavailable("connection refused")));
         let (a, b) = tokio::join!(batcher.call(1), batcher.call(2));
         assert_eq!(a.unwrap_err().code(), Code::Unavailable);
         assert_eq!(b.unwrap_err().code(), Code::Unavailable);
