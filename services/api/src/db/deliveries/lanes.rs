@@ -4,7 +4,10 @@
 //! one lane at a time under its `ordering_lanes` row's lock, so a lane never
 //! has two heads: whoever writes a queued row or ends a head asks for its
 //! lane afterwards, and the upkeep's sweep finds any lane that a crash
-//! between the two left without one.
+//! between the two left without one. An expansion writes a lane's head
+//! itself only where it opens the lane or finds it idle (`idle`, set here
+//! when a lane has no head and nothing queued, cleared under the lane's
+//! lock by whoever makes a head: see `expansion::expand`).
 
 use relay_domain::{DeliveryId, DispatcherId, EndpointId};
 use sqlx::{Connection, PgConnection, PgPool};
