@@ -127,8 +127,6 @@ async fn an_ordered_endpoints_lanes_are_never_read_whole_by_their_promotions() -
         }
     }
     assert_eq!(receiver.wait_at("/lanes", KEYS * EACH, Duration::from_secs(30)).await.len(), KEYS * EACH);
-    // A backend's counts reach the statistics when it is idle for a while
-    // or when it exits: the api's connections closed, read once they are gone.
     // Every lane goes idle once its last delivery's outcome is recorded.
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
@@ -139,6 +137,8 @@ async fn an_ordered_endpoints_lanes_are_never_read_whole_by_their_promotions() -
         anyhow::ensure!(Instant::now() < deadline, "{idle} of {KEYS} lanes idle after their last deliveries");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+    // A backend's counts reach the statistics when it is idle for a while
+    // or when it exits: the api's connections closed, read once they are gone.
     stack.stop_api().await?;
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {

@@ -49,8 +49,10 @@ pub struct ExpandedRow {
     /// (`lanes::promote`).
     pub queued: bool,
     /// Written as its lane's head (a lane it opened, or an idle one it
-    /// took), numbered `lane_position` (sent as any first attempt is).
+    /// took), sent as any first attempt is.
     pub lane_head: bool,
+    /// A lane head's position in its lane: 1 where the lane was opened
+    /// here, one after the lane's last where it was taken idle.
     pub lane_position: Option<i64>,
     /// The event's ordering key, on a row in a lane.
     pub ordering_key: Option<String>,
