@@ -17,6 +17,28 @@ async fn last_analyzed(pg: &sqlx::PgPool, table: &str) -> anyhow::Result<Option<
         .await?)
 }
 
+/// Stops the api and waits until its connections are gone: a backend's
+/// counts reach the statistics when it is idle for a while or when it
+/// exits, so what the api's statements read is counted once this returns.
+async fn stop_api_and_its_counts(stack: &mut Stack, pg: &sqlx::PgPool) -> anyhow::Result<()> {
+    stack.stop_api().await?;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let others: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
+                .fetch_one(pg)
+                .await?;
+        // This pool's own other connections stay; the api's go.
+        if others <= 1 {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{others} connections still open after the api stopped");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_api_analyses_a_hot_table_once_it_has_grown_and_leaves_small_ones_alone() -> anyhow::Result<()> {
     let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
@@ -137,28 +159,94 @@ async fn an_ordered_endpoints_lanes_are_never_read_whole_by_their_promotions() -
         anyhow::ensure!(Instant::now() < deadline, "{idle} of {KEYS} lanes idle after their last deliveries");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    // A backend's counts reach the statistics when it is idle for a while
-    // or when it exits: the api's connections closed, read once they are gone.
-    stack.stop_api().await?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let others: i64 =
-            sqlx::query_scalar("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()")
-                .fetch_one(&pg)
-                .await?;
-        // This pool's own other connections stay; the api's go.
-        if others <= 1 {
-            break;
-        }
-        anyhow::ensure!(Instant::now() < deadline, "{others} connections still open after the api stopped");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    stop_api_and_its_counts(&mut stack, &pg).await?;
     let (seq, idx) = scans().await?;
     assert!(idx > 0, "the promotions' lookups were counted ({idx} index scans)");
     // One scan is the migration's: building the key's index read the
     // (empty) table. A promotion planned on the empty table scanned it at
     // each of its dozens of calls here.
     assert!(seq <= 1, "the lanes table was read whole {} times ({idx} index scans)", seq - 1);
+    stack.stop().await
+}
+
+/// Issue 28: an expansion that finds a lane idle takes it only if nothing
+/// is queued in it, and asks that of the lane alone. Asked as `NOT EXISTS`,
+/// the planner (estimating a short queue) hashed every queued delivery of
+/// every endpoint once per expansion that met an idle lane: 200 rows queued
+/// behind one hanging receiver were read again for each of another
+/// endpoint's takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn taking_an_idle_lane_never_reads_the_queues_of_other_lanes() -> anyhow::Result<()> {
+    // The backlog's head stays on the wire for the whole test.
+    let mut stack = Stack::start(Options { attempt_timeout: Duration::from_secs(60), ..Options::default() }).await?;
+    let pg = stack.pg().await?;
+    let tenant = stack.tenant("takes-by-key").await?;
+    let receiver = Receiver::start().await?;
+    receiver.reply("/backlog", relay_tests::Reply::Hang(Duration::from_secs(60)));
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    for (path, event_type) in [("/backlog", "b"), ("/lanes", "o")] {
+        let (status, created) =
+            rest.post("/v1/webhooks", json!({"url": receiver.url(path), "event_types": [event_type], "ordering": "per_key"})).await?;
+        anyhow::ensure!(status == 201, "{created}");
+    }
+    const BACKLOG: i64 = 200;
+    let publish = async |event_type: &str, key: &str, n: usize| -> anyhow::Result<()> {
+        let (status, reply) = rest.post("/v1/events", json!({"type": event_type, "payload": {"n": n}, "ordering_key": key})).await?;
+        anyhow::ensure!(status == 202, "{reply}");
+        Ok(())
+    };
+    publish("b", "held", 0).await?;
+    receiver.wait_at("/backlog", 1, Duration::from_secs(30)).await;
+    for n in 1..=BACKLOG as usize {
+        publish("b", "held", n).await?;
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        // Counted without the queue's index, whose reads are what is measured.
+        let queued: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE lower(state) = 'queued'").fetch_one(&pg).await?;
+        if queued == BACKLOG {
+            break;
+        }
+        anyhow::ensure!(Instant::now() < deadline, "{queued} of {BACKLOG} deliveries queued behind the hanging head");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // What the backlog's expansions and promotions read (each queued row
+    // probed for once) counted and set aside: the api restarted.
+    stop_api_and_its_counts(&mut stack, &pg).await?;
+    sqlx::query("SELECT pg_stat_reset_single_table_counters('webhook_deliveries_lane_queue_idx'::regclass)").execute(&pg).await?;
+    stack.start_api().await?;
+    // Another endpoint's lanes opened, gone idle, then taken, round by round.
+    const KEYS: usize = 10;
+    const ROUNDS: usize = 4;
+    for round in 0..ROUNDS {
+        for k in 0..KEYS {
+            publish("o", &format!("k{k}"), round).await?;
+        }
+        assert_eq!(receiver.wait_at("/lanes", KEYS * (round + 1), Duration::from_secs(30)).await.len(), KEYS * (round + 1));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let idle: i64 = sqlx::query_scalar("SELECT count(*) FROM ordering_lanes WHERE idle").fetch_one(&pg).await?;
+            if idle == KEYS as i64 {
+                break;
+            }
+            anyhow::ensure!(Instant::now() < deadline, "{idle} of {KEYS} lanes idle after round {round}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let taken: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE ordering_position > 1 AND event_id IN (SELECT id FROM events WHERE event_type = 'o')")
+        .fetch_one(&pg)
+        .await?;
+    assert_eq!(taken, (KEYS * (ROUNDS - 1)) as i64, "every later delivery of a lane was written as its head");
+    stop_api_and_its_counts(&mut stack, &pg).await?;
+    let read: i64 = sqlx::query_scalar(
+        "SELECT coalesce(idx_tup_read, 0) FROM pg_stat_user_indexes WHERE indexrelname = 'webhook_deliveries_lane_queue_idx'",
+    )
+    .fetch_one(&pg)
+    .await?;
+    // What reads the queue here legitimately: the upkeep's sweep (the
+    // backlog lane's first queued row, once a pass), the takes' probes and
+    // the promotions' (an empty queue each).
+    assert!(read < BACKLOG / 4, "{read} queue entries read for {} takes of idle lanes beside {BACKLOG} queued", KEYS * (ROUNDS - 1));
     stack.stop().await
 }

@@ -220,10 +220,15 @@ pub async fn expand(conn: &mut PgConnection, events: &ToExpand, cap: i64, payloa
                  opened AS (
                    INSERT INTO ordering_lanes AS g (endpoint_id, ordering_key, last_position)
                    SELECT DISTINCT endpoint_id, okey, 1 FROM matched WHERE lane ORDER BY endpoint_id, okey
+                   -- The queue probed per lane as a scalar subquery: as
+                   -- NOT EXISTS the planner hashed every queued row of
+                   -- every endpoint once per statement that met an idle
+                   -- lane (a short queue when planned; 200 rows queued
+                   -- behind one hanging receiver were read 30 times over).
                    ON CONFLICT (endpoint_id, ordering_key) DO UPDATE SET last_position = g.last_position + 1, idle = false
-                     WHERE g.idle AND NOT EXISTS (SELECT 1 FROM webhook_deliveries q
-                                                  WHERE q.state = 'queued' AND q.endpoint_id = g.endpoint_id
-                                                    AND q.ordering_key = g.ordering_key)
+                     WHERE g.idle AND (SELECT 1 FROM webhook_deliveries q
+                                       WHERE q.state = 'queued' AND q.endpoint_id = g.endpoint_id
+                                         AND q.ordering_key = g.ordering_key LIMIT 1) IS NULL
                    RETURNING g.endpoint_id, g.ordering_key, g.last_position),
                  -- Each lane opened or taken here with its head's position,
                  -- keyed by endpoint (36 characters) and key: looked up once
