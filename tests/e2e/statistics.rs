@@ -216,7 +216,9 @@ async fn taking_an_idle_lane_never_reads_the_queues_of_other_lanes() -> anyhow::
     stop_api_and_its_counts(&mut stack, &pg).await?;
     sqlx::query("SELECT pg_stat_reset_single_table_counters('webhook_deliveries_lane_queue_idx'::regclass)").execute(&pg).await?;
     stack.start_api().await?;
-    // Another endpoint's lanes opened, gone idle, then taken, round by round.
+    // Another endpoint's lanes opened, gone idle, then taken, round by round:
+    // each round starts with every lane idle (waited for below), so each of
+    // its expansions asks the take's question of an idle lane.
     const KEYS: usize = 10;
     const ROUNDS: usize = 4;
     for round in 0..ROUNDS {
@@ -237,7 +239,7 @@ async fn taking_an_idle_lane_never_reads_the_queues_of_other_lanes() -> anyhow::
     let taken: i64 = sqlx::query_scalar("SELECT count(*) FROM webhook_deliveries WHERE ordering_position > 1 AND event_id IN (SELECT id FROM events WHERE event_type = 'o')")
         .fetch_one(&pg)
         .await?;
-    assert_eq!(taken, (KEYS * (ROUNDS - 1)) as i64, "every later delivery of a lane was written as its head");
+    assert_eq!(taken, (KEYS * (ROUNDS - 1)) as i64, "every key's later deliveries numbered after its first");
     stop_api_and_its_counts(&mut stack, &pg).await?;
     let read: i64 = sqlx::query_scalar(
         "SELECT coalesce(idx_tup_read, 0) FROM pg_stat_user_indexes WHERE indexrelname = 'webhook_deliveries_lane_queue_idx'",
