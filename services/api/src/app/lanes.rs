@@ -13,9 +13,16 @@ use super::{
     material::SendingByEndpoint,
 };
 use crate::{
-    db::{self, deliveries::lanes::Lanes},
+    db::{
+        self,
+        deliveries::lanes::{EndedHeads, Lanes},
+    },
     error::AppResult,
 };
+
+/// A lane head an outcome ended: its endpoint, key and position in the
+/// lane (`None` only for a head never numbered, which is promoted anyway).
+pub(crate) type EndedHead = (EndpointId, String, Option<i64>);
 
 /// How many headless lanes one sweep promotes at most.
 const SWEEP_BATCH: i64 = 1000;
@@ -60,6 +67,28 @@ impl App {
                 0
             }
         }
+    }
+
+    /// After an outcome batch that ended lane heads has committed: marks
+    /// idle the lanes with nothing queued behind their ended head, in one
+    /// statement that needs no promotion after it
+    /// (`db::deliveries::lanes::mark_idle_after_heads` says why that is
+    /// safe), and promotes the others as `promote_ended_lanes` does. Most
+    /// ended heads have nothing behind them: their lanes cost one statement,
+    /// not a promotion's transaction of four round trips. How many are
+    /// pending.
+    pub(crate) async fn settle_ended_lanes(&self, conn: &mut PgConnection, ended: Vec<EndedHead>) -> u64 {
+        let lanes: Vec<(EndpointId, String)> = ended.iter().map(|(e, k, _)| (*e, k.clone())).collect();
+        let numbered = EndedHeads::of(ended.into_iter().filter_map(|(e, k, p)| Some((e, k, p?))).collect());
+        let idle = match db::deliveries::lanes::mark_idle_after_heads(conn, &numbered).await {
+            Ok(idle) => idle.into_iter().collect::<std::collections::HashSet<_>>(),
+            Err(e) => {
+                tracing::warn!(error = ?e, "marking ended lanes idle failed; promoting them");
+                Default::default()
+            }
+        };
+        let rest: Vec<(EndpointId, String)> = lanes.into_iter().filter(|lane| !idle.contains(lane)).collect();
+        if rest.is_empty() { 0 } else { self.promote_ended_lanes(conn, rest).await }
     }
 
     /// After an expansion queued rows in lanes, for a dispatcher that takes

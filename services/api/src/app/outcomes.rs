@@ -14,7 +14,7 @@ use relay_domain::{
     health::Seen,
 };
 
-use super::{App, Timestamp, deliveries::*};
+use super::{App, Timestamp, deliveries::*, lanes::EndedHead};
 use crate::{
     db,
     error::{AppError, AppResult},
@@ -183,7 +183,7 @@ impl App {
         let promoted = if batch.ended_lanes.is_empty() {
             0
         } else {
-            self.promote_ended_lanes(&mut *conn, std::mem::take(&mut batch.ended_lanes)).await
+            self.settle_ended_lanes(&mut *conn, std::mem::take(&mut batch.ended_lanes)).await
         };
         // Committed: the charts count what the log now holds.
         self.attempt_stats.add(now, batch.seen.iter().map(|&(i, endpoint, seen)| (endpoint, seen == Seen::Success, reports[i].latency_ms)));
@@ -234,7 +234,7 @@ impl App {
         tx: &mut sqlx::PgConnection,
         reports: Vec<AttemptReport>,
         now: Timestamp,
-        ended_lanes: &mut Vec<(EndpointId, String)>,
+        ended_lanes: &mut Vec<EndedHead>,
     ) -> AppResult<(Vec<AppResult<Decision>>, Vec<(&'static str, i64)>, Vec<(usize, EndpointId, Seen)>)> {
         let ids: Vec<DeliveryId> = reports.iter().map(|r| r.delivery_id).collect();
         let rows = db::deliveries::lock_for_outcome(&mut *tx, &ids).await?;
@@ -297,7 +297,7 @@ impl App {
             row.last_error = if decision == Decision::Delivered { None } else { error.clone() };
             row.last_status = status;
             if let Some(key) = row.ordering_key.as_ref().filter(|_| matches!(row.state, DeliveryState::Delivered | DeliveryState::Dead)) {
-                ended_lanes.push((row.endpoint_id, key.clone()));
+                ended_lanes.push((row.endpoint_id, key.clone(), row.ordering_position));
             }
             match (step, decision) {
                 // The attempt in flight when the endpoint was switched off:
@@ -381,7 +381,7 @@ struct OutcomeBatch {
     latency_of: Vec<i64>,
     /// The lanes whose head this batch ended (delivered or dead): each
     /// promotes its next once the batch has committed.
-    ended_lanes: Vec<(EndpointId, String)>,
+    ended_lanes: Vec<EndedHead>,
 }
 
 impl OutcomeBatch {
@@ -409,7 +409,7 @@ impl OutcomeBatch {
             self.decisions.push((decision.as_str(), self.latency_of[i]));
             self.answers[i] = Some(Ok(decision));
             if let Some(key) = a.ordering_key.as_ref().filter(|_| decision.state() != DeliveryState::Pending) {
-                self.ended_lanes.push((a.endpoint_id, key.clone()));
+                self.ended_lanes.push((a.endpoint_id, key.clone(), a.ordering_position));
             }
         }
     }

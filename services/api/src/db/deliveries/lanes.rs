@@ -3,11 +3,12 @@
 //! the rest wait `queued`. A queued row is promoted here and nowhere else,
 //! one lane at a time under its `ordering_lanes` row's lock, so a lane never
 //! has two heads: whoever writes a queued row or ends a head asks for its
-//! lane afterwards, and the upkeep's sweep finds any lane that a crash
-//! between the two left without one. An expansion writes a lane's head
-//! itself only where it opens the lane or finds it idle (`idle`, set here
-//! when a lane has no head and nothing queued, cleared under the lane's
-//! lock by whoever makes a head: see `expansion::expand`).
+//! lane afterwards (an outcome batch only for lanes it could not mark idle,
+//! `mark_idle_after_heads`), and the upkeep's sweep finds any lane that a
+//! crash between the two left without one. An expansion writes a lane's
+//! head itself only where it opens the lane or finds it idle (`idle`, set
+//! here when a lane has no head and nothing queued, cleared under the
+//! lane's lock by whoever makes a head: see `expansion::expand`).
 
 use relay_domain::{DeliveryId, DispatcherId, EndpointId};
 use sqlx::{Connection, PgConnection, PgPool};
@@ -165,6 +166,71 @@ pub async fn promote(conn: &mut PgConnection, lanes: &Lanes, notify: bool) -> Ap
     }
     tx.commit().await?;
     Ok(Promoted { pending: row.pending as u64, held: row.held as u64 })
+}
+
+/// Lane heads an outcome batch ended (delivered or dead), column by column:
+/// each head's lane and its position in it.
+#[derive(Default, Debug, Clone, PartialEq, Eq)]
+pub struct EndedHeads {
+    pub endpoint_id: Vec<EndpointId>,
+    pub ordering_key: Vec<String>,
+    pub position: Vec<i64>,
+}
+
+impl EndedHeads {
+    /// Each lane once, in key order (the order its lock is taken in).
+    pub fn of(mut heads: Vec<(EndpointId, String, i64)>) -> Self {
+        heads.sort();
+        heads.dedup_by(|later, earlier| (&later.0, &later.1) == (&earlier.0, &earlier.1));
+        let mut ended = Self::default();
+        for (endpoint_id, ordering_key, position) in heads {
+            ended.endpoint_id.push(endpoint_id);
+            ended.ordering_key.push(ordering_key);
+            ended.position.push(position);
+        }
+        ended
+    }
+}
+
+/// After the outcomes that ended these heads have committed: marks idle,
+/// in one statement of its own, each of their lanes that has nothing queued
+/// and no head numbered since (its last position is still the ended
+/// head's), and returns the lanes it marked. Those need no promotion: a row
+/// queued in one of them after this statement's snapshot was committed
+/// after the head's end, so its writer's own promotion, which starts after
+/// that commit, finds the lane headless and promotes it (clearing the mark;
+/// and if that promotion got the lane's lock first, the position moved and
+/// no mark is made). Every other lane is the caller's to promote, as any
+/// lane whose head ended. The lock is the lane row's alone, taken through
+/// the key's unique index whatever the statistics say (every lane has its
+/// row: nothing is inserted). Committed without waiting for the disk: a
+/// mark lost in a crash costs the next event of the key a promotion.
+pub async fn mark_idle_after_heads(conn: &mut PgConnection, ended: &EndedHeads) -> AppResult<Vec<(EndpointId, String)>> {
+    if ended.endpoint_id.is_empty() {
+        return Ok(Vec::new());
+    }
+    let rows = sqlx::query!(
+        r#"INSERT INTO ordering_lanes AS g (endpoint_id, ordering_key, last_position)
+           SELECT e.endpoint_id, e.ordering_key, e.position
+           FROM UNNEST($1::uuid[], $2::text[], $3::bigint[]) AS e(endpoint_id, ordering_key, position)
+           CROSS JOIN (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+           ORDER BY e.endpoint_id, e.ordering_key
+           ON CONFLICT (endpoint_id, ordering_key) DO UPDATE SET idle = true
+             -- The newest version of the lane's row decides (after waiting
+             -- for whoever holds it): a head numbered since moved it on.
+             WHERE g.last_position = excluded.last_position AND NOT g.idle
+               -- The queue probed per lane (a scalar subquery: never
+               -- hashed over every lane's queue, see `expansion::expand`).
+               AND (SELECT 1 FROM webhook_deliveries q
+                    WHERE q.state = 'queued' AND q.endpoint_id = g.endpoint_id AND q.ordering_key = g.ordering_key LIMIT 1) IS NULL
+           RETURNING g.endpoint_id AS "endpoint_id!: EndpointId", g.ordering_key AS "ordering_key!""#,
+        &ended.endpoint_id as _,
+        &ended.ordering_key,
+        &ended.position,
+    )
+    .fetch_all(&mut *conn)
+    .await?;
+    Ok(rows.into_iter().map(|r| (r.endpoint_id, r.ordering_key)).collect())
 }
 
 /// Lanes with queued rows and no head, at most `limit`: what a crash between

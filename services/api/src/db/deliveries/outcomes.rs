@@ -48,6 +48,8 @@ pub struct AppliedOutcome {
     pub previous_failures: i32,
     /// Its lane's key, at an endpoint that orders per key.
     pub ordering_key: Option<String>,
+    /// Its position in its lane, once it has been a lane's head.
+    pub ordering_position: Option<i64>,
 }
 
 /// Applies each outcome only where it is for the current attempt (pending,
@@ -75,7 +77,7 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
                AND (d.state IN ('pending', 'held') OR u.id IS NULL)
              -- What the log and the dead letters need comes with each row:
              -- nothing joins the applied rows to the reports again.
-             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.ordering_key, u.generation, u.attempt, u.state AS reported_state,
+             RETURNING d.id, d.environment_id, d.endpoint_id, d.event_id, d.ordering_key, d.ordering_position, u.generation, u.attempt, u.state AS reported_state,
                        u.status, u.error, u.latency_ms, u.body, u.decision, u.next_attempt_at, u.scheme),
            logged AS (
              INSERT INTO delivery_attempts
@@ -91,7 +93,8 @@ pub async fn record_current_outcomes(conn: &mut PgConnection, o: &CurrentOutcome
          SELECT a.id AS "id!", a.environment_id AS "environment_id!", a.endpoint_id AS "endpoint_id!", a.event_id AS "event_id!",
                 h.circuit AS "circuit!: Circuit", h.consecutive_failures AS "consecutive_failures!", h.last_success_at,
                 e.disabled_reason AS "disabled_reason?: DisabledReason", h.window_ms AS "window_ms!", h.window_bucket AS "window_bucket!",
-                h.window_failures AS "window_failures!", h.previous_failures AS "previous_failures!", a.ordering_key
+                h.window_failures AS "window_failures!", h.previous_failures AS "previous_failures!", a.ordering_key,
+                a.ordering_position
          FROM applied a JOIN endpoint_health h ON h.endpoint_id = a.endpoint_id JOIN webhook_endpoints e ON e.id = a.endpoint_id"#,
         &o.id as _,
         &o.generation,
@@ -125,6 +128,8 @@ pub struct OutcomeRow {
     pub last_error: Option<String>,
     /// Its lane's key, at an endpoint that orders per key.
     pub ordering_key: Option<String>,
+    /// Its position in its lane, once it has been a lane's head.
+    pub ordering_position: Option<i64>,
 }
 
 /// The deliveries locked for update, in id order (so two batches that share
@@ -133,7 +138,7 @@ pub async fn lock_for_outcome(tx: &mut PgConnection, ids: &[DeliveryId]) -> AppR
     Ok(sqlx::query_as!(
         OutcomeRow,
         r#"SELECT id, environment_id, endpoint_id, event_id, attempt, generation, state AS "state: DeliveryState", next_attempt_at,
-                  last_status, last_error, ordering_key
+                  last_status, last_error, ordering_key, ordering_position
          FROM webhook_deliveries WHERE id = ANY ($1) ORDER BY id FOR UPDATE"#,
         ids as _,
     )
