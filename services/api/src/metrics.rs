@@ -13,6 +13,9 @@ pub struct Metrics {
     /// Lane followers' attempts recorded: sent on their predecessor's 2xx,
     /// before its outcome was recorded (`MaterialResponse.followers`).
     pub(crate) lane_follower_attempts: IntCounter,
+    /// Lanes whose head an outcome ended, by how they were settled: marked
+    /// idle at once (nothing queued behind the head) or promoted.
+    pub(crate) ended_lanes: IntCounterVec,
     /// Attempts the delivery relay handed to the broker: retries fallen
     /// due, leases run out, and first attempts no refill took. The rest
     /// went to a dispatcher with an expansion's or an outcome's answer.
@@ -50,6 +53,14 @@ impl Default for Metrics {
             "Ordered lanes' attempts sent on their predecessor's 2xx before its outcome was recorded, and recorded",
         )
         .expect("valid metric");
+        let ended_lanes = IntCounterVec::new(
+            Opts::new(
+                "relay_ended_lanes_total",
+                "Ordered lanes whose head an outcome ended, by how they were settled (idle: nothing queued behind it; promoted)",
+            ),
+            &["settled"],
+        )
+        .expect("valid metric");
         let relayed_attempts = IntCounter::new(
             "relay_relayed_attempts_total",
             "Attempts the delivery relay handed to the broker (due retries, leases run out, first attempts no answer carried)",
@@ -77,6 +88,7 @@ impl Default for Metrics {
             Box::new(attempts.clone()) as Box<dyn prometheus::core::Collector>,
             Box::new(attempt_latency.clone()),
             Box::new(lane_follower_attempts.clone()),
+            Box::new(ended_lanes.clone()),
             Box::new(relayed_attempts.clone()),
             Box::new(depths.clone()),
             Box::new(endpoint_in_flight.clone()),
@@ -91,6 +103,7 @@ impl Default for Metrics {
             attempts,
             attempt_latency,
             lane_follower_attempts,
+            ended_lanes,
             relayed_attempts,
             depths,
             endpoint_in_flight,

@@ -88,6 +88,8 @@ impl App {
             }
         };
         let rest: Vec<(EndpointId, String)> = lanes.into_iter().filter(|lane| !idle.contains(lane)).collect();
+        self.metrics.ended_lanes.with_label_values(&["idle"]).inc_by(idle.len() as u64);
+        self.metrics.ended_lanes.with_label_values(&["promoted"]).inc_by(rest.len() as u64);
         if rest.is_empty() { 0 } else { self.promote_ended_lanes(conn, rest).await }
     }
 
