@@ -203,7 +203,7 @@ impl EndedHeads {
 /// no mark is made). Every other lane is the caller's to promote, as any
 /// lane whose head ended. The lock is the lane row's alone, taken through
 /// the key's unique index whatever the statistics say (every lane has its
-/// row: nothing is inserted). Committed without waiting for the disk: a
+/// row, so nothing is inserted; a row that were would not be idle). Committed without waiting for the disk: a
 /// mark lost in a crash costs the next event of the key a promotion.
 pub async fn mark_idle_after_heads(conn: &mut PgConnection, ended: &EndedHeads) -> AppResult<Vec<(EndpointId, String)>> {
     if ended.endpoint_id.is_empty() {
@@ -223,14 +223,16 @@ pub async fn mark_idle_after_heads(conn: &mut PgConnection, ended: &EndedHeads) 
                -- hashed over every lane's queue, see `expansion::expand`).
                AND (SELECT 1 FROM webhook_deliveries q
                     WHERE q.state = 'queued' AND q.endpoint_id = g.endpoint_id AND q.ordering_key = g.ordering_key LIMIT 1) IS NULL
-           RETURNING g.endpoint_id AS "endpoint_id!: EndpointId", g.ordering_key AS "ordering_key!""#,
+           RETURNING g.endpoint_id AS "endpoint_id!: EndpointId", g.ordering_key AS "ordering_key!", g.idle AS "idle!""#,
         &ended.endpoint_id as _,
         &ended.ordering_key,
         &ended.position,
     )
     .fetch_all(&mut *conn)
     .await?;
-    Ok(rows.into_iter().map(|r| (r.endpoint_id, r.ordering_key)).collect())
+    // A row inserted here (a lane that had lost its row, which none
+    // should) is not idle: its lane is promoted as any other.
+    Ok(rows.into_iter().filter(|r| r.idle).map(|r| (r.endpoint_id, r.ordering_key)).collect())
 }
 
 /// Lanes with queued rows and no head, at most `limit`: what a crash between
