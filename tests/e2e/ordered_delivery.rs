@@ -468,10 +468,5 @@ async fn a_key_whose_lane_went_idle_gets_its_next_event_as_its_head_at_once_numb
 
 /// A counter's value on the api's metrics port.
 async fn metric(stack: &Stack, name: &str) -> anyhow::Result<f64> {
-    let text = reqwest::get(&stack.metrics_url).await?.text().await?;
-    let prefix = format!("{name} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(prefix.as_str()))
-        .and_then(|v| v.trim().parse().ok())
-        .ok_or_else(|| anyhow::anyhow!("no {name} on the metrics port"))
+    stack.metric(name).await?.ok_or_else(|| anyhow::anyhow!("no {name} on the metrics port"))
 }

@@ -255,14 +255,6 @@ async fn taking_an_idle_lane_never_reads_the_queues_of_other_lanes() -> anyhow::
     stack.stop().await
 }
 
-/// A counter on the api's metrics port (a labelled series by its full
-/// name), once it exists.
-async fn metric(stack: &Stack, series: &str) -> anyhow::Result<Option<f64>> {
-    let text = reqwest::get(&stack.metrics_url).await?.text().await?;
-    let prefix = format!("{series} ");
-    Ok(text.lines().find_map(|l| l.strip_prefix(prefix.as_str())).and_then(|v| v.trim().parse().ok()))
-}
-
 /// Issue 28: a lane head that ends with nothing queued behind it leaves
 /// its lane idle through the outcome's own statement, with no promotion's
 /// transaction after it (under `w6`, 163–207 of them a run before); a lane
@@ -298,8 +290,8 @@ async fn a_head_that_ends_with_nothing_behind_it_costs_its_lane_no_promotion() -
     // Counted right after each lane's statement: read once both are there.
     let deadline = Instant::now() + Duration::from_secs(10);
     let (idle, promoted) = loop {
-        let idle = metric(&stack, r#"relay_ended_lanes_total{settled="idle"}"#).await?;
-        let promoted = metric(&stack, r#"relay_ended_lanes_total{settled="promoted"}"#).await?;
+        let idle = stack.metric(r#"relay_ended_lanes_total{settled="idle"}"#).await?;
+        let promoted = stack.metric(r#"relay_ended_lanes_total{settled="promoted"}"#).await?;
         if let (Some(idle), Some(promoted)) = (idle, promoted)
             && idle >= (SINGLES + 1) as f64
         {

@@ -172,6 +172,14 @@ impl Stack {
         Ok(())
     }
 
+    /// A series on the api's metrics port (a labelled one by its full
+    /// name, `name{label="value"}`); `None` until it exists.
+    pub async fn metric(&self, series: &str) -> Result<Option<f64>> {
+        let text = reqwest::get(&self.metrics_url).await?.text().await?;
+        let prefix = format!("{series} ");
+        Ok(text.lines().find_map(|l| l.strip_prefix(prefix.as_str())).and_then(|v| v.trim().parse().ok()))
+    }
+
     /// Stops the in-process api, closing its ports.
     pub async fn stop_api(&mut self) -> Result<()> {
         if let Some(a) = self.api.take() {
