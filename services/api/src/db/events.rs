@@ -197,14 +197,21 @@ pub async fn insert_numbered(db: &mut PgConnection, events: &NewEvents) -> AppRe
            counts AS (
              SELECT environment_id, ordering_key, count(*) AS n FROM fresh WHERE ordering_key IS NOT NULL
              GROUP BY environment_id, ordering_key),
-           -- The keys' rows are this transaction's already (`lock_keys`).
+           -- The keys' rows are this transaction's already (`lock_keys`),
+           -- so nothing is inserted: each is advanced through the key's
+           -- unique index whatever the statistics say (as an UPDATE joined
+           -- to the counts, a keys table small when analysed was read whole
+           -- per publish batch: 249 scans, 186,000 rows under `w6`).
            taken AS (
-             UPDATE ordering_keys k SET last_sequence = k.last_sequence + c.n FROM counts c
-             WHERE k.environment_id = c.environment_id AND k.ordering_key = c.ordering_key
-             RETURNING k.environment_id, k.ordering_key, k.last_sequence - c.n AS before),
+             INSERT INTO ordering_keys AS k (environment_id, ordering_key, last_sequence)
+             SELECT environment_id, ordering_key, n FROM counts ORDER BY environment_id, ordering_key
+             ON CONFLICT (environment_id, ordering_key) DO UPDATE SET last_sequence = k.last_sequence + excluded.last_sequence
+             RETURNING k.environment_id, k.ordering_key, k.last_sequence),
            numbered AS (
-             SELECT f.*, t.before + row_number() OVER (PARTITION BY f.environment_id, f.ordering_key ORDER BY f.ord) AS number
-             FROM fresh f LEFT JOIN taken t ON t.environment_id = f.environment_id AND t.ordering_key = f.ordering_key),
+             SELECT f.*, t.last_sequence - c.n + row_number() OVER (PARTITION BY f.environment_id, f.ordering_key ORDER BY f.ord) AS number
+             FROM fresh f
+             LEFT JOIN counts c ON c.environment_id = f.environment_id AND c.ordering_key = f.ordering_key
+             LEFT JOIN taken t ON t.environment_id = f.environment_id AND t.ordering_key = f.ordering_key),
            -- In the order asked, so the outbox's order (`seq`) is the
            -- numbers' order within a key.
            written AS (
