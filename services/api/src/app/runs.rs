@@ -69,6 +69,7 @@ impl App {
         // successor's promotion has not committed yet. Reported again
         // shortly (the dispatcher gives up after some seconds: a lane ended
         // with its endpoint never promotes it).
+        self.extend_deferred_claims(&mut *conn, asks, &waiting).await;
         for i in waiting {
             answers[i] = Some(Err(AppError::new(
                 crate::error::ErrorCode::Unavailable,
@@ -85,6 +86,27 @@ impl App {
         // are the refill's or the relay's to send.
         let promoted = promoted.saturating_sub(promoted_then_recorded + leased);
         Ok((answers.into_iter().map(|a| a.expect("every report answered")).collect(), endpoints, promoted))
+    }
+
+    /// The claims of the followers whose reports this batch defers (still
+    /// queued behind an unrecorded predecessor) renewed for their
+    /// dispatchers (see `db::deliveries::lanes::extend_deferred_claims`).
+    /// Never fails the batch: a claim not renewed may run out, as before.
+    async fn extend_deferred_claims(&self, conn: &mut PgConnection, asks: &[OutcomeAsk], waiting: &[usize]) {
+        let mut deferred: HashMap<DispatcherId, (db::deliveries::lanes::Deferred, std::time::Duration)> = HashMap::new();
+        for &i in waiting {
+            let Some(claim) = asks[i].claim else { continue };
+            let r = &asks[i].report;
+            let (rows, _) = deferred.entry(claim.claimant).or_insert_with(|| (Default::default(), claim.hold));
+            rows.delivery.push(r.delivery_id);
+            rows.attempt.push(r.attempt as i32);
+            rows.generation.push(r.generation as i32);
+        }
+        for (claimant, (rows, hold)) in deferred {
+            if let Err(e) = db::deliveries::lanes::extend_deferred_claims(&mut *conn, &rows, claimant, hold).await {
+                tracing::warn!(error = ?e, "renewing deferred lane followers' claims failed; they may run out");
+            }
+        }
     }
 
     /// The followers that runs stopped before (`released_followers`), given

@@ -330,9 +330,13 @@ pub async fn followers(
 }
 
 /// Leases to `claimant` for `hold` those of these lane followers that are
-/// pending and not leased (promoted by the outcome of their predecessor,
-/// which the claimant's run sent them after), extending its claims on
-/// them: no relay or refill hands them out while they are on the wire.
+/// pending (promoted by the outcome of their predecessor, which the
+/// claimant's run sent them after), extending its claims on them: no relay
+/// or refill hands them out while they are on the wire. Also those a relay
+/// pass or a refill took in the moment between their promotion and this
+/// statement: the claim is what keeps another dispatcher from sending them
+/// (the copy a relay published is refused its material while the claim
+/// holds), so it is extended whoever leased the row first.
 pub async fn lease_next_followers(
     conn: &mut PgConnection,
     ids: &[DeliveryId],
@@ -350,13 +354,52 @@ pub async fn lease_next_followers(
            -- Each delivery by its key: the state compared through a
            -- subquery's value proves no partial index's predicate (see
            -- `promote`), so none is walked for it.
-           WHERE d.id = ANY ($1) AND d.state = (SELECT 'pending'::text) AND d.dispatched_at IS NULL
+           WHERE d.id = ANY ($1) AND d.state = (SELECT 'pending'::text)
              AND EXISTS (SELECT 1 FROM attempt_claims c WHERE c.delivery_id = d.id AND c.claimant = $2
                            AND (c.generation, c.attempt) = (d.generation, d.attempt))
            RETURNING d.id)
          UPDATE attempt_claims c SET until = now() + $3::bigint * interval '1 millisecond'
          WHERE c.delivery_id = ANY (ARRAY(SELECT id FROM leased)) AND c.claimant = $2",
         ids as _,
+        claimant as _,
+        hold_ms,
+    )
+    .execute(&mut *conn)
+    .await?
+    .rows_affected())
+}
+
+/// Lane followers' attempts whose reports waited on their predecessors
+/// (answered `predecessor_unrecorded`), column by column.
+#[derive(Default, Debug)]
+pub struct Deferred {
+    pub delivery: Vec<DeliveryId>,
+    pub attempt: Vec<i32>,
+    pub generation: Vec<i32>,
+}
+
+/// Extends `claimant`'s claims on these deferred followers' attempts to
+/// `hold` from now (never shortens one). The follower is on the wire or
+/// answered already; its report waits only on its predecessor's, and for
+/// as long as that takes nobody else may send it: a claim that ran out
+/// meanwhile would let another dispatcher send the attempt again once it is
+/// promoted (a duplicate no fault explains). So each deferral renews the
+/// claim, as a material request by the same claimant would.
+pub async fn extend_deferred_claims(
+    conn: &mut PgConnection,
+    deferred: &Deferred,
+    claimant: DispatcherId,
+    hold: std::time::Duration,
+) -> AppResult<u64> {
+    let hold_ms = i64::try_from(hold.as_millis()).unwrap_or(i64::MAX);
+    Ok(sqlx::query!(
+        "UPDATE attempt_claims c SET until = greatest(c.until, now() + $5::bigint * interval '1 millisecond')
+         FROM UNNEST($1::uuid[], $2::int[], $3::int[]) AS r(delivery_id, attempt, generation),
+              (SELECT set_config('synchronous_commit', 'off', true)) AS cheap_commit
+         WHERE c.delivery_id = r.delivery_id AND c.claimant = $4 AND (c.generation, c.attempt) = (r.generation, r.attempt)",
+        &deferred.delivery as _,
+        &deferred.attempt,
+        &deferred.generation,
         claimant as _,
         hold_ms,
     )
