@@ -1,7 +1,8 @@
 //! Claims and the broker: only an attempt's claimant gets its material, a
 //! job redelivered mid-attempt is not sent twice, no transaction stays open
 //! while the broker is away, a tenant holding bodies open cannot starve
-//! another, published events are marked without waiting for a look.
+//! another, published events are marked without waiting for a look, an
+//! ordered key's follower stays its sender's while its report waits.
 
 use std::{collections::HashSet, time::Duration};
 
@@ -10,7 +11,10 @@ use serde_json::json;
 use tokio::io::AsyncWriteExt;
 use uuid::Uuid;
 
-use crate::edges::{assert_error_json, raw_exchange_within};
+use crate::{
+    edges::{assert_error_json, raw_exchange_within},
+    ordered_delivery::{ordered_endpoint, publish_keyed},
+};
 
 /// Issue 9.9: an attempt is sent only by the dispatcher holding its claim.
 /// A second copy of the job (a broker redelivery racing the original) is
@@ -292,4 +296,121 @@ async fn a_backlog_in_the_outbox_goes_out_in_turns_across_environments() -> anyh
     assert!(burst_before < BURST / 4, "the steady environment's 3 events waited behind {burst_before} of the burst's {BURST}");
     stack.stop().await?;
     nats.stop().await
+}
+
+/// A lane follower's report waits on its predecessor's (answered
+/// `predecessor_unrecorded`); for as long as that takes the follower stays
+/// its sender's: each deferral renews the sender's claim, so however long
+/// the predecessor's report is delayed, no other dispatcher is given the
+/// follower's material once it is promoted, and it is recorded once, from
+/// its sender's report. (A claim that ran out meanwhile let a second
+/// dispatcher send an event the receiver had already answered 2xx: a
+/// duplicate no fault explained.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follower_whose_report_waits_on_its_predecessor_stays_its_senders() -> anyhow::Result<()> {
+    use relay_contracts::relay::dispatch::v1::{
+        ExpandBatchRequest, ExpandRequest, MaterialBatchRequest, MaterialRequest, OutcomeBatchRequest, OutcomeDecision, OutcomeRequest,
+        expand_result::Result as X, material_result::Result as M, outcome_result::Result as O,
+    };
+    let stack = Stack::start(Options { dispatcher: false, ..Options::default() }).await?;
+    let tenant = stack.tenant("ordered-claims").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    ordered_endpoint(&rest, &receiver, "/never", json!({})).await?;
+    let mut events = Vec::new();
+    for n in 1..=3 {
+        events.push(publish_keyed(&rest, "k", json!({"n": n})).await?.0);
+    }
+    let (sender, other) = (uuid::Uuid::new_v4().to_string(), uuid::Uuid::new_v4().to_string());
+    // The shortest hold the api grants attempts taken in hand.
+    const HOLD_MS: u32 = 5000;
+    let mut seam = stack.seam().await?;
+    let items = events
+        .iter()
+        .map(|e| ExpandRequest {
+            event_id: e.clone(),
+            environment_id: tenant.environment_id.clone(),
+            r#type: "o".into(),
+            ..Default::default()
+        })
+        .collect();
+    let expanded = seam.expand_batch(ExpandBatchRequest { items, claimant: sender.clone(), hold_ms: HOLD_MS }).await?.into_inner().items;
+    let head = expanded
+        .iter()
+        .find_map(|r| match &r.result {
+            Some(X::Expanded(x)) => x.attempts.first().cloned(),
+            _ => None,
+        })
+        .ok_or_else(|| anyhow::anyhow!("the lane's head was not handed to its expander: {expanded:?}"))?;
+    assert_eq!(head.followers.len(), 2, "the head comes with the two deliveries queued behind it: {head:?}");
+    let follower = head.followers[0].clone();
+
+    // The run: the head answered 2xx, the follower sent and answered 2xx;
+    // the follower's report arrives first and keeps being told to wait,
+    // for twice the claim's hold.
+    let report = |m: &relay_contracts::relay::dispatch::v1::MaterialResponse, lane_follower: bool, next: &str, released: Vec<String>| {
+        OutcomeRequest {
+            delivery_id: m.delivery_id.clone(),
+            attempt: m.attempt,
+            generation: m.generation,
+            http_status: Some(200),
+            latency_ms: 20,
+            lane_follower,
+            next_follower: next.to_owned(),
+            released_followers: released,
+            ..Default::default()
+        }
+    };
+    let batch = |items: Vec<OutcomeRequest>| OutcomeBatchRequest { items, claimant: sender.clone(), hold_ms: HOLD_MS };
+    let deferred_until = tokio::time::Instant::now() + Duration::from_millis(2 * HOLD_MS as u64);
+    let mut deferrals = 0;
+    while tokio::time::Instant::now() < deferred_until {
+        let answer = seam.outcome_batch(batch(vec![report(&follower, true, "", vec![head.followers[1].delivery_id.clone()])])).await?;
+        let answer = answer.into_inner().items;
+        assert!(
+            matches!(&answer[0].result, Some(O::Error(e)) if e.reason == "predecessor_unrecorded"),
+            "a follower reported before its predecessor waits: {answer:?}"
+        );
+        deferrals += 1;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    assert!(deferrals >= 10, "{deferrals} deferrals");
+    let pg = stack.pg().await?;
+    let (claimant, live): (String, bool) =
+        sqlx::query_as("SELECT claimant::text, until > now() FROM attempt_claims WHERE delivery_id = $1::uuid")
+            .bind(&follower.delivery_id)
+            .fetch_one(&pg)
+            .await?;
+    assert_eq!((claimant.as_str(), live), (sender.as_str(), true), "the deferred follower's claim is its sender's, and holds");
+
+    // The head's report lands at last, promoting the follower: another
+    // dispatcher asking for the follower (a relay's copy) is refused it.
+    let answer = seam.outcome_batch(batch(vec![report(&head, false, &follower.delivery_id, Vec::new())])).await?.into_inner().items;
+    assert!(matches!(&answer[0].result, Some(O::Outcome(o)) if o.decision == OutcomeDecision::Delivered as i32), "{answer:?}");
+    let ask = |claimant: &str| MaterialBatchRequest {
+        items: vec![MaterialRequest {
+            delivery_id: follower.delivery_id.clone(),
+            attempt: follower.attempt,
+            generation: follower.generation,
+            claimant: claimant.to_owned(),
+            hold_ms: HOLD_MS,
+        }],
+    };
+    let refused = seam.material_batch(ask(&other)).await?.into_inner().items;
+    assert!(
+        matches!(&refused[0].result, Some(M::Error(e)) if e.reason == "in_hand_elsewhere"),
+        "the promoted follower is still in its sender's hands: {refused:?}"
+    );
+    // Its sender's report is recorded, once; after it the attempt is nobody's to send.
+    let answer = seam.outcome_batch(batch(vec![report(&follower, true, "", vec![head.followers[1].delivery_id.clone()])])).await?;
+    let answer = answer.into_inner().items;
+    assert!(matches!(&answer[0].result, Some(O::Outcome(o)) if o.decision == OutcomeDecision::Delivered as i32), "{answer:?}");
+    let late = seam.material_batch(ask(&other)).await?.into_inner().items;
+    assert!(matches!(&late[0].result, Some(M::Error(e)) if e.reason == "stale_attempt"), "{late:?}");
+    let attempts: i64 = sqlx::query_scalar("SELECT count(*) FROM delivery_attempts WHERE delivery_id = $1::uuid")
+        .bind(&follower.delivery_id)
+        .fetch_one(&pg)
+        .await?;
+    assert_eq!(attempts, 1, "the follower's attempt is recorded once");
+    stack.stop().await
 }
