@@ -218,6 +218,7 @@ async fn relays(
         backlogged: std::sync::atomic::AtomicBool::new(true),
         conn: tokio::sync::Mutex::new(db::batcher::KeptConnection::new(app.db())),
         unmarked: Default::default(),
+        last_published: Default::default(),
     };
     app.outbox_offers().open();
     let listen = DeliveryRelay::listen(app.clone(), rx.clone());

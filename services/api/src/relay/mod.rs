@@ -76,7 +76,14 @@ pub(crate) async fn drive<P: Pass>(relay: &P, mut shutdown: watch::Receiver<bool
         if idle(relay.wake(), sleep, &mut shutdown).await {
             return;
         }
-        tokio::time::sleep(relay.settle_after_wake()).await;
+        // Only a real pause is slept: tokio's timer rounds every deadline up
+        // to its next millisecond tick, so even a zero sleep waits for it
+        // (tokio-rs/tokio#6390) — up to a millisecond added to every event
+        // between its publish and the outbox relay's pass.
+        let settle = relay.settle_after_wake();
+        if !settle.is_zero() {
+            tokio::time::sleep(settle).await;
+        }
     }
 }
 
@@ -110,4 +117,92 @@ pub(crate) async fn on_held<T>(
 /// second against an unreachable broker costs next to nothing.
 pub(crate) fn backoff(failures: u32) -> Duration {
     Duration::from_millis(100u64.saturating_mul(1 << failures.min(5))).min(Duration::from_secs(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use tokio::{sync::Notify, time::Instant};
+
+    use super::*;
+
+    /// A relay that finds nothing and records when each pass began.
+    struct Recording {
+        wake: Wake,
+        settle: Duration,
+        passes: Mutex<Vec<Instant>>,
+        passed: Notify,
+    }
+
+    impl Pass for Recording {
+        const FAILING: &'static str = "nothing moves";
+        async fn drain_once(&self) -> Result<usize> {
+            self.passes.lock().expect("unpoisoned").push(Instant::now());
+            self.passed.notify_one();
+            Ok(0)
+        }
+        fn batch(&self) -> usize {
+            8
+        }
+        fn wake(&self) -> &Wake {
+            &self.wake
+        }
+        async fn idle_for(&self) -> Duration {
+            Duration::from_secs(3600)
+        }
+        fn settle_after_wake(&self) -> Duration {
+            self.settle
+        }
+    }
+
+    /// A relay driven with this settle pause, and a way to stop it.
+    fn driven(settle: Duration) -> (std::sync::Arc<Recording>, watch::Sender<bool>, tokio::task::JoinHandle<()>) {
+        let relay = std::sync::Arc::new(Recording { wake: Wake::default(), settle, passes: Mutex::default(), passed: Notify::new() });
+        let (stop, shutdown) = watch::channel(false);
+        let driving = tokio::spawn({
+            let relay = relay.clone();
+            async move { drive(&*relay, shutdown).await }
+        });
+        (relay, stop, driving)
+    }
+
+    /// Wakes the relay `times` times, each after its last pass; how long
+    /// each pass began after its wake-up.
+    async fn passes_after_wakes(relay: &Recording, times: usize) -> Vec<Duration> {
+        relay.passed.notified().await;
+        let mut after = Vec::with_capacity(times);
+        for _ in 0..times {
+            let woken_at = Instant::now();
+            relay.wake.wake();
+            tokio::time::timeout(Duration::from_secs(60), relay.passed.notified()).await.expect("the woken relay passes");
+            after.push(*relay.passes.lock().expect("unpoisoned").last().expect("a pass") - woken_at);
+        }
+        after
+    }
+
+    /// On the real clock: a relay with no settle pause passes as soon as it
+    /// is woken. A zero sleep in between would wait for the timer's next
+    /// millisecond tick each time (about a millisecond: 400 wake-ups took
+    /// 450 ms that way), where 400 wake-ups without one take a few.
+    #[tokio::test]
+    async fn a_woken_relay_without_a_settle_pause_does_not_wait_for_the_timer() {
+        let (relay, stop, driving) = driven(Duration::ZERO);
+        let after = passes_after_wakes(&relay, 400).await;
+        stop.send(true).expect("the relay listens");
+        driving.await.expect("the relay stops");
+        let total: Duration = after.iter().sum();
+        assert!(total < Duration::from_millis(150), "400 wake-ups to passes took {total:?}: the relay slept between them");
+    }
+
+    /// On a paused clock (it moves only to the next timer): a settle pause
+    /// is kept, whole.
+    #[tokio::test(start_paused = true)]
+    async fn a_woken_relay_with_a_settle_pause_keeps_it() {
+        let (relay, stop, driving) = driven(Duration::from_millis(5));
+        let after = passes_after_wakes(&relay, 3).await;
+        stop.send(true).expect("the relay listens");
+        driving.await.expect("the relay stops");
+        assert_eq!(after, vec![Duration::from_millis(5); 3]);
+    }
 }
