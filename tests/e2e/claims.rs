@@ -2,7 +2,8 @@
 //! job redelivered mid-attempt is not sent twice, no transaction stays open
 //! while the broker is away, a tenant holding bodies open cannot starve
 //! another, published events are marked without waiting for a look, an
-//! ordered key's follower stays its sender's while its report waits.
+//! ordered key's follower stays its sender's while its report waits, an
+//! event no relay was offered still goes out under steady publishing.
 
 use std::{collections::HashSet, time::Duration};
 
@@ -255,6 +256,41 @@ async fn published_events_are_marked_soon_after_the_last_one_without_waiting_for
     })
     .await;
     assert_eq!(unmarked, Some(0), "every delivered event is marked published within seconds, long before the next look");
+    stack.stop().await
+}
+
+/// An event in the outbox that no relay was offered (its api died between
+/// its commit and its offer) goes out while publishes keep the relay busy
+/// with their offers: the relay looks at the outbox once its idle interval
+/// has passed since its last look, offers or not. (Before, it only looked
+/// when it slept out the interval, which steady publishing never let it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_no_relay_was_offered_goes_out_while_publishes_keep_the_relay_busy() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let tenant = stack.tenant("unoffered").await?;
+    let receiver = Receiver::start().await?;
+    let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
+    rest.endpoint(&receiver.url("/u"), &["u"]).await?;
+    // Publishing, and delivered: the relay is up and taking offers.
+    rest.publish("u", json!({"first": true})).await?;
+    receiver.wait_at("/u", 1, Duration::from_secs(20)).await;
+    let pg = stack.pg().await?;
+    let unoffered = Uuid::new_v4().to_string();
+    sqlx::query("INSERT INTO events (environment_id, id, event_type, envelope) VALUES ($1::uuid, $2::uuid, 'u', '\\x7b7d'::bytea)")
+        .bind(&tenant.environment_id)
+        .bind(&unoffered)
+        .execute(&pg)
+        .await?;
+    // A publish every 50 ms (the relay's idle interval here is 500 ms) for
+    // up to 10 s, until the unoffered event arrives.
+    let started = tokio::time::Instant::now();
+    let mut arrived = false;
+    while !arrived && started.elapsed() < Duration::from_secs(10) {
+        rest.publish("u", json!({"n": 1})).await?;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        arrived = receiver.received().iter().any(|r| r.header("relay-webhook-id") == unoffered);
+    }
+    assert!(arrived, "the event no relay was offered was not published in 10 s of steady publishing");
     stack.stop().await
 }
 

@@ -219,6 +219,7 @@ async fn relays(
         conn: tokio::sync::Mutex::new(db::batcher::KeptConnection::new(app.db())),
         unmarked: Default::default(),
         last_published: Default::default(),
+        last_look: Default::default(),
     };
     app.outbox_offers().open();
     let listen = DeliveryRelay::listen(app.clone(), rx.clone());

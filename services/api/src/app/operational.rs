@@ -108,7 +108,7 @@ impl App {
             rows.event_type.push(happened.event_type().to_owned());
         }
         if db::events::insert_operational(&mut *tx, &rows).await? > 0 {
-            self.outbox_wake.wake();
+            db::events::notify_outbox(&mut *tx).await?;
         }
         Ok(())
     }

@@ -360,6 +360,19 @@ pub struct Operational {
     pub envelope: Vec<Vec<u8>>,
 }
 
+/// The Postgres channel that says "the outbox holds events no relay was
+/// offered" (written inside a transaction, not by a publish). Delivered at
+/// commit, so the look it asks for finds them: a wake-up sent from inside
+/// the transaction could come first, find nothing, and leave them to the
+/// relay's backstop look.
+pub const OUTBOX_CHANNEL: &str = "relay_outbox_waiting";
+
+/// Asks every api's outbox relay, once `tx` commits, to look at the outbox.
+pub async fn notify_outbox(tx: &mut PgConnection) -> AppResult<()> {
+    sqlx::query_scalar!(r#"SELECT 1 AS "notified!" FROM pg_notify($1, '')"#, OUTBOX_CHANNEL).fetch_one(&mut *tx).await?;
+    Ok(())
+}
+
 /// Writes operational events for the environments that name an operations
 /// endpoint, each addressed to it, except an event about that endpoint
 /// itself (it is not told about its own failures). Returns how many.

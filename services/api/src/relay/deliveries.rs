@@ -44,11 +44,15 @@ const MIN_PASS_GAP: Duration = Duration::from_millis(5);
 
 async fn listen_once(app: &App) -> Result<std::convert::Infallible, sqlx::Error> {
     let mut l = sqlx::postgres::PgListener::connect_with(app.db()).await?;
-    l.listen_all([crate::db::deliveries::DUE_CHANNEL, crate::db::keys::REVOKED_CHANNEL]).await?;
+    l.listen_all([crate::db::deliveries::DUE_CHANNEL, crate::db::keys::REVOKED_CHANNEL, crate::db::events::OUTBOX_CHANNEL]).await?;
     loop {
         let n = l.recv().await?;
         match (n.channel(), n.payload()) {
             (crate::db::keys::REVOKED_CHANNEL, prefix) => app.verified_keys().forget(prefix),
+            (crate::db::events::OUTBOX_CHANNEL, _) => {
+                app.outbox_offers().look_at_outbox();
+                app.outbox_wake().wake();
+            }
             (_, crate::db::deliveries::BEHIND_CAPS) => app.slots_awaited().store(true, std::sync::atomic::Ordering::Relaxed),
             _ => app.deliveries_wake().wake(),
         }
@@ -61,7 +65,8 @@ impl DeliveryRelay {
     }
 
     /// Wakes this relay whenever any api process commits due deliveries,
-    /// and forgets keys any api revokes. sqlx's listener reconnects by
+    /// has the outbox relay look at the outbox when any api commits events
+    /// it offered to no relay, and forgets keys any api revokes. sqlx's listener reconnects by
     /// itself; the idle interval (and the keys' short cache) covers the gap.
     pub async fn listen(app: App, mut shutdown: watch::Receiver<bool>) {
         let mut failures = 0u32;

@@ -58,6 +58,8 @@ pub struct OutboxRelay {
     pub unmarked: std::sync::Mutex<Unmarked>,
     /// How many events the last pass published (see `settle_after_wake`).
     pub last_published: std::sync::atomic::AtomicUsize,
+    /// When a pass last looked at the outbox (see `pass`).
+    pub last_look: std::sync::Mutex<Option<Instant>>,
 }
 
 /// Events the broker has and the outbox does not know of yet: their marks
@@ -200,7 +202,12 @@ impl OutboxRelay {
     /// backlog (the last look filled its batch or the stream's room, an
     /// offer was refused, or a publish failed): then offers are set aside
     /// and the outbox is read in turns across environments, which is what
-    /// keeps one environment's burst from going ahead of the others'.
+    /// keeps one environment's burst from going ahead of the others'. A look
+    /// is also made once `idle` has passed since the last, offers or not:
+    /// while publishes keep the relay busy with offers it never sleeps out
+    /// its idle interval, and rows nobody offered it (an api that died
+    /// between its commit and its offer, a notification lost while the
+    /// listener reconnected) would otherwise wait for publishing to pause.
     async fn pass(&self, held: &mut KeptConnection) -> Result<usize> {
         self.last_published.store(0, Ordering::Relaxed);
         let (offered, overflowed) = self.app.outbox_offers().take();
@@ -219,7 +226,8 @@ impl OutboxRelay {
             self.backlogged.store(true, Ordering::Relaxed);
             return Ok(0);
         }
-        let shortcut = !offered.is_empty() && !self.backlogged.load(Ordering::Relaxed) && offered.len() as i64 <= limit;
+        let look_due = self.last_look.lock().expect("not poisoned").is_none_or(|at| at.elapsed() >= self.idle);
+        let shortcut = !offered.is_empty() && !look_due && !self.backlogged.load(Ordering::Relaxed) && offered.len() as i64 <= limit;
         let rows = if shortcut {
             self.held_back.store(false, Ordering::Relaxed);
             offered
@@ -227,6 +235,7 @@ impl OutboxRelay {
             // A look must not find events published but unmarked.
             self.write_marks(held, true).await?;
             let conn = held.get().await?;
+            *self.last_look.lock().expect("not poisoned") = Some(Instant::now());
             let rows = db::events::claim_unpublished(&mut *conn, limit, RELAY_CLAIM).await.context("claiming unpublished events")?;
             // Held back: the stream's room, not the outbox, ended the pass.
             self.held_back.store(limit < self.batch && rows.len() as i64 >= limit, Ordering::Relaxed);
