@@ -62,8 +62,18 @@ async fn assert_paced(stack: &Stack, receiver: &Receiver, limited: &str, publish
     let ids: std::collections::HashSet<String> = got.iter().map(|r| r.header("relay-webhook-id")).collect();
     assert_eq!(ids.len(), EVENTS, "each once");
     let times: Vec<Instant> = got.iter().map(|r| r.at).collect();
+    // The gate lets at most RATE × T + BURST go in any T. Arrival times
+    // carry the hops' jitter (relay pass, broker, dispatcher, receiver):
+    // one emission interval of it (1/RATE s) turns a second of arrivals
+    // into 1 + 1/RATE s of sends, so one more than RATE + BURST can arrive
+    // in a second without the gate letting more through (CI, under the
+    // full suite, once saw 11). A gate that let the events go at once
+    // would put dozens in one second.
     let busiest = busiest_second(&times);
-    assert!(busiest <= RATE + BURST, "{busiest} arrived within one second at a limit of {RATE}/s, bursts of {BURST}");
+    assert!(
+        busiest <= RATE + BURST + 1,
+        "{busiest} arrived within one second at a limit of {RATE}/s, bursts of {BURST} (and one emission interval of jitter)"
+    );
     let first = *times.iter().min().unwrap();
     let span = times.iter().max().unwrap().duration_since(first);
     assert!(span >= Duration::from_secs(((EVENTS - BURST) / RATE - 2) as u64), "{EVENTS} arrived within {span:?}: not paced");
