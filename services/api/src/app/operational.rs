@@ -117,7 +117,7 @@ impl App {
     /// announcement become one `delivery.dead_lettered` each.
     pub async fn announce_dead_letters(&self) -> AppResult<usize> {
         let mut tx = self.db.begin().await?;
-        let notices = db::events::take_dead_letter_notices(&mut tx, GATHER_DEAD_LETTERS, ANNOUNCE_DEAD_LETTERS_EVERY).await?;
+        let notices = db::dead_letters::take_dead_letter_notices(&mut tx, GATHER_DEAD_LETTERS, ANNOUNCE_DEAD_LETTERS_EVERY).await?;
         if notices.is_empty() {
             return Ok(0);
         }

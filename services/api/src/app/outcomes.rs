@@ -172,7 +172,7 @@ impl App {
                 // Counted for the tenant's operations endpoint, announced in a batch.
                 let (endpoints, environments): (Vec<EndpointId>, Vec<EnvironmentId>) =
                     dead.iter().map(|a| (a.endpoint_id, a.environment_id)).unzip();
-                db::events::count_dead_letter_notices(&mut tx, &endpoints, &environments).await?;
+                db::dead_letters::count_dead_letter_notices(&mut tx, &endpoints, &environments).await?;
                 self.dead_letters_counted.counted();
             }
             self.follow_up(&mut tx, reports, &mut batch, now).await?;
@@ -362,7 +362,7 @@ async fn write_outcome_rows(
     db::dead_letters::insert_exhausted(&mut *tx, dead).await?;
     // Counted for the tenant's operations endpoint, announced in a batch.
     if !dead.id.is_empty() {
-        db::events::count_dead_letter_notices(&mut *tx, &dead.endpoint_id, &dead.environment_id).await?;
+        db::dead_letters::count_dead_letter_notices(&mut *tx, &dead.endpoint_id, &dead.environment_id).await?;
         counted.counted();
     }
     db::attempts::insert(&mut *tx, log).await

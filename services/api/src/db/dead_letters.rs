@@ -1,5 +1,7 @@
 //! `webhook_dead_letters`: the record of every delivery that ended without a
 //! 2xx. Ids are time-ordered (UUIDv7) wherever a dead letter is written.
+//! And `dead_letter_notices`: the dead letters each endpoint has yet to
+//! announce (`endpoint.dead_lettered` operational events).
 
 use std::{collections::HashSet, time::Duration};
 
@@ -8,6 +10,7 @@ use sqlx::{PgConnection, PgPool};
 use relay_domain::{DeadLetterId, DeliveryId, EndpointId, EnvironmentId, EventId, delivery::DeadLetterReason};
 
 pub use super::models::DeadLetter;
+use super::models::Timestamp;
 use crate::error::AppResult;
 
 /// Dead letters of one outcome batch, column by column for one `UNNEST` insert.
@@ -172,5 +175,54 @@ pub async fn list(db: &PgPool, environment_id: EnvironmentId) -> AppResult<Vec<D
         environment_id as _,
     )
     .fetch_all(db)
+    .await?)
+}
+
+/// Dead letters to announce, counted per endpoint (in the transaction that
+/// wrote them).
+pub async fn count_dead_letter_notices(
+    tx: &mut PgConnection,
+    endpoint_ids: &[EndpointId],
+    environment_ids: &[EnvironmentId],
+) -> AppResult<()> {
+    sqlx::query!(
+        "INSERT INTO dead_letter_notices AS n (endpoint_id, environment_id, pending, first_at)
+         SELECT endpoint_id, environment_id, count(*), now() FROM UNNEST($1::uuid[], $2::uuid[]) AS u(endpoint_id, environment_id)
+         GROUP BY endpoint_id, environment_id
+         ON CONFLICT (endpoint_id) DO UPDATE SET pending = n.pending + excluded.pending, first_at = coalesce(n.first_at, excluded.first_at)",
+        endpoint_ids as _,
+        environment_ids as _,
+    )
+    .execute(&mut *tx)
+    .await?;
+    Ok(())
+}
+
+/// Counted dead letters ready to announce: gathered for `gather` since the
+/// first, and the endpoint's last announcement at least `every` ago. Taken
+/// (reset) in the same statement; the caller writes the events in the same
+/// transaction.
+pub struct Notice {
+    pub endpoint_id: EndpointId,
+    pub environment_id: EnvironmentId,
+    pub count: i32,
+    pub since: Timestamp,
+}
+
+pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: Duration, every: Duration) -> AppResult<Vec<Notice>> {
+    let (gather, every) = (super::interval(gather)?, super::interval(every)?);
+    Ok(sqlx::query_as!(
+        Notice,
+        r#"UPDATE dead_letter_notices n SET pending = 0, first_at = NULL, last_sent_at = now()
+           FROM (SELECT endpoint_id, pending, first_at FROM dead_letter_notices
+                 WHERE pending > 0 AND first_at <= now() - $1::interval
+                   AND (last_sent_at IS NULL OR last_sent_at <= now() - $2::interval)
+                 ORDER BY first_at LIMIT 500 FOR UPDATE SKIP LOCKED) due
+           WHERE n.endpoint_id = due.endpoint_id
+           RETURNING n.endpoint_id, n.environment_id, due.pending AS count, due.first_at AS "since!""#,
+        gather,
+        every,
+    )
+    .fetch_all(&mut *tx)
     .await?)
 }

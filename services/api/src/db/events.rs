@@ -397,55 +397,6 @@ pub async fn insert_operational(tx: &mut PgConnection, o: &Operational) -> AppRe
     .rows_affected())
 }
 
-/// Dead letters to announce, counted per endpoint (in the transaction that
-/// wrote them).
-pub async fn count_dead_letter_notices(
-    tx: &mut PgConnection,
-    endpoint_ids: &[EndpointId],
-    environment_ids: &[EnvironmentId],
-) -> AppResult<()> {
-    sqlx::query!(
-        "INSERT INTO dead_letter_notices AS n (endpoint_id, environment_id, pending, first_at)
-         SELECT endpoint_id, environment_id, count(*), now() FROM UNNEST($1::uuid[], $2::uuid[]) AS u(endpoint_id, environment_id)
-         GROUP BY endpoint_id, environment_id
-         ON CONFLICT (endpoint_id) DO UPDATE SET pending = n.pending + excluded.pending, first_at = coalesce(n.first_at, excluded.first_at)",
-        endpoint_ids as _,
-        environment_ids as _,
-    )
-    .execute(&mut *tx)
-    .await?;
-    Ok(())
-}
-
-/// Counted dead letters ready to announce: gathered for `gather` since the
-/// first, and the endpoint's last announcement at least `every` ago. Taken
-/// (reset) in the same statement; the caller writes the events in the same
-/// transaction.
-pub struct Notice {
-    pub endpoint_id: EndpointId,
-    pub environment_id: EnvironmentId,
-    pub count: i32,
-    pub since: Timestamp,
-}
-
-pub async fn take_dead_letter_notices(tx: &mut PgConnection, gather: Duration, every: Duration) -> AppResult<Vec<Notice>> {
-    let (gather, every) = (super::interval(gather)?, super::interval(every)?);
-    Ok(sqlx::query_as!(
-        Notice,
-        r#"UPDATE dead_letter_notices n SET pending = 0, first_at = NULL, last_sent_at = now()
-           FROM (SELECT endpoint_id, pending, first_at FROM dead_letter_notices
-                 WHERE pending > 0 AND first_at <= now() - $1::interval
-                   AND (last_sent_at IS NULL OR last_sent_at <= now() - $2::interval)
-                 ORDER BY first_at LIMIT 500 FOR UPDATE SKIP LOCKED) due
-           WHERE n.endpoint_id = due.endpoint_id
-           RETURNING n.endpoint_id, n.environment_id, due.pending AS count, due.first_at AS "since!""#,
-        gather,
-        every,
-    )
-    .fetch_all(&mut *tx)
-    .await?)
-}
-
 /// Newest first, `limit` at most, through `events_environment_recent_idx`.
 pub async fn list_recent(db: &PgPool, environment_id: EnvironmentId, f: &EventFilter, limit: i64) -> AppResult<Vec<LoggedEvent>> {
     let (before_at, before_seq) = f.before.unzip();
