@@ -1,7 +1,7 @@
 //! `webhook_dead_letters`: the record of every delivery that ended without a
 //! 2xx. Ids are time-ordered (UUIDv7) wherever a dead letter is written.
 //! And `dead_letter_notices`: the dead letters each endpoint has yet to
-//! announce (`endpoint.dead_lettered` operational events).
+//! announce (`delivery.dead_lettered` operational events).
 
 use std::{collections::HashSet, time::Duration};
 
