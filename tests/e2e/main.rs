@@ -13,6 +13,7 @@ mod deploy;
 mod edges;
 mod egress_proxy;
 mod failover;
+mod fairness;
 mod faults;
 mod filters;
 mod health;

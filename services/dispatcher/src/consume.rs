@@ -116,6 +116,7 @@ pub(crate) async fn expand_loop(
                     settle(&msg, AckKind::Term).await;
                     continue;
                 };
+                tracing::debug!(target: "relay_hops", hop = "events_received", event_id = %req.event_id);
                 turns.offer(req.environment_id.clone(), (msg, req))
             }
             Some(env) = ended_rx.recv() => turns.ended(&env),
@@ -146,6 +147,7 @@ async fn expand_one(msg: Message, mut req: ExpandRequest, expansions: batch::Exp
         relay_telemetry::set_parent(&span, &relay_telemetry::NatsHeadersRef(headers));
     }
     let task = async move {
+        tracing::debug!(target: "relay_hops", hop = "expand_started", event_id = %req.event_id);
         // Batched with other events: the context rides in the item.
         let traceparent = relay_telemetry::current_traceparent();
         req.traceparent = traceparent.clone().unwrap_or_default();
@@ -163,6 +165,7 @@ async fn expand_one(msg: Message, mut req: ExpandRequest, expansions: batch::Exp
                 answer => break answer,
             }
         };
+        tracing::debug!(target: "relay_hops", hop = "expand_answered", event_id = %req.event_id);
         match answer {
             Ok(expanded) => {
                 for attempt in expanded.attempts {

@@ -446,6 +446,7 @@ impl Lane {
             by_broker = matches!(&*source, Source::Broker(_)), claimant = %self.shared.claimant, "sending");
         // A lane head's successor waits on this outcome to be promoted.
         let urgent = !material.ordering_key.is_empty();
+        tracing::debug!(target: "relay_hops", hop = "attempt_ready", event_id = %event_id, attempt = job.attempt);
         let outcome = async {
             let _permit = self.shared.permits.clone().acquire_owned().await.expect("semaphore open");
             // At the last moment, after any wait for a permit: an endpoint
@@ -461,6 +462,7 @@ impl Lane {
             source.settle(Verdict::Ack).await;
             return None;
         };
+        tracing::debug!(target: "relay_hops", hop = "attempt_posted", event_id = %event_id, attempt = job.attempt);
         if let Some(status) = outcome.http_status {
             span.record("http_status", status);
         }

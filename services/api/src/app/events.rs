@@ -1,7 +1,5 @@
 //! Publishing events into the outbox, and reading what became of them.
 
-use std::sync::{Arc, Mutex};
-
 use anyhow::Context;
 use relay_domain::{DeliveryId, EnvironmentId, EventId, Reason};
 use serde::Serialize;
@@ -82,85 +80,7 @@ pub fn envelope(
     .context("serialising an envelope")?)
 }
 
-/// Events this process just wrote, offered to its own outbox relay, which
-/// publishes them without a query to find them while it is not catching up
-/// on a backlog. Offers are a shortcut, never the record: every event is in
-/// the outbox, and one not published from here is found there.
-#[derive(Debug, Clone, Default)]
-pub struct OutboxOffers(Arc<Mutex<Offers>>);
-
-#[derive(Debug, Default)]
-struct Offers {
-    /// Only a process that runs the outbox relay takes offers.
-    open: bool,
-    rows: Vec<db::events::OutboxRow>,
-    /// Offers were refused for want of room: the outbox holds more than
-    /// `rows` says.
-    overflowed: bool,
-    /// When this process's relay published lately, with the lowest outbox
-    /// place of each batch (see `relay::lost_events`).
-    published: std::collections::VecDeque<(std::time::Instant, i64)>,
-}
-
-/// Batches remembered in `Offers::published`, at most and for how long.
-const PUBLISHED_KEPT: usize = 20_000;
-const PUBLISHED_FOR: std::time::Duration = std::time::Duration::from_secs(600);
-
-/// Offers held at most; beyond, events wait for the relay's next look.
-const MAX_OFFERS: usize = 10_000;
-
-impl OutboxOffers {
-    /// The outbox relay takes offers from now on.
-    pub fn open(&self) {
-        self.0.lock().expect("unpoisoned").open = true;
-    }
-
-    pub fn offer(&self, row: db::events::OutboxRow) {
-        let mut o = self.0.lock().expect("unpoisoned");
-        if !o.open {
-            return;
-        }
-        if o.rows.len() < MAX_OFFERS {
-            o.rows.push(row);
-        } else {
-            o.overflowed = true;
-        }
-    }
-
-    /// What was offered since the last take, and whether any offer was
-    /// refused meanwhile.
-    pub fn take(&self) -> (Vec<db::events::OutboxRow>, bool) {
-        let mut o = self.0.lock().expect("unpoisoned");
-        (std::mem::take(&mut o.rows), std::mem::take(&mut o.overflowed))
-    }
-
-    /// The outbox holds events the offers do not show: the relay's next
-    /// pass looks at it.
-    pub fn look_at_outbox(&self) {
-        self.0.lock().expect("unpoisoned").overflowed = true;
-    }
-
-    /// The broker took a batch whose lowest outbox place is `lowest_seq`.
-    pub fn note_published(&self, lowest_seq: i64) {
-        let now = std::time::Instant::now();
-        let mut o = self.0.lock().expect("unpoisoned");
-        while o.published.front().is_some_and(|(at, _)| now.duration_since(*at) > PUBLISHED_FOR) || o.published.len() >= PUBLISHED_KEPT {
-            o.published.pop_front();
-        }
-        o.published.push_back((now, lowest_seq));
-    }
-
-    /// The lowest outbox place this process published at or after `since`.
-    pub fn lowest_published_since(&self, since: std::time::Instant) -> Option<i64> {
-        let o = self.0.lock().expect("unpoisoned");
-        o.published.iter().filter(|(at, _)| *at >= since).map(|(_, seq)| *seq).min()
-    }
-
-    /// Offers of events published some other way need no publishing.
-    pub fn forget(&self, published: &std::collections::HashSet<i64>) {
-        self.0.lock().expect("unpoisoned").rows.retain(|r| !published.contains(&r.seq));
-    }
-}
+pub use super::outbox_offers::OutboxOffers;
 
 /// An event to write, as the publish batcher takes it.
 #[derive(Debug)]
@@ -232,6 +152,7 @@ impl App {
         // earlier publish of the same id. The relays continue this trace
         // from the row.
         let trace_context = relay_telemetry::current_traceparent();
+        let ordered = ordering_key.is_some();
         let new = NewEvent {
             id: event_id,
             environment_id: tenant.environment_id,
@@ -243,16 +164,20 @@ impl App {
         };
         let written = self.batchers().publishes.call(new).await?;
         if let Some(Written { seq, .. }) = written {
+            tracing::debug!(target: "relay_hops", hop = "publish_written", event_id = %event_id);
             // Straight to this process's outbox relay, which publishes it
             // without looking for it, unless it is catching up on a backlog.
-            self.outbox_offers.offer(crate::db::events::OutboxRow {
-                seq,
-                id: event_id,
-                environment_id: tenant.environment_id,
-                event_type: event_type.to_owned(),
-                trace_context,
-                target_endpoint_id: None,
-            });
+            self.outbox_offers.offer(
+                crate::db::events::OutboxRow {
+                    seq,
+                    id: event_id,
+                    environment_id: tenant.environment_id,
+                    event_type: event_type.to_owned(),
+                    trace_context,
+                    target_endpoint_id: None,
+                },
+                ordered,
+            );
             self.outbox_wake.wake();
         }
         Ok(Published { event_id, duplicate: written.is_none(), ordering_sequence: written.and_then(|w| w.ordering_sequence) })

@@ -53,6 +53,9 @@ impl App {
     /// broker at once; everything else waits, due, for the relay.
     pub(crate) async fn expand_on(&self, conn: &mut PgConnection, asks: &[ExpandAsk]) -> AppResult<Vec<AppResult<Expanded>>> {
         let cap = self.direct.as_ref().map_or(0, |d| d.endpoint_cap);
+        for a in asks {
+            tracing::debug!(target: "relay_hops", hop = "expand_begin", event_id = %a.item.event_id, batch = asks.len());
+        }
         let refused = super::filtering::refused(conn, &asks.iter().map(|a| &a.item).collect::<Vec<_>>()).await?;
         let item = |a: &ExpandAsk| a.item.clone();
         let events = db::deliveries::ToExpand {
@@ -83,8 +86,14 @@ impl App {
             // judged above) happens here, not at send time: a row that
             // exists is a row that will be sent. Every attempt of a
             // delivery continues its event's expansion trace.
+            for a in asks {
+                tracing::debug!(target: "relay_hops", hop = "expand_locked", event_id = %a.item.event_id);
+            }
             db::deliveries::expand(conn, &events, cap, relay_contracts::SEAM_MATERIAL_REPLY_BUDGET_BYTES as i64).await?
         };
+        for a in asks {
+            tracing::debug!(target: "relay_hops", hop = "expand_done", event_id = %a.item.event_id);
+        }
         // Rows beyond their endpoint's cap wait for an outcome of that
         // endpoint to free a slot, which fills it: every api refills from
         // now on (no relay pass could take them sooner). An api that hands

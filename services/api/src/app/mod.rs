@@ -21,6 +21,7 @@ mod lanes;
 pub mod listen;
 pub(crate) mod material;
 pub mod operational;
+mod outbox_offers;
 mod outcomes;
 pub mod portal;
 mod refill;

@@ -20,6 +20,7 @@
 
 pub mod bulk_recovery;
 pub mod deliveries;
+mod first_turns;
 pub mod lost_events;
 pub mod outbox;
 pub mod prober;

@@ -54,7 +54,8 @@ pub struct OutboxRelay {
     pub backlogged: std::sync::atomic::AtomicBool,
     /// The relay's own connection (see `db::batcher`).
     pub conn: tokio::sync::Mutex<KeptConnection>,
-    /// Published events whose mark is not written yet (see `MARK_DELAY`).
+    /// Published events whose mark is not written yet (see `MARK_DELAY`),
+    /// by a pass or by `first_turns`.
     pub unmarked: std::sync::Mutex<Unmarked>,
     /// How many events the last pass published (see `settle_after_wake`).
     pub last_published: std::sync::atomic::AtomicUsize,
@@ -67,9 +68,9 @@ pub struct OutboxRelay {
 /// each.
 #[derive(Debug, Default)]
 pub struct Unmarked {
-    seqs: Vec<i64>,
+    pub(super) seqs: Vec<i64>,
     /// When the oldest of them was published.
-    since: Option<Instant>,
+    pub(super) since: Option<Instant>,
     /// The relay last slept only until they were due: a pass that follows
     /// with nothing offered writes them and does not look at the outbox
     /// (the next backstop look does, `idle` later at most).
@@ -84,6 +85,11 @@ pub struct Unmarked {
 const MARK_DELAY: Duration = Duration::from_millis(50);
 /// Marks written at once at most, whatever their age.
 const MARK_BATCH: usize = 64;
+
+/// Events `first_turns` may put in the stream past its backlog limit, at
+/// most: stalled dispatchers (the stream not taken from at all) leave the
+/// rest in the outbox, where the looks take them in turns.
+const FIRST_TURNS_PAST_LIMIT: u64 = 64;
 
 /// How long a relay held back by the stream's backlog waits before looking again.
 const HELD_BACK_RECHECK: Duration = Duration::from_millis(10);
@@ -115,14 +121,34 @@ impl OutboxRelay {
         Some(self.stream_backlog.saturating_sub(measured))
     }
 
-    fn published(&self, n: usize) {
+    /// An event's EVENTS message: subject, headers (the message id the
+    /// broker deduplicates by, and a short span's context in the event's
+    /// trace, which rides to the dispatcher) and head.
+    pub(super) fn message(&self, row: &db::events::OutboxRow) -> Result<(String, HeaderMap, bytes::Bytes)> {
+        let (id, env) = (row.id, row.environment_id);
+        let mut headers = HeaderMap::new();
+        let span = tracing::info_span!("outbox_relay", event_id = %id, environment_id = %env);
+        if let Some(tc) = &row.trace_context {
+            relay_telemetry::set_parent_from_traceparent(&span, tc);
+        }
+        span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
+        headers.insert("Nats-Msg-Id", StreamNames::event_message_id(&env.to_string(), &id.to_string()).as_str());
+        headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
+        headers.insert(event_headers::EVENT_TYPE, row.event_type.as_str());
+        let head = EventHead { id, event_type: &row.event_type, environment_id: env, target_endpoint_id: row.target_endpoint_id };
+        let head = serde_json::to_vec(&head).context("serialising an event head")?;
+        Ok((self.names.events_subject(&env.to_string()), headers, head.into()))
+    }
+
+    pub(super) fn published(&self, n: usize) {
         let _ = self.backlog_bound.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |b| Some(b.saturating_add(n as u64)));
     }
 }
 
 impl OutboxRelay {
     pub async fn run(self, shutdown: watch::Receiver<bool>) {
-        super::drive(&self, shutdown).await;
+        let first_turns = self.app.outbox_offers().open_first_turns();
+        tokio::join!(super::drive(&self, shutdown.clone()), super::first_turns::run(&self, first_turns, shutdown));
         // What is still unmarked would only be published again after a
         // restart; written now, it is not.
         if let Err(e) = super::on_held(&self.conn, async |held| self.write_marks(held, true).await).await {
@@ -192,7 +218,12 @@ impl super::Pass for OutboxRelay {
     }
 
     async fn drain_once(&self) -> Result<usize> {
-        super::on_held(&self.conn, async |held| self.pass(held).await).await
+        let passed = super::on_held(&self.conn, async |held| self.pass(held).await).await;
+        // Failed or not, what the pass left says whether offers wait, and
+        // whether they may go past the stream's limit (see `first_turns`).
+        let past_the_limit = self.backlog_bound.load(Ordering::Relaxed) < self.stream_backlog.saturating_add(FIRST_TURNS_PAST_LIMIT);
+        self.app.outbox_offers().set_backlogged(self.backlogged.load(Ordering::Relaxed), past_the_limit);
+        passed
     }
 }
 
@@ -224,6 +255,8 @@ impl OutboxRelay {
         if limit == 0 {
             self.held_back.store(true, Ordering::Relaxed);
             self.backlogged.store(true, Ordering::Relaxed);
+            // What `first_turns` published meanwhile is marked all the same.
+            self.write_marks(held, false).await?;
             return Ok(0);
         }
         let look_due = self.last_look.lock().expect("not poisoned").is_none_or(|at| at.elapsed() >= self.idle);
@@ -248,32 +281,22 @@ impl OutboxRelay {
         }
         // In the claim's turns (each environment's first, then each one's
         // second, ...), so no environment's events wait behind another's in the stream.
-        let mut seqs = Vec::with_capacity(rows.len());
-        let mut messages = Vec::with_capacity(rows.len());
-        for row in rows {
-            let (id, env) = (row.id, row.environment_id);
-            let mut headers = HeaderMap::new();
-            // One short span per event, in the event's trace; its context
-            // rides in the message headers to the dispatcher.
-            let span = tracing::info_span!("outbox_relay", event_id = %id, environment_id = %env);
-            if let Some(tc) = &row.trace_context {
-                relay_telemetry::set_parent_from_traceparent(&span, tc);
-            }
-            span.in_scope(|| relay_telemetry::inject_current(&mut relay_telemetry::NatsHeaders(&mut headers)));
-            headers.insert("Nats-Msg-Id", StreamNames::event_message_id(&env.to_string(), &id.to_string()).as_str());
-            headers.insert(event_headers::ENVIRONMENT_ID, env.to_string().as_str());
-            headers.insert(event_headers::EVENT_TYPE, row.event_type.as_str());
-            seqs.push(row.seq);
-            let head = EventHead { id, event_type: &row.event_type, environment_id: env, target_endpoint_id: row.target_endpoint_id };
-            let head = serde_json::to_vec(&head).context("serialising an event head")?;
-            messages.push((self.names.events_subject(&env.to_string()), headers, head.into()));
-        }
+        let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
+        let messages = rows.iter().map(|row| self.message(row)).collect::<Result<Vec<_>>>()?;
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
         let (mut published, mut refused): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
-        for (seq, ok) in seqs.into_iter().zip(stored) {
+        for (seq, ok) in seqs.into_iter().zip(stored.iter().copied()) {
             if ok { published.push(seq) } else { refused.push(seq) }
         }
         self.published(published.len());
+        for (r, ok) in rows.iter().zip(&stored) {
+            if *ok {
+                tracing::debug!(target: "relay_hops", hop = "outbox_published", event_id = %r.id);
+            }
+        }
+        self.app
+            .outbox_offers()
+            .note_environments_published(rows.iter().zip(&stored).filter(|(_, ok)| **ok).map(|(r, _)| r.environment_id));
         if let Some(lowest) = published.iter().min() {
             self.app.outbox_offers().note_published(*lowest);
         }

@@ -1,0 +1,78 @@
+//! Fair turns where events queue before their expansion: a quiet
+//! environment's event is not held behind another environment's backlog in
+//! the outbox relay (see the api's `relay::first_turns`).
+
+use std::time::Duration;
+
+use relay_tests::{Options, Receiver, Rest, Stack};
+use serde_json::json;
+
+use crate::ordered_delivery::{ordered_endpoint, publish_keyed};
+
+/// Whether the outbox has marked these events published (the broker has them).
+async fn published(pg: &sqlx::PgPool, ids: &[String]) -> anyhow::Result<usize> {
+    let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE id::text = ANY($1) AND published_at IS NOT NULL")
+        .bind(ids)
+        .fetch_one(pg)
+        .await?;
+    Ok(n as usize)
+}
+
+/// The EVENTS stream at its backlog limit, full of one environment's burst
+/// (the dispatchers stopped, so nothing is taken from it): another
+/// environment's event still goes to the broker at once, past the limit,
+/// while the burst's events wait in the outbox, and an event with an
+/// ordering key keeps the outbox's order (it waits too). When the
+/// dispatchers are back every event arrives once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_quiet_environments_event_goes_past_a_bursts_backlog_in_the_stream() -> anyhow::Result<()> {
+    let mut stack = Stack::start(Options { events_backlog: 4, ..Options::default() }).await?;
+    let receiver = Receiver::start().await?;
+    let burst = Rest::new(&stack.rest_url, Some(&stack.tenant("burst").await?.api_key));
+    let quiet = Rest::new(&stack.rest_url, Some(&stack.tenant("quiet").await?.api_key));
+    let keyed = Rest::new(&stack.rest_url, Some(&stack.tenant("keyed").await?.api_key));
+    burst.endpoint(&receiver.url("/burst"), &["b"]).await?;
+    quiet.endpoint(&receiver.url("/quiet"), &["q"]).await?;
+    ordered_endpoint(&keyed, &receiver, "/keyed", json!({})).await?;
+    // Delivered: the dispatcher has created the EVENTS consumer whose
+    // backlog the relay measures.
+    burst.publish("b", json!({"warm": true})).await?;
+    assert_eq!(receiver.wait_for(1, Duration::from_secs(20)).await.len(), 1, "the burst's environment delivers");
+    stack.stop_dispatchers().await?;
+
+    const BURST: usize = 40;
+    let publishes = (0..BURST).map(|n| burst.publish("b", json!({"n": n})));
+    let burst_ids: Vec<String> = futures::future::try_join_all(publishes).await?;
+    let pg = stack.pg().await?;
+    // The stream holds its limit of the burst, and the rest of the burst waits.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while stack.consumer_info(false).await?.num_pending < 4 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(stack.consumer_info(false).await?.num_pending >= 4, "the burst did not fill the stream to its limit in 10 s");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let quiet_id = quiet.publish("q", json!({"quiet": true})).await?;
+    let (keyed_id, _) = publish_keyed(&keyed, "k", json!({"keyed": true})).await?;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while published(&pg, std::slice::from_ref(&quiet_id)).await? == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        published(&pg, std::slice::from_ref(&quiet_id)).await?,
+        1,
+        "the quiet environment's event waited behind the burst's backlog"
+    );
+    let burst_published = published(&pg, &burst_ids).await?;
+    assert!(burst_published < BURST, "the stream's limit held none of the burst back ({burst_published} of {BURST} published)");
+    assert_eq!(published(&pg, std::slice::from_ref(&keyed_id)).await?, 0, "an event with an ordering key went past the outbox's order");
+
+    stack.start_dispatcher().await?;
+    let all = receiver.wait_for(1 + BURST + 2, Duration::from_secs(60)).await;
+    assert_eq!(all.len(), 1 + BURST + 2, "every event arrives once the dispatcher is back");
+    let mut ids: Vec<String> = all.iter().map(|r| r.header("relay-webhook-id")).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), 1 + BURST + 2, "no event arrived twice");
+    stack.stop().await
+}
