@@ -2,7 +2,7 @@
 //! wrote, so that the relay publishes them without a query to find them,
 //! and — while the relay catches up on a backlog — the events of
 //! environments it has not published for lately, which go past the backlog
-//! (`relay::first_turns`). Offers are a shortcut, never the record: every
+//! (`relay::outbox::OutboxRelay::first_turns`). Offers are a shortcut, never the record: every
 //! event is in the outbox, and one not published from here is found there.
 
 use std::sync::{Arc, Mutex};
@@ -32,7 +32,7 @@ struct Offers {
     /// The relay is catching up on a backlog (and the stream has room past
     /// its limit): offers of environments it has not published for in
     /// `FIRST_TURN_GAP` go to `first_turns`, the rest wait for its looks
-    /// (see `relay::first_turns`).
+    /// (see `relay::outbox::OutboxRelay::first_turns`).
     backlogged: bool,
     first_turns: Option<tokio::sync::mpsc::UnboundedSender<db::events::OutboxRow>>,
     /// When each environment last had an event published, or sent to
@@ -41,7 +41,7 @@ struct Offers {
 }
 
 /// How long after one of its events was published an environment's next
-/// goes past a backlog (see `relay::first_turns`): longer than a burst's
+/// goes past a backlog (see `relay::outbox::OutboxRelay::first_turns`): longer than a burst's
 /// events are apart, shorter than a steady publisher's (200 a second).
 const FIRST_TURN_GAP: std::time::Duration = std::time::Duration::from_millis(5);
 /// Environments remembered in `Offers::published_at` before the stale are pruned.

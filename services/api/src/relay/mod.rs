@@ -20,7 +20,6 @@
 
 pub mod bulk_recovery;
 pub mod deliveries;
-mod first_turns;
 pub mod lost_events;
 pub mod outbox;
 pub mod prober;
