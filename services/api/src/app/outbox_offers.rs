@@ -2,8 +2,9 @@
 //! wrote, so that the relay publishes them without a query to find them,
 //! and — while the relay catches up on a backlog — the events of
 //! environments it has not published for lately, which go past the backlog
-//! (`relay::outbox::OutboxRelay::first_turns`). Offers are a shortcut, never the record: every
-//! event is in the outbox, and one not published from here is found there.
+//! (`relay::outbox::OutboxRelay::first_turns`). Offers are a shortcut,
+//! never the record: every event is in the outbox, and one not published
+//! from here is found there.
 
 use std::sync::{Arc, Mutex};
 
@@ -11,10 +12,8 @@ use relay_domain::EnvironmentId;
 
 use crate::db;
 
-/// Events this process just wrote, offered to its own outbox relay, which
-/// publishes them without a query to find them while it is not catching up
-/// on a backlog. Offers are a shortcut, never the record: every event is in
-/// the outbox, and one not published from here is found there.
+/// Events this process just wrote, offered to its own outbox relay (see
+/// the module's doc).
 #[derive(Debug, Clone, Default)]
 pub struct OutboxOffers(Arc<Mutex<Offers>>);
 
@@ -41,8 +40,9 @@ struct Offers {
 }
 
 /// How long after one of its events was published an environment's next
-/// goes past a backlog (see `relay::outbox::OutboxRelay::first_turns`): longer than a burst's
-/// events are apart, shorter than a steady publisher's (200 a second).
+/// goes past a backlog (see `relay::outbox::OutboxRelay::first_turns`):
+/// longer than a burst's events are apart, shorter than a steady
+/// publisher's (200 a second).
 const FIRST_TURN_GAP: std::time::Duration = std::time::Duration::from_millis(5);
 /// Environments remembered in `Offers::published_at` before the stale are pruned.
 const PUBLISHED_AT_PRUNE: usize = 1_024;
@@ -63,11 +63,12 @@ impl OutboxOffers {
     /// Offers an event this process wrote; `ordered`: it has an ordering
     /// key, and so never goes past the outbox's order.
     pub fn offer(&self, row: db::events::OutboxRow, ordered: bool) {
-        let mut o = self.0.lock().expect("unpoisoned");
+        let mut guard = self.0.lock().expect("unpoisoned");
+        let o = &mut *guard;
         if !o.open {
             return;
         }
-        let row = match o.first_turns.clone() {
+        let row = match &o.first_turns {
             Some(first_turns) if o.backlogged && !ordered && row.target_endpoint_id.is_none() => {
                 let (env, now) = (row.environment_id, std::time::Instant::now());
                 if o.published_at.get(&env).is_some_and(|at| now.duration_since(*at) < FIRST_TURN_GAP) {

@@ -68,9 +68,9 @@ pub struct OutboxRelay {
 /// each.
 #[derive(Debug, Default)]
 pub struct Unmarked {
-    pub(super) seqs: Vec<i64>,
+    seqs: Vec<i64>,
     /// When the oldest of them was published.
-    pub(super) since: Option<Instant>,
+    since: Option<Instant>,
     /// The relay last slept only until they were due: a pass that follows
     /// with nothing offered writes them and does not look at the outbox
     /// (the next backstop look does, `idle` later at most).
@@ -138,6 +138,13 @@ impl OutboxRelay {
         let head = EventHead { id, event_type: &row.event_type, environment_id: env, target_endpoint_id: row.target_endpoint_id };
         let head = serde_json::to_vec(&head).context("serialising an event head")?;
         Ok((self.names.events_subject(&env.to_string()), headers, head.into()))
+    }
+
+    /// Published events to be marked with the next ones (see `MARK_DELAY`).
+    fn mark_later(&self, seqs: &[i64]) {
+        let mut u = self.unmarked.lock().expect("not poisoned");
+        u.since.get_or_insert_with(Instant::now);
+        u.seqs.extend_from_slice(seqs);
     }
 
     pub(super) fn published(&self, n: usize) {
@@ -302,10 +309,7 @@ impl OutboxRelay {
         }
         if !published.is_empty() {
             if shortcut {
-                // Marked with the next ones (see `MARK_DELAY`).
-                let mut u = self.unmarked.lock().expect("not poisoned");
-                u.since.get_or_insert_with(Instant::now);
-                u.seqs.extend_from_slice(&published);
+                self.mark_later(&published);
             } else {
                 // Lost to a Postgres crash, this is a second publish that the
                 // broker or the expansion ledger drops (see cheap commits in `super`).
@@ -406,9 +410,7 @@ impl OutboxRelay {
         if let Some(lowest) = published.iter().min() {
             self.app.outbox_offers().note_published(*lowest);
         }
-        let mut u = self.unmarked.lock().expect("not poisoned");
-        u.since.get_or_insert_with(Instant::now);
-        u.seqs.extend_from_slice(&published);
+        self.mark_later(&published);
     }
 }
 
