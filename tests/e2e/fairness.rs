@@ -1,6 +1,6 @@
 //! Fair turns where events queue before their expansion: a quiet
 //! environment's event is not held behind another environment's backlog in
-//! the outbox relay (see the api's `relay::first_turns`).
+//! the outbox relay (see the api's `relay::outbox::OutboxRelay::first_turns`).
 
 use std::time::Duration;
 
@@ -9,7 +9,7 @@ use serde_json::json;
 
 use crate::ordered_delivery::{ordered_endpoint, publish_keyed};
 
-/// Whether the outbox has marked these events published (the broker has them).
+/// How many of these events the outbox has marked published (the broker has them).
 async fn published(pg: &sqlx::PgPool, ids: &[String]) -> anyhow::Result<usize> {
     let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE id::text = ANY($1) AND published_at IS NOT NULL")
         .bind(ids)

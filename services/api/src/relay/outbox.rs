@@ -354,7 +354,7 @@ impl OutboxRelay {
     ///
     /// So an offer made while the relay is backlogged, of an event of an
     /// environment none of whose events was published in the last
-    /// `FIRST_TURN_GAP` (see `app::events::OutboxOffers`), comes here and is
+    /// `FIRST_TURN_GAP` (see `app::outbox_offers`), comes here and is
     /// published at once, past the stream's limit: the dispatchers take the
     /// stream's events in fair turns, so past the limit it waits one turn, not
     /// the burst. One environment gets at most one event a gap this way, a few
@@ -395,7 +395,11 @@ impl OutboxRelay {
             }
         };
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
-        let published: Vec<i64> = batch.iter().zip(&stored).filter(|(_, ok)| **ok).map(|(r, _)| r.seq).collect();
+        let mut published = Vec::with_capacity(batch.len());
+        for (row, _) in batch.iter().zip(&stored).filter(|(_, ok)| **ok) {
+            tracing::debug!(target: "relay_hops", hop = "outbox_published", event_id = %row.id, first_turn = true);
+            published.push(row.seq);
+        }
         if let Some(e) = first_error {
             tracing::warn!(error = format!("{e:#}"), "the broker refused an event; the relay's next look publishes it");
             self.app.outbox_offers().look_at_outbox();
@@ -404,9 +408,6 @@ impl OutboxRelay {
             return;
         }
         self.published(published.len());
-        for (r, _) in batch.iter().zip(&stored).filter(|(_, ok)| **ok) {
-            tracing::debug!(target: "relay_hops", hop = "outbox_published", event_id = %r.id, first_turn = true);
-        }
         if let Some(lowest) = published.iter().min() {
             self.app.outbox_offers().note_published(*lowest);
         }
