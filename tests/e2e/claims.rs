@@ -370,7 +370,11 @@ async fn a_follower_whose_report_waits_on_its_predecessor_stays_its_senders() ->
             ..Default::default()
         })
         .collect();
-    let expanded = seam.expand_batch(ExpandBatchRequest { items, claimant: sender.clone(), hold_ms: HOLD_MS }).await?.into_inner().items;
+    let expanded = seam
+        .expand_batch(ExpandBatchRequest { items, claimant: sender.clone(), hold_ms: HOLD_MS, express: false })
+        .await?
+        .into_inner()
+        .items;
     let head = expanded
         .iter()
         .find_map(|r| match &r.result {

@@ -1,8 +1,11 @@
 //! Fair turns where events queue before their expansion: a quiet
 //! environment's event is not held behind another environment's backlog in
-//! the outbox relay (see the api's `relay::outbox::OutboxRelay::first_turns`).
+//! the outbox relay (see the api's `relay::outbox::OutboxRelay::first_turns`),
+//! nor behind a burst's batch in the api's expansion queue (the express
+//! queue, `app::expansion_queues`), and events of one ordering key keep
+//! their order when they take both queues.
 
-use std::time::Duration;
+use std::{collections::BTreeMap, time::Duration};
 
 use relay_tests::{Options, Receiver, Rest, Stack};
 use serde_json::json;
@@ -74,5 +77,83 @@ async fn a_quiet_environments_event_goes_past_a_bursts_backlog_in_the_stream() -
     ids.sort();
     ids.dedup();
     assert_eq!(ids.len(), 1 + BURST + 2, "no event arrived twice");
+    stack.stop().await
+}
+
+/// One environment bursts while another publishes events of a few keys,
+/// each key's one after another: the keyed environment's asks, alone of
+/// theirs beside the burst's, take the api's express expansion queue, and
+/// the next of the same environment the main one, so two events of a key
+/// are at times expanded side by side. Each key still arrives in publish
+/// order, numbered 1, 2, 3…, every event once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keyed_environment_beside_a_burst_keeps_each_keys_order_across_both_expansion_queues() -> anyhow::Result<()> {
+    let stack = Stack::start(Options::default()).await?;
+    let receiver = Receiver::start().await?;
+    let (burst_key, keyed_key) = (stack.tenant("burst").await?.api_key, stack.tenant("keyed").await?.api_key);
+    let client = |key: &str| Rest::new(&stack.rest_url, Some(key));
+    let (burst, keyed) = (client(&burst_key), client(&keyed_key));
+    for n in 0..5 {
+        burst.endpoint(&receiver.url(&format!("/burst/{n}")), &["b"]).await?;
+    }
+    ordered_endpoint(&keyed, &receiver, "/keyed", json!({})).await?;
+    let express = "relay_expansion_asks_total{queue=\"express\"}";
+    let expressed_before = stack.metric(express).await?.unwrap_or(0.0);
+
+    const BURST: usize = 400;
+    const KEYS: usize = 4;
+    const EACH: u64 = 25;
+    let bursting = {
+        let burst = client(&burst_key);
+        tokio::spawn(async move {
+            // 16 publishes at a time, as fast as they are accepted.
+            let mut ids = Vec::new();
+            for chunk in (0..BURST).collect::<Vec<_>>().chunks(16) {
+                let publishes = chunk.iter().map(|n| burst.publish("b", json!({"n": n})));
+                ids.extend(futures::future::try_join_all(publishes).await?);
+            }
+            anyhow::Ok(ids)
+        })
+    };
+    let mut keys = Vec::new();
+    for k in 0..KEYS {
+        let keyed = client(&keyed_key);
+        keys.push(tokio::spawn(async move {
+            for n in 0..EACH {
+                let key = format!("key-{k}");
+                let (_, number) = publish_keyed(&keyed, &key, json!({"key": key, "n": n})).await?;
+                anyhow::ensure!(number == n + 1, "{key}: event {n} numbered {number}");
+            }
+            anyhow::Ok(())
+        }));
+    }
+    bursting.await??;
+    for k in keys {
+        k.await??;
+    }
+
+    let keyed_total = KEYS * EACH as usize;
+    let got = receiver.wait_at("/keyed", keyed_total, Duration::from_secs(90)).await;
+    assert_eq!(got.len(), keyed_total, "every keyed event arrives");
+    let mut by_key: BTreeMap<String, Vec<(u64, u64)>> = BTreeMap::new();
+    for request in &got {
+        let body = request.json();
+        let key = body["payload"]["key"].as_str().unwrap_or_default().to_owned();
+        let sequence: u64 = request.header("relay-webhook-sequence").parse()?;
+        by_key.entry(key).or_default().push((body["payload"]["n"].as_u64().unwrap_or(u64::MAX), sequence));
+    }
+    assert_eq!(by_key.len(), KEYS, "every key arrived");
+    for (key, arrivals) in &by_key {
+        let expected: Vec<(u64, u64)> = (0..EACH).map(|n| (n, n + 1)).collect();
+        assert_eq!(arrivals, &expected, "{key}: arrivals (event, sequence) out of publish order or repeated");
+    }
+    let all = receiver.wait_for(BURST * 5 + keyed_total, Duration::from_secs(90)).await;
+    assert_eq!(all.len(), BURST * 5 + keyed_total, "every delivery arrives");
+    let mut ids: Vec<(String, String)> = all.iter().map(|r| (r.header("relay-webhook-id"), r.path.clone())).collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), BURST * 5 + keyed_total, "no delivery arrived twice");
+    let expressed = stack.metric(express).await?.unwrap_or(0.0) - expressed_before;
+    assert!(expressed >= 1.0, "no expansion took the express queue beside the burst ({expressed})");
     stack.stop().await
 }

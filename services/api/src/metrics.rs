@@ -20,6 +20,9 @@ pub struct Metrics {
     /// due, leases run out, and first attempts no refill took. The rest
     /// went to a dispatcher with an expansion's or an outcome's answer.
     pub(crate) relayed_attempts: IntCounter,
+    /// Expansion asks taken, by the queue they took (`main`, `express`:
+    /// see `app::expansion_queues`).
+    pub(crate) expansion_asks: IntCounterVec,
     pub(crate) depths: IntGaugeVec,
     /// Attempts handed to the broker and not yet reported, per endpoint.
     pub(crate) endpoint_in_flight: IntGaugeVec,
@@ -66,6 +69,14 @@ impl Default for Metrics {
             "Attempts the delivery relay handed to the broker (due retries, leases run out, first attempts no answer carried)",
         )
         .expect("valid metric");
+        let expansion_asks = IntCounterVec::new(
+            Opts::new(
+                "relay_expansion_asks_total",
+                "Expansion asks taken, by queue (express: an environment's only one beside another environment's)",
+            ),
+            &["queue"],
+        )
+        .expect("valid metric");
         let depths = IntGaugeVec::new(Opts::new("relay_queue_depth", "Work waiting, by queue"), &["queue"]).expect("valid metric");
         let endpoint_in_flight = IntGaugeVec::new(
             Opts::new(
@@ -90,6 +101,7 @@ impl Default for Metrics {
             Box::new(lane_follower_attempts.clone()),
             Box::new(ended_lanes.clone()),
             Box::new(relayed_attempts.clone()),
+            Box::new(expansion_asks.clone()),
             Box::new(depths.clone()),
             Box::new(endpoint_in_flight.clone()),
             Box::new(circuits.clone()),
@@ -105,6 +117,7 @@ impl Default for Metrics {
             lane_follower_attempts,
             ended_lanes,
             relayed_attempts,
+            expansion_asks,
             depths,
             endpoint_in_flight,
             circuits,

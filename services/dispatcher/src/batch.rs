@@ -239,13 +239,14 @@ answer!(pb::ExpandResult, expand_result::Expanded => ExpandResponse);
 answer!(pb::MaterialResult, material_result::Material => MaterialResponse);
 answer!(pb::OutcomeResult, outcome_result::Outcome => OutcomeResponse);
 
-/// Expansions that hand their first attempts to `claimant` for `hold`.
-pub fn expansions(seam: Seam, claimant: String, hold: std::time::Duration) -> Expansions {
+/// Expansions that hand their first attempts to `claimant` for `hold`;
+/// `express` ones for the api's express queue (`ExpandBatchRequest.express`).
+pub fn expansions(seam: Seam, claimant: String, hold: std::time::Duration, express: bool) -> Expansions {
     let hold_ms = u32::try_from(hold.as_millis()).unwrap_or(u32::MAX);
     Batcher::spawn(MAX_BATCH, CALLS_IN_FLIGHT, move |items| {
         let (mut seam, claimant) = (seam.clone(), claimant.clone());
         async move {
-            let req = ExpandBatchRequest { items, claimant, hold_ms };
+            let req = ExpandBatchRequest { items, claimant, hold_ms, express };
             Ok(seam.expand_batch(req).await?.into_inner().items.into_iter().map(Answer::answer).collect())
         }
     })

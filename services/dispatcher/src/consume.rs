@@ -106,7 +106,12 @@ pub(crate) async fn expand_loop(
     // First attempts come back with their expansion, into this process's
     // lanes, instead of through DELIVERIES.
     let (claimant, hold) = lanes.claim();
-    let expansions = batch::expansions(seam, claimant, hold);
+    // Two ways to the api, each with its own calls in flight: an item of an
+    // environment with little in flight beside others' (`Started::express`)
+    // does not wait for a call slot behind theirs, and rides with other such
+    // items to the api's express queue (see its `app::expansion_queues`).
+    let expansions = batch::expansions(seam.clone(), claimant.clone(), hold, false);
+    let express = batch::expansions(seam, claimant, hold, true);
     loop {
         let start = tokio::select! {
             msg = next_message(&mut messages, &mut stop, "EVENTS") => {
@@ -121,9 +126,11 @@ pub(crate) async fn expand_loop(
             }
             Some(env) = ended_rx.recv() => turns.ended(&env),
         };
-        for (env, (msg, req)) in start {
-            let ended = EndedTurn(Some((env, ended_tx.clone())));
-            tokio::spawn(expand_one(msg, req, expansions.clone(), lanes.clone(), ended));
+        for started in start {
+            let (msg, req) = started.item;
+            let ended = EndedTurn(Some((started.env, ended_tx.clone())));
+            let way = if started.express { &express } else { &expansions };
+            tokio::spawn(expand_one(msg, req, way.clone(), lanes.clone(), ended));
         }
     }
     Ok(())

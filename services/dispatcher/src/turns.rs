@@ -38,6 +38,23 @@ use tokio::time::Instant;
 /// a burst's whole window.
 pub(crate) const CONTENDED_FOR: Duration = Duration::from_secs(2);
 
+/// An environment with less than this share of `cap_each` in flight, beside
+/// others', is a quiet one: its items go by the express way. A burst,
+/// held to `cap_each` while it has a backlog, is never below it (its
+/// count drops by one as an item ends and the next starts at once).
+const EXPRESS_SHARE: usize = 4;
+
+/// An item that starts now, of `env`.
+pub(crate) struct Started<T> {
+    pub(crate) env: String,
+    pub(crate) item: T,
+    /// `env` has less than its express share in flight (`EXPRESS_SHARE`),
+    /// and another environment has some: the item goes by the
+    /// express way (see `consume`), so that it does not wait for a call
+    /// carrying the others' items.
+    pub(crate) express: bool,
+}
+
 pub(crate) struct Turns<T> {
     cap_all: usize,
     cap_each: usize,
@@ -69,7 +86,7 @@ impl<T> Turns<T> {
     }
 
     /// Adds an item of `env`; returns the items that start now.
-    pub(crate) fn offer(&mut self, env: String, item: T) -> Vec<(String, T)> {
+    pub(crate) fn offer(&mut self, env: String, item: T) -> Vec<Started<T>> {
         self.seen.insert(env.clone(), Instant::now());
         let queue = self.waiting.entry(env.clone()).or_default();
         if queue.is_empty() {
@@ -80,7 +97,7 @@ impl<T> Turns<T> {
     }
 
     /// An item of `env` ended; returns the items that start now.
-    pub(crate) fn ended(&mut self, env: &str) -> Vec<(String, T)> {
+    pub(crate) fn ended(&mut self, env: &str) -> Vec<Started<T>> {
         if let Some(seen) = self.seen.get_mut(env) {
             *seen = Instant::now();
         }
@@ -112,8 +129,9 @@ impl<T> Turns<T> {
         if self.seen.len() > 1 { self.cap_each } else { self.cap_all }
     }
 
-    fn start(&mut self) -> Vec<(String, T)> {
+    fn start(&mut self) -> Vec<Started<T>> {
         let cap_each = self.cap_now();
+        let express_below = (self.cap_each / EXPRESS_SHARE).max(1);
         let mut started = Vec::new();
         // Each look goes once round the ring at most: an environment at its
         // cap keeps its place and is passed over.
@@ -133,10 +151,12 @@ impl<T> Turns<T> {
             } else {
                 self.ring.push_back(env.clone());
             }
-            *self.in_flight.entry(env.clone()).or_default() += 1;
+            let mine = self.in_flight.entry(env.clone()).or_default();
+            let express = *mine < express_below && self.total > *mine;
+            *mine += 1;
             self.total += 1;
             passed = 0;
-            started.push((env, item));
+            started.push(Started { env, item, express });
         }
         started
     }
@@ -146,8 +166,8 @@ impl<T> Turns<T> {
 mod tests {
     use super::*;
 
-    fn names(started: Vec<(String, u32)>) -> Vec<String> {
-        started.into_iter().map(|(e, i)| format!("{e}{i}")).collect()
+    fn names(started: Vec<Started<u32>>) -> Vec<String> {
+        started.into_iter().map(|s| format!("{}{}{}", s.env, s.item, if s.express { "!" } else { "" })).collect()
     }
 
     #[tokio::test(start_paused = true)]
@@ -161,7 +181,7 @@ mod tests {
         }
         assert_eq!(names(started), ["b0", "b1"], "the burst is held to its cap: q offered an item lately");
         assert_eq!(t.waiting(), 8);
-        assert_eq!(names(t.offer("q".into(), 1)), ["q1"], "a quiet environment's item starts at once");
+        assert_eq!(names(t.offer("q".into(), 1)), ["q1!"], "a quiet environment's item starts at once, by the express way");
         assert_eq!(names(t.ended("b")), ["b2"], "the burst goes on in its order");
         assert_eq!(names(t.ended("q")), Vec::<String>::new(), "nothing of q waits; b is at its cap");
     }
@@ -178,7 +198,7 @@ mod tests {
         }
         assert_eq!(names(started), ["b0", "b1", "b2", "b3"], "nobody else has work: the burst takes every slot");
         assert!(t.offer("q".into(), 0).is_empty(), "every slot is taken");
-        assert_eq!(names(t.ended("b")), ["q0"], "the first slot freed is the neighbour's");
+        assert_eq!(names(t.ended("b")), ["q0!"], "the first slot freed is the neighbour's");
         assert!(t.ended("b").is_empty(), "the burst has 2 in flight, its share beside q");
         assert!(t.ended("q").is_empty(), "q's item ended, but q was seen lately: b keeps to its share");
         assert_eq!(names(t.ended("b")), ["b4"], "below its share, the burst goes on in its order");
@@ -200,7 +220,7 @@ mod tests {
         assert_eq!(names(started), ["a0", "a1", "a2"]);
         // Waiting: b0 b1 b2; a has nothing waiting.
         t.offer("a".into(), 3);
-        assert_eq!(names(t.ended("a")), ["b0"], "b waited longest for its turn");
+        assert_eq!(names(t.ended("a")), ["b0!"], "b waited longest for its turn");
         assert_eq!(names(t.ended("a")), ["a3"], "then a, then b again");
         assert_eq!(names(t.ended("a")), ["b1"]);
         assert_eq!(names(t.ended("b")), ["b2"]);

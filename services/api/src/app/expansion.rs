@@ -37,10 +37,11 @@ pub struct ExpandAsk {
 
 impl App {
     /// One delivery per matching endpoint, exactly once per event, through
-    /// the expansion batcher (items of concurrent calls share its batches).
-    /// Each item answers as `expand` would, in order.
-    pub async fn expand_batch(&self, asks: Vec<ExpandAsk>) -> AppResult<Vec<AppResult<Expanded>>> {
-        Ok(self.batchers().expansions.call_all(asks).await)
+    /// the expansion queues (items of concurrent calls share their batches;
+    /// `express`: the items are of quiet environments, see
+    /// `app::expansion_queues`). Each item answers as `expand` would, in order.
+    pub async fn expand_batch(&self, asks: Vec<ExpandAsk>, express: bool) -> AppResult<Vec<AppResult<Expanded>>> {
+        Ok(self.batchers().expansions.call_all(asks, express).await)
     }
 
     /// One batch of the expansion batcher, in one statement that commits by
@@ -51,7 +52,13 @@ impl App {
     /// hand come back to it with their material (as far as a reply's
     /// payload budget goes), claimed for it; the rest are handed to the
     /// broker at once; everything else waits, due, for the relay.
-    pub(crate) async fn expand_on(&self, conn: &mut PgConnection, asks: &[ExpandAsk]) -> AppResult<Vec<AppResult<Expanded>>> {
+    /// `express`: the batch is the express queue's (see `app::lease_guard`).
+    pub(crate) async fn expand_on(
+        &self,
+        conn: &mut PgConnection,
+        asks: &[ExpandAsk],
+        express: bool,
+    ) -> AppResult<Vec<AppResult<Expanded>>> {
         let cap = self.direct.as_ref().map_or(0, |d| d.endpoint_cap);
         for a in asks {
             tracing::debug!(target: "relay_hops", hop = "expand_begin", event_id = %a.item.event_id, batch = asks.len());
@@ -79,6 +86,7 @@ impl App {
         // two take turns.
         let rows = {
             let _leasing = match &self.direct {
+                Some(_) if express => Some(self.lease_guard.lock_express().await),
                 Some(_) => Some(self.lease_guard.lock().await),
                 None => None,
             };

@@ -15,9 +15,11 @@ mod endpoint_requests;
 pub mod endpoints;
 pub mod events;
 pub mod expansion;
+mod expansion_queues;
 mod filtering;
 mod gauges;
 mod lanes;
+pub(crate) mod lease_guard;
 pub mod listen;
 pub(crate) mod material;
 pub mod operational;
@@ -89,11 +91,8 @@ pub struct App {
     /// expansion are handed to the broker right after it commits, instead of
     /// waiting for a relay pass to find them.
     direct: Option<DirectDispatch>,
-    /// Held by whatever hands out leases in this process (a relay pass, an
-    /// expansion that pre-leases): each counts an endpoint's in-flight
-    /// attempts from committed rows, so two at once could both fill the same
-    /// free slots and exceed the cap.
-    lease_guard: Arc<tokio::sync::Mutex<()>>,
+    /// Held by whatever hands out leases in this process (see `lease_guard`).
+    lease_guard: Arc<lease_guard::LeaseGuard>,
     clock: Arc<dyn Clock>,
     health: HealthSettings,
     /// The hot paths' own connections (see `db::batcher`); started by
@@ -209,7 +208,7 @@ impl App {
         self.metrics.relayed_attempts.inc_by(attempts as u64);
     }
 
-    pub fn lease_guard(&self) -> &tokio::sync::Mutex<()> {
+    pub(crate) fn lease_guard(&self) -> &lease_guard::LeaseGuard {
         &self.lease_guard
     }
 
@@ -222,15 +221,15 @@ impl App {
 #[derive(Debug)]
 pub struct Batchers {
     pub outcomes: Batcher<deliveries::OutcomeAsk, deliveries::Recorded>,
-    pub expansions: Batcher<expansion::ExpandAsk, deliveries::Expanded>,
+    pub expansions: expansion_queues::ExpansionQueues,
     pub publishes: Batcher<events::NewEvent, Option<events::Written>>,
 }
 
 /// The outcome batcher: two connections, one commits while the other gathers.
 const OUTCOMES: Shape = Shape { connections: 2, max_batch: 512, plan_once: true };
-/// The expansion batcher: one connection (expansions take turns with the
-/// relay's leasing anyway, `lease_guard`, and a batch gathers what waits
-/// meanwhile), at most 32 events a batch: an expansion holds its
+/// Each of the two expansion queues (`expansion_queues`): one connection
+/// (expansions take turns with the relay's leasing anyway, `lease_guard`,
+/// and a batch gathers what waits meanwhile), at most 32 events a batch: an expansion holds its
 /// subscribers' health rows share-locked until it commits, so a batch of
 /// hundreds (a burst) made every outcome that changes a circuit wait for it,
 /// and handed out no first attempt before the last event was written.
@@ -244,8 +243,13 @@ impl App {
     pub fn start_batchers(&self, queue_timeout: std::time::Duration, stop: tokio::sync::watch::Receiver<bool>) {
         let outcomes = self
             .batcher(OUTCOMES, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.record_outcome_batch(conn, asks).await }));
+        let expansion_queue = |express: bool| {
+            self.batcher(EXPANSIONS, queue_timeout, &stop, move |app, conn, asks| {
+                Box::pin(async move { app.expand_on(conn, asks, express).await })
+            })
+        };
         let expansions =
-            self.batcher(EXPANSIONS, queue_timeout, &stop, |app, conn, asks| Box::pin(async move { app.expand_on(conn, asks).await }));
+            expansion_queues::ExpansionQueues::new(expansion_queue(false), expansion_queue(true), &self.metrics.expansion_asks);
         let publishes = self.batcher(PUBLISHES, queue_timeout, &stop, |app, conn, events| {
             Box::pin(async move { app.insert_events_on(conn, events).await })
         });

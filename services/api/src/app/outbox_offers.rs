@@ -1,7 +1,8 @@
 //! What this process offers its own outbox relay: the events it just
 //! wrote, so that the relay publishes them without a query to find them,
-//! and — while the relay catches up on a backlog — the events of
-//! environments it has not published for lately, which go past the backlog
+//! and — while the relay catches up on a backlog, or publishes other
+//! environments' events — the events of environments it has not published
+//! for lately, which go past the backlog and the pass in progress
 //! (`relay::outbox::OutboxRelay::first_turns`). Offers are a shortcut,
 //! never the record: every event is in the outbox, and one not published
 //! from here is found there.
@@ -22,6 +23,8 @@ struct Offers {
     /// Only a process that runs the outbox relay takes offers.
     open: bool,
     rows: Vec<db::events::OutboxRow>,
+    /// How many of `rows` each environment has.
+    rows_of: std::collections::HashMap<EnvironmentId, usize>,
     /// Offers were refused for want of room: the outbox holds more than
     /// `rows` says.
     overflowed: bool,
@@ -33,6 +36,11 @@ struct Offers {
     /// `FIRST_TURN_GAP` go to `first_turns`, the rest wait for its looks
     /// (see `relay::outbox::OutboxRelay::first_turns`).
     backlogged: bool,
+    /// The environments of the events the relay is publishing now, if it
+    /// is: another's offer goes to `first_turns` as while `backlogged`,
+    /// rather than wait for this pass and the next (behind a burst, a pass
+    /// of hundreds of its events).
+    passing: Option<std::collections::HashSet<EnvironmentId>>,
     first_turns: Option<tokio::sync::mpsc::UnboundedSender<db::events::OutboxRow>>,
     /// When each environment last had an event published, or sent to
     /// `first_turns`; entries older than `FIRST_TURN_GAP` may linger.
@@ -68,8 +76,14 @@ impl OutboxOffers {
         if !o.open {
             return;
         }
+        // Behind others' events: a backlog, others' events being published,
+        // or others' offers waiting for the next pass.
+        let env = row.environment_id;
+        let past = o.backlogged
+            || o.passing.as_ref().is_some_and(|envs| !envs.contains(&env))
+            || o.rows_of.len() > usize::from(o.rows_of.contains_key(&env));
         let row = match &o.first_turns {
-            Some(first_turns) if o.backlogged && !ordered && row.target_endpoint_id.is_none() => {
+            Some(first_turns) if past && !ordered && row.target_endpoint_id.is_none() => {
                 let (env, now) = (row.environment_id, std::time::Instant::now());
                 if o.published_at.get(&env).is_some_and(|at| now.duration_since(*at) < FIRST_TURN_GAP) {
                     row
@@ -86,6 +100,7 @@ impl OutboxOffers {
             _ => row,
         };
         if o.rows.len() < MAX_OFFERS {
+            *o.rows_of.entry(row.environment_id).or_default() += 1;
             o.rows.push(row);
         } else {
             o.overflowed = true;
@@ -105,6 +120,12 @@ impl OutboxOffers {
         self.0.lock().expect("unpoisoned").backlogged = backlogged && room_past_the_limit;
     }
 
+    /// The relay publishes events of these environments now (`Some`), or
+    /// no longer (`None`).
+    pub fn set_passing(&self, envs: Option<std::collections::HashSet<EnvironmentId>>) {
+        self.0.lock().expect("unpoisoned").passing = envs;
+    }
+
     /// The broker took events of these environments.
     pub fn note_environments_published(&self, envs: impl Iterator<Item = EnvironmentId>) {
         let now = std::time::Instant::now();
@@ -121,6 +142,7 @@ impl OutboxOffers {
     /// refused meanwhile.
     pub fn take(&self) -> (Vec<db::events::OutboxRow>, bool) {
         let mut o = self.0.lock().expect("unpoisoned");
+        o.rows_of.clear();
         (std::mem::take(&mut o.rows), std::mem::take(&mut o.overflowed))
     }
 
@@ -148,6 +170,62 @@ impl OutboxOffers {
 
     /// Offers of events published some other way need no publishing.
     pub fn forget(&self, published: &std::collections::HashSet<i64>) {
-        self.0.lock().expect("unpoisoned").rows.retain(|r| !published.contains(&r.seq));
+        let mut o = self.0.lock().expect("unpoisoned");
+        let o = &mut *o;
+        o.rows.retain(|r| !published.contains(&r.seq));
+        o.rows_of.clear();
+        for r in &o.rows {
+            *o.rows_of.entry(r.environment_id).or_default() += 1;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use relay_domain::EventId;
+
+    use super::*;
+
+    fn row(seq: i64, env: EnvironmentId) -> db::events::OutboxRow {
+        db::events::OutboxRow {
+            seq,
+            id: EventId::mint(),
+            environment_id: env,
+            event_type: "t".into(),
+            trace_context: None,
+            target_endpoint_id: None,
+        }
+    }
+
+    /// Behind a burst's offers waiting for the next pass, or its pass in
+    /// progress, a quiet environment's event goes past; the burst's own,
+    /// and an event with an ordering key, wait for the relay.
+    #[test]
+    fn a_quiet_environments_offer_goes_past_others_offers_and_the_pass_in_progress() {
+        let offers = OutboxOffers::default();
+        offers.open();
+        let mut first_turns = offers.open_first_turns();
+        let (burst, quiet, other) = (EnvironmentId::mint(), EnvironmentId::mint(), EnvironmentId::mint());
+        offers.offer(row(1, burst), false);
+        offers.offer(row(2, burst), false);
+        assert!(first_turns.try_recv().is_err(), "alone, the burst's offers wait for the relay's pass");
+        offers.offer(row(3, quiet), false);
+        assert_eq!(first_turns.try_recv().map(|r| r.seq).ok(), Some(3), "behind the burst's waiting offers: past them");
+        offers.offer(row(4, other), true);
+        assert!(first_turns.try_recv().is_err(), "an ordered event keeps the outbox's order");
+
+        let (taken, _) = offers.take();
+        assert_eq!(taken.iter().map(|r| r.seq).collect::<Vec<_>>(), [1, 2, 4]);
+        offers.set_passing(Some([burst].into_iter().collect()));
+        offers.offer(row(5, burst), false);
+        offers.offer(row(6, other), false);
+        assert_eq!(first_turns.try_recv().map(|r| r.seq).ok(), Some(6), "behind the burst's pass in progress: past it");
+        offers.offer(row(7, other), false);
+        assert!(first_turns.try_recv().is_err(), "one event a gap per environment goes past");
+        offers.set_passing(None);
+        let (taken, _) = offers.take();
+        assert_eq!(taken.iter().map(|r| r.seq).collect::<Vec<_>>(), [5, 7]);
+        offers.offer(row(8, EnvironmentId::mint()), false);
+        assert!(first_turns.try_recv().is_err(), "nothing ahead of it: the relay's next pass takes it");
     }
 }

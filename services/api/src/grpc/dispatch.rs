@@ -235,6 +235,7 @@ impl DispatchApi {
         items: Vec<pb::ExpandRequest>,
         metadata: Option<&tonic::metadata::MetadataMap>,
         claim: Option<Claim>,
+        express: bool,
     ) -> Result<Vec<Result<pb::ExpandResponse, AppError>>, Status> {
         let mut answers: Vec<Option<Result<pb::ExpandResponse, AppError>>> = Vec::with_capacity(items.len());
         let mut spans = Vec::with_capacity(items.len());
@@ -265,7 +266,7 @@ impl DispatchApi {
             spans.push(span);
             answers.push(None);
         }
-        let expanded = if parsed.is_empty() { Vec::new() } else { self.app.expand_batch(parsed).await.map_err(status)? };
+        let expanded = if parsed.is_empty() { Vec::new() } else { self.app.expand_batch(parsed, express).await.map_err(status)? };
         let mut expanded = expanded.into_iter().zip(spans).map(|(a, span)| {
             a.map(|x| {
                 span.record("created", x.created).record("duplicate", x.duplicate);
@@ -284,7 +285,7 @@ impl DispatchApi {
 impl DispatchService for DispatchApi {
     async fn expand(&self, req: Request<pb::ExpandRequest>) -> Result<Response<pb::ExpandResponse>, Status> {
         let (metadata, _, item) = req.into_parts();
-        let mut answers = self.expand_items(vec![item], Some(&metadata), None).await?;
+        let mut answers = self.expand_items(vec![item], Some(&metadata), None, false).await?;
         match answers.pop().expect("one answer per item") {
             Ok(x) => Ok(Response::new(x)),
             Err(e) => Err(status(e)),
@@ -295,7 +296,7 @@ impl DispatchService for DispatchApi {
         let req = req.into_inner();
         check_batch(req.items.len())?;
         let claim = in_hand_claim(&req.claimant, req.hold_ms).map_err(status)?;
-        let answers = self.expand_items(req.items, None, claim).await?;
+        let answers = self.expand_items(req.items, None, claim, req.express).await?;
         let items = answers
             .into_iter()
             .map(|a| pb::ExpandResult {

@@ -270,7 +270,7 @@ impl OutboxRelay {
         let shortcut = !offered.is_empty() && !look_due && !self.backlogged.load(Ordering::Relaxed) && offered.len() as i64 <= limit;
         let rows = if shortcut {
             self.held_back.store(false, Ordering::Relaxed);
-            offered
+            in_turns(offered)
         } else {
             // A look must not find events published but unmarked.
             self.write_marks(held, true).await?;
@@ -290,7 +290,9 @@ impl OutboxRelay {
         // second, ...), so no environment's events wait behind another's in the stream.
         let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
         let messages = rows.iter().map(|row| self.message(row)).collect::<Result<Vec<_>>>()?;
+        self.app.outbox_offers().set_passing(Some(rows.iter().map(|r| r.environment_id).collect()));
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
+        self.app.outbox_offers().set_passing(None);
         let (mut published, mut refused): (Vec<i64>, Vec<i64>) = (Vec::new(), Vec::new());
         for (seq, ok) in seqs.into_iter().zip(stored.iter().copied()) {
             if ok { published.push(seq) } else { refused.push(seq) }
@@ -336,6 +338,30 @@ impl OutboxRelay {
     }
 }
 
+/// Offered events in turns across environments, as a claim orders them
+/// (each environment's first, then each one's second, ...), each
+/// environment's in the order offered: the broker stores a pass's events in
+/// the order they are sent, so a quiet environment's one offer, made while a
+/// burst's hundred waited for the same pass, is the stream's second, not its
+/// hundred-and-first.
+fn in_turns(mut rows: Vec<OutboxRow>) -> Vec<OutboxRow> {
+    let mut turn_of: std::collections::HashMap<EnvironmentId, usize> = std::collections::HashMap::new();
+    let turns: Vec<usize> = rows
+        .iter()
+        .map(|r| {
+            let n = turn_of.entry(r.environment_id).or_default();
+            *n += 1;
+            *n
+        })
+        .collect();
+    if turn_of.len() < 2 {
+        return rows;
+    }
+    let mut keyed: Vec<(usize, OutboxRow)> = turns.into_iter().zip(rows.drain(..)).collect();
+    keyed.sort_by_key(|(turn, _)| *turn);
+    keyed.into_iter().map(|(_, r)| r).collect()
+}
+
 /// Events one `first_turns` publish carries at most.
 const FIRST_TURNS_BATCH: usize = 64;
 
@@ -352,7 +378,8 @@ impl OutboxRelay {
     /// relay's passes, each a claim under a saturated database, came about
     /// every 14 ms.
     ///
-    /// So an offer made while the relay is backlogged, of an event of an
+    /// So an offer made while the relay is backlogged, or publishing only
+    /// other environments' events (a pass of a burst's), of an event of an
     /// environment none of whose events was published in the last
     /// `FIRST_TURN_GAP` (see `app::outbox_offers`), comes here and is
     /// published at once, past the stream's limit: the dispatchers take the
@@ -420,3 +447,26 @@ impl OutboxRelay {
 /// relay had already published are recognised when published again.
 pub(crate) const RELAY_CLAIM: Duration = Duration::from_secs(30);
 const _: () = assert!(RELAY_CLAIM.as_secs() * 2 <= crate::broker::DUPLICATE_WINDOW.as_secs(), "re-publishes must be deduplicated");
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_passes_events_go_in_turns_across_environments_each_in_its_order() {
+        let (b, q, o) = (EnvironmentId::mint(), EnvironmentId::mint(), EnvironmentId::mint());
+        let row = |seq, environment_id| OutboxRow {
+            seq,
+            id: EventId::mint(),
+            environment_id,
+            event_type: "t".into(),
+            trace_context: None,
+            target_endpoint_id: None,
+        };
+        let offered = vec![row(1, b), row(2, b), row(3, b), row(4, o), row(5, b), row(6, q), row(7, o)];
+        let seqs: Vec<i64> = in_turns(offered).iter().map(|r| r.seq).collect();
+        assert_eq!(seqs, [1, 4, 6, 2, 7, 3, 5]);
+        let alone: Vec<i64> = in_turns(vec![row(9, b), row(8, b)]).iter().map(|r| r.seq).collect();
+        assert_eq!(alone, [9, 8], "one environment's offers keep their order");
+    }
+}
