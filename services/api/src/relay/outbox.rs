@@ -290,6 +290,8 @@ impl OutboxRelay {
         // second, ...), so no environment's events wait behind another's in the stream.
         let seqs: Vec<i64> = rows.iter().map(|r| r.seq).collect();
         let messages = rows.iter().map(|row| self.message(row)).collect::<Result<Vec<_>>>()?;
+        // Left set only if this future is dropped mid-publish (shutdown):
+        // offers then go past until the next pass clears it.
         self.app.outbox_offers().set_passing(Some(rows.iter().map(|r| r.environment_id).collect()));
         let (stored, first_error) = crate::broker::publish_all(&self.js, messages).await;
         self.app.outbox_offers().set_passing(None);
@@ -378,8 +380,9 @@ impl OutboxRelay {
     /// relay's passes, each a claim under a saturated database, came about
     /// every 14 ms.
     ///
-    /// So an offer made while the relay is backlogged, or publishing only
-    /// other environments' events (a pass of a burst's), of an event of an
+    /// So an offer made while the relay is backlogged, or would publish it
+    /// behind other environments' events (a pass of theirs in progress, or
+    /// their offers waiting for the next pass), of an event of an
     /// environment none of whose events was published in the last
     /// `FIRST_TURN_GAP` (see `app::outbox_offers`), comes here and is
     /// published at once, past the stream's limit: the dispatchers take the
