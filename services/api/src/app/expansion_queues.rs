@@ -104,11 +104,15 @@ impl ExpansionQueues {
         }
         let envs: Vec<EnvironmentId> = asks.iter().map(|a| a.item.environment_id).collect();
         let taken = enter(&mut self.express_of.lock().unwrap_or_else(|p| p.into_inner()), &envs);
-        let _counted =
-            Counted { express_of: &self.express_of, envs: envs.iter().zip(&taken).filter(|(_, t)| **t).map(|(e, _)| *e).collect() };
         let (mut to_express, mut to_main) = (Vec::new(), Vec::new());
+        let mut counted = Counted { express_of: &self.express_of, envs: Vec::new() };
         for (ask, express) in asks.into_iter().zip(&taken) {
-            if *express { to_express.push(ask) } else { to_main.push(ask) }
+            if *express {
+                counted.envs.push(ask.item.environment_id);
+                to_express.push(ask);
+            } else {
+                to_main.push(ask);
+            }
         }
         self.counted[1].inc_by(to_express.len() as u64);
         self.counted[0].inc_by(to_main.len() as u64);

@@ -84,7 +84,7 @@ impl OutboxOffers {
             || o.rows_of.len() > usize::from(o.rows_of.contains_key(&env));
         let row = match &o.first_turns {
             Some(first_turns) if past && !ordered && row.target_endpoint_id.is_none() => {
-                let (env, now) = (row.environment_id, std::time::Instant::now());
+                let now = std::time::Instant::now();
                 if o.published_at.get(&env).is_some_and(|at| now.duration_since(*at) < FIRST_TURN_GAP) {
                     row
                 } else {
