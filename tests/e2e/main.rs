@@ -3,7 +3,6 @@
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
 mod admission;
-mod at_publish;
 mod broker_loss;
 mod catalogue;
 mod claims;
