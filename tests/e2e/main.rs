@@ -3,6 +3,7 @@
 //! Outcome, against real Postgres, NATS and a receiver on loopback.
 
 mod admission;
+mod at_publish;
 mod broker_loss;
 mod catalogue;
 mod claims;

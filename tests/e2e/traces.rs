@@ -21,22 +21,40 @@ fn one<'a>(spans: &'a [CollectedSpan], name: &str) -> &'a CollectedSpan {
 /// `deploy/local/up` runs them: export must not depend on the log filter.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_events_path_arrives_at_the_collector_as_one_trace_at_the_default_log_level() -> anyhow::Result<()> {
-    one_events_path_arrives_as_one_trace(None).await
+    one_events_path_arrives_as_one_trace(None, Way::Events).await
+}
+
+/// The same, for an event the api expands at publish (`app::at_publish`):
+/// publish, then the api's expansion beneath it, then the first attempts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_event_expanded_at_publish_arrives_at_the_collector_as_one_trace() -> anyhow::Result<()> {
+    one_events_path_arrives_as_one_trace(None, Way::AtPublish).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_events_path_arrives_at_the_collector_as_one_trace_with_verbose_logs() -> anyhow::Result<()> {
-    one_events_path_arrives_as_one_trace(Some("debug")).await
+    one_events_path_arrives_as_one_trace(Some("debug"), Way::Events).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_events_path_arrives_at_the_collector_as_one_trace_with_quiet_logs() -> anyhow::Result<()> {
-    one_events_path_arrives_as_one_trace(Some("warn")).await
+    one_events_path_arrives_as_one_trace(Some("warn"), Way::Events).await
 }
 
-async fn one_events_path_arrives_as_one_trace(log: Option<&str>) -> anyhow::Result<()> {
+/// Which way the traced event's expansion goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Way {
+    /// The outbox relay, EVENTS, the dispatcher's `ExpandBatch`
+    /// (expansion at publish turned off).
+    Events,
+    /// Expanded by the api as it is published.
+    AtPublish,
+}
+
+async fn one_events_path_arrives_as_one_trace(log: Option<&str>, way: Way) -> anyhow::Result<()> {
     let collector = Collector::start().await?;
-    let stack = Stack::start(Options { api: false, dispatcher: false, ..Options::default() }).await?;
+    let expand_at_publish = if way == Way::AtPublish { 64 } else { 0 };
+    let stack = Stack::start(Options { api: false, dispatcher: false, expand_at_publish, ..Options::default() }).await?;
     let with_otlp = |mut env: Vec<(&'static str, String)>| {
         env.push(("RELAY_OTLP_ENDPOINT", collector.endpoint()));
         env
@@ -94,20 +112,40 @@ async fn one_events_path_arrives_as_one_trace(log: Option<&str>) -> anyhow::Resu
         ("relay-api", CALLER_SPAN),
         "the REST call joins the caller's trace"
     );
-    let outbox = one(&spans, "outbox_relay");
-    assert_eq!((outbox.service.as_str(), &outbox.parent_span_id), ("relay-api", &publish.span_id), "outbox after the publish");
-    let expand_event = one(&spans, "expand_event");
-    assert_eq!(
-        (expand_event.service.as_str(), &expand_event.parent_span_id),
-        ("relay-dispatcher", &outbox.span_id),
-        "through NATS headers"
-    );
+    // The spans the first attempts continue, from the publish on.
+    let mut path: Vec<&CollectedSpan> = vec![publish];
+    let handed_over_by = match way {
+        Way::Events => {
+            let outbox = one(&spans, "outbox_relay");
+            assert_eq!((outbox.service.as_str(), &outbox.parent_span_id), ("relay-api", &publish.span_id), "outbox after the publish");
+            let expand_event = one(&spans, "expand_event");
+            assert_eq!(
+                (expand_event.service.as_str(), &expand_event.parent_span_id),
+                ("relay-dispatcher", &outbox.span_id),
+                "through NATS headers"
+            );
+            let expand = one(&spans, "expand");
+            assert_eq!(
+                (expand.service.as_str(), &expand.parent_span_id),
+                ("relay-api", &expand_event.span_id),
+                "its traceparent rides in the batched Expand item"
+            );
+            path.extend([outbox, expand_event, expand]);
+            expand_event
+        }
+        Way::AtPublish => {
+            assert!(spans.iter().all(|s| s.name != "outbox_relay" && s.name != "expand_event"), "never through EVENTS");
+            let expand = one(&spans, "expand");
+            assert_eq!(
+                (expand.service.as_str(), &expand.parent_span_id, expand.attribute("at_publish")),
+                ("relay-api", &publish.span_id, Some("true")),
+                "expanded by the api, beneath the publish"
+            );
+            path.push(expand);
+            expand
+        }
+    };
     let expand = one(&spans, "expand");
-    assert_eq!(
-        (expand.service.as_str(), &expand.parent_span_id),
-        ("relay-api", &expand_event.span_id),
-        "its traceparent rides in the batched Expand item"
-    );
     assert_eq!(expand.attribute("created"), Some("2"));
 
     let relays: Vec<&CollectedSpan> = spans.iter().filter(|s| s.name == "delivery_relay").collect();
@@ -124,7 +162,7 @@ async fn one_events_path_arrives_as_one_trace(log: Option<&str>) -> anyhow::Resu
     for a in &attempts {
         assert_eq!(a.service, "relay-dispatcher");
         if a.attribute("attempt") == Some("1") {
-            assert_eq!(a.parent_span_id, expand_event.span_id, "a first attempt continues the expansion that handed it over: {a:?}");
+            assert_eq!(a.parent_span_id, handed_over_by.span_id, "a first attempt continues the expansion that handed it over: {a:?}");
         } else {
             assert!(relays.iter().any(|r| r.span_id == a.parent_span_id), "retry {a:?} hangs off a relay span");
         }
@@ -139,10 +177,10 @@ async fn one_events_path_arrives_as_one_trace(log: Option<&str>) -> anyhow::Resu
     // record (`--nocapture`): each span's start after the publish began, and
     // its length. Every step starts after the one it continues.
     let delivered = attempts.iter().find(|a| a.attribute("http_status") == Some("200")).expect("the 200");
-    let path = [publish, outbox, expand_event, expand, delivered];
+    path.push(delivered);
     let t0 = publish.start_unix_nanos;
     let ms = |ns: u64| ns as f64 / 1e6;
-    for s in path {
+    for s in &path {
         println!(
             "trace timeline: {:>14} {:>16}  starts at {:>8.3} ms, lasts {:>8.3} ms",
             s.name,

@@ -49,6 +49,8 @@ pub struct Options {
     /// Events in `EVENTS` not yet taken for expansion, at most
     /// (`RELAY_EVENTS_BACKLOG`); the rest wait in the outbox.
     pub events_backlog: u64,
+    /// `RELAY_EXPAND_AT_PUBLISH`: events the api expands as they are published, at once (0: none).
+    pub expand_at_publish: usize,
 }
 
 /// The production circuit rule at the tests' scale: a 2 s window, at least
@@ -94,6 +96,7 @@ impl Default for Options {
             tenant_work_deadline: relay_api::detach::TENANT_WORK_DEADLINE,
             recover_per_second: 1000,
             events_backlog: 256,
+            expand_at_publish: 64,
         }
     }
 }

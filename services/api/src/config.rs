@@ -83,6 +83,9 @@ pub struct DeliverySettings {
     pub relay_batch: i64,
     /// Attempts one endpoint may have handed out and unreported at once.
     pub endpoint_in_flight_cap: i64,
+    /// Events expanded at publish at once, at most; 0: every event takes
+    /// the outbox relay (`RELAY_EXPAND_AT_PUBLISH`, see `app::at_publish`).
+    pub expand_at_publish: usize,
     pub url_policy: Policy,
     /// How endpoint host names are resolved for the URL rules.
     pub resolver: std::sync::Arc<dyn relay_netguard::Resolve>,
@@ -201,6 +204,7 @@ impl ApiConfig {
                 // the claim-to-outcome round trip (tens of ms under load); 20
                 // held W1 to ~300 deliveries/s per endpoint, hence 64.
                 endpoint_in_flight_cap: env.number("RELAY_ENDPOINT_IN_FLIGHT_CAP", 1..=10_000)?,
+                expand_at_publish: env.number("RELAY_EXPAND_AT_PUBLISH", 0..=4096)?,
                 url_policy,
                 resolver: std::sync::Arc::new(relay_netguard::SystemResolver),
             },

@@ -182,6 +182,7 @@ fn build_app(cfg: &ApiConfig, db: sqlx::PgPool, js: &async_nats::jetstream::Cont
         direct: cfg.delivery.run_relays.then(|| app::DirectDispatch {
             jobs: std::sync::Arc::new(queue::NatsJobs { js: js.clone(), names: names.clone() }),
             endpoint_cap: cfg.delivery.endpoint_in_flight_cap,
+            expand_at_publish: cfg.delivery.expand_at_publish,
         }),
         switch_offs: std::sync::Arc::new(switch_offs::NatsSwitchOffs { client: js.client(), names: names.clone() }),
         clock: std::sync::Arc::new(app::SystemClock),

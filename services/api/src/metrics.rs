@@ -23,6 +23,8 @@ pub struct Metrics {
     /// Expansion asks taken, by the queue they took (`main`, `express`:
     /// see `app::expansion_queues`).
     pub(crate) expansion_asks: IntCounterVec,
+    /// Events this api expanded as they were published (`app::at_publish`).
+    pub(crate) expanded_at_publish: IntCounter,
     pub(crate) depths: IntGaugeVec,
     /// Attempts handed to the broker and not yet reported, per endpoint.
     pub(crate) endpoint_in_flight: IntGaugeVec,
@@ -77,6 +79,11 @@ impl Default for Metrics {
             &["queue"],
         )
         .expect("valid metric");
+        let expanded_at_publish = IntCounter::new(
+            "relay_expanded_at_publish_total",
+            "Events the api expanded as they were published, their first attempts sent straight to a dispatcher",
+        )
+        .expect("valid metric");
         let depths = IntGaugeVec::new(Opts::new("relay_queue_depth", "Work waiting, by queue"), &["queue"]).expect("valid metric");
         let endpoint_in_flight = IntGaugeVec::new(
             Opts::new(
@@ -102,6 +109,7 @@ impl Default for Metrics {
             Box::new(ended_lanes.clone()),
             Box::new(relayed_attempts.clone()),
             Box::new(expansion_asks.clone()),
+            Box::new(expanded_at_publish.clone()),
             Box::new(depths.clone()),
             Box::new(endpoint_in_flight.clone()),
             Box::new(circuits.clone()),
@@ -118,6 +126,7 @@ impl Default for Metrics {
             ended_lanes,
             relayed_attempts,
             expansion_asks,
+            expanded_at_publish,
             depths,
             endpoint_in_flight,
             circuits,

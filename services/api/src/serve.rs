@@ -210,7 +210,14 @@ where
         .add_service(PortalServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity))
         .add_service(EventTypeServiceServer::with_interceptor(tenant.clone(), auth::refuse_platform_identity));
     let incoming = TcpIncoming::from(listener).with_nodelay(Some(true));
+    // A graceful stop waits for every call to end, and `TakeAttempts`
+    // streams end only when the takers are let go.
+    let at_publish = app.at_publish().clone();
     let stop = stopped(stop);
+    let stop = async move {
+        stop.await;
+        at_publish.close();
+    };
     tasks.spawn(async move { router.serve_with_incoming_shutdown(incoming, stop).await.context("internal gRPC server") });
     Ok(())
 }

@@ -117,6 +117,12 @@ pub const KNOBS: &[Knob] = &[
         "64",
         "attempts one endpoint may have handed out and unreported, unless its own max_in_flight is lower (1–10000; an endpoint's throughput is at most this over the claim-to-outcome round trip)",
     ),
+    knob(
+        "RELAY_EXPAND_AT_PUBLISH",
+        Api,
+        "64",
+        "events the api expands itself as they are published, at once, at most (0–4096; 0: every event goes by the outbox relay and EVENTS); a quarter of it per environment, and only while the outbox relay keeps up and a dispatcher takes attempts from this api",
+    ),
     knob("RELAY_RELAY_BATCH", Api, "500", "rows one relay pass claims (1–10000)"),
     knob(
         "RELAY_EVENTS_BACKLOG",

@@ -13,6 +13,7 @@ mod oauth2;
 pub mod seam;
 mod settle;
 mod switched_off;
+mod take;
 mod turns;
 mod unreported;
 mod verdict;
@@ -117,6 +118,17 @@ pub async fn run(cfg: DispatcherConfig) -> Result<RunningDispatcher> {
     for which in [Consumer::Expand, Consumer::Deliver] {
         let (js, names, seam, cfg, lanes, stop) = (js.clone(), names.clone(), seam.clone(), cfg.clone(), lanes.clone(), stop_rx.clone());
         tasks.spawn(supervise(which, js, names, seam, cfg, lanes, stop));
+    }
+    // Every api sends the first attempts it expands at publish to the
+    // dispatchers that keep this stream open to it.
+    for (api, seam) in seam::each_api(&cfg)? {
+        tasks.spawn({
+            let taken = take::take_loop(api, seam, lanes.clone(), stop_rx.clone());
+            async move {
+                taken.await;
+                Ok(())
+            }
+        });
     }
     tasks.spawn(hear_switch_offs(client.clone(), names, &cfg, &lanes, stop_rx));
     Ok(RunningDispatcher { shutdown: stop_tx, tasks, nats: client })

@@ -104,7 +104,8 @@ pub fn api_urls(spec: &str) -> Result<Vec<String>> {
     Ok(urls)
 }
 
-pub fn connect(cfg: &DispatcherConfig) -> Result<Seam> {
+/// One lazy channel per api `RELAY_API_INTERNAL_URL` lists.
+fn channels(cfg: &DispatcherConfig) -> Result<Vec<(String, Channel)>> {
     let read = |p: &std::path::Path| std::fs::read(p).with_context(|| format!("reading {}", p.display()));
     let tls = ClientTlsConfig::new()
         .ca_certificate(Certificate::from_pem(read(&cfg.tls_ca)?))
@@ -114,6 +115,8 @@ pub fn connect(cfg: &DispatcherConfig) -> Result<Seam> {
     for url in api_urls(&cfg.api_url)? {
         // Lazy: the dispatcher starts, and keeps its broker position, while the
         // api is away; calls fail until it returns and jobs come back unacked.
+        // The timeout bounds a call until its answer begins, so a stream
+        // (`TakeAttempts`) stays open past it.
         let channel = Channel::from_shared(url.clone())
             .with_context(|| format!("RELAY_API_INTERNAL_URL: {url} is not a URI"))?
             .tls_config(tls.clone())
@@ -123,10 +126,32 @@ pub fn connect(cfg: &DispatcherConfig) -> Result<Seam> {
             .connect_lazy();
         channels.push((url, channel));
     }
-    // The same message limits as the api's end (see the contracts).
-    Ok(DispatchServiceClient::new(Failover::new(channels))
+    Ok(channels)
+}
+
+/// A client with the seam's message limits (the same as the api's end, see
+/// the contracts).
+fn client<T>(inner: T) -> DispatchServiceClient<T>
+where
+    T: tonic::client::GrpcService<Body>,
+    T::Error: Into<tonic::codegen::StdError>,
+    T::ResponseBody: tonic::codegen::Body<Data = tonic::codegen::Bytes> + Send + 'static,
+    <T::ResponseBody as tonic::codegen::Body>::Error: Into<tonic::codegen::StdError> + Send,
+{
+    DispatchServiceClient::new(inner)
         .max_decoding_message_size(relay_contracts::SEAM_MESSAGE_LIMIT_BYTES)
-        .max_encoding_message_size(relay_contracts::SEAM_MESSAGE_LIMIT_BYTES))
+        .max_encoding_message_size(relay_contracts::SEAM_MESSAGE_LIMIT_BYTES)
+}
+
+pub fn connect(cfg: &DispatcherConfig) -> Result<Seam> {
+    Ok(client(Failover::new(channels(cfg)?)))
+}
+
+/// A client of each api, for what every api must reach: `TakeAttempts`,
+/// by which an api sends this dispatcher the first attempts it expanded
+/// at publish (see `take`).
+pub fn each_api(cfg: &DispatcherConfig) -> Result<Vec<(String, DispatchServiceClient<Channel>)>> {
+    Ok(channels(cfg)?.into_iter().map(|(url, channel)| (url, client(channel))).collect())
 }
 
 #[cfg(test)]

@@ -165,20 +165,22 @@ impl App {
         let written = self.batchers().publishes.call(new).await?;
         if let Some(Written { seq, .. }) = written {
             tracing::debug!(target: "relay_hops", hop = "publish_written", event_id = %event_id);
-            // Straight to this process's outbox relay, which publishes it
-            // without looking for it, unless it is catching up on a backlog.
-            self.outbox_offers.offer(
-                crate::db::events::OutboxRow {
-                    seq,
-                    id: event_id,
-                    environment_id: tenant.environment_id,
-                    event_type: event_type.to_owned(),
-                    trace_context,
-                    target_endpoint_id: None,
-                },
-                ordered,
-            );
-            self.outbox_wake.wake();
+            let row = crate::db::events::OutboxRow {
+                seq,
+                id: event_id,
+                environment_id: tenant.environment_id,
+                event_type: event_type.to_owned(),
+                trace_context,
+                target_endpoint_id: None,
+            };
+            // Expanded here and sent straight to a dispatcher when nothing
+            // waits ahead of it (`at_publish`); else to this process's
+            // outbox relay, which publishes it without looking for it,
+            // unless it is catching up on a backlog.
+            if let Err(row) = self.expand_at_publish(row, ordered) {
+                self.outbox_offers.offer(row, ordered);
+                self.outbox_wake.wake();
+            }
         }
         Ok(Published { event_id, duplicate: written.is_none(), ordering_sequence: written.and_then(|w| w.ordering_sequence) })
     }

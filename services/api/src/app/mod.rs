@@ -5,6 +5,7 @@
 //! from a verified credential, never from the request body.
 
 pub mod admin;
+pub mod at_publish;
 pub mod attempt_stats;
 pub mod bulk_recovery;
 pub mod catalogue;
@@ -106,6 +107,8 @@ pub struct App {
     switch_offs: Arc<dyn crate::switch_offs::SwitchOffs>,
     /// What this api read of each environment's event catalogue.
     catalogues: Arc<catalogue::Catalogues>,
+    /// Dispatchers taking first attempts of events expanded at publish.
+    at_publish: Arc<at_publish::AtPublish>,
 }
 
 /// What an [`App`] is built from; the rest of its state starts empty.
@@ -125,7 +128,10 @@ pub struct AppParts {
 impl App {
     pub fn new(parts: AppParts) -> Self {
         let AppParts { db, keyring, url_policy, resolver, schedule, health, portal, direct, switch_offs, clock } = parts;
+        // Only an api that runs the relays hands attempts out itself.
+        let at_publish = at_publish::AtPublish::new(direct.as_ref().map_or(0, |d| d.expand_at_publish));
         Self {
+            at_publish,
             db,
             keyring,
             url_policy,
@@ -301,6 +307,9 @@ pub struct DirectDispatch {
     pub jobs: Arc<dyn crate::queue::JobQueue>,
     /// The relay's per-endpoint cap, applied the same way.
     pub endpoint_cap: i64,
+    /// Expansions at publish in flight at once, at most (0: none; see
+    /// `at_publish`).
+    pub expand_at_publish: usize,
 }
 
 /// Where the use-cases get the time: the schedule and the secrets' rotation
@@ -321,7 +330,10 @@ impl Clock for SystemClock {
 
 impl std::fmt::Debug for DirectDispatch {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DirectDispatch").field("endpoint_cap", &self.endpoint_cap).finish_non_exhaustive()
+        f.debug_struct("DirectDispatch")
+            .field("endpoint_cap", &self.endpoint_cap)
+            .field("expand_at_publish", &self.expand_at_publish)
+            .finish_non_exhaustive()
     }
 }
 

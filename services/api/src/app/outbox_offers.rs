@@ -36,12 +36,17 @@ struct Offers {
     /// `FIRST_TURN_GAP` go to `first_turns`, the rest wait for its looks
     /// (see `relay::outbox::OutboxRelay::first_turns`).
     backlogged: bool,
+    /// The relay's last pass left it catching up, room past the limit or not.
+    catching_up: bool,
     /// The environments of the events the relay is publishing now, if it
     /// is: another's offer goes to `first_turns` as while `backlogged`,
     /// rather than wait for this pass and the next (behind a burst, a pass
     /// of hundreds of its events).
     passing: Option<std::collections::HashSet<EnvironmentId>>,
     first_turns: Option<tokio::sync::mpsc::UnboundedSender<db::events::OutboxRow>>,
+    /// Events expanded at publish (`app::at_publish`), to be marked
+    /// published with the relay's next marks.
+    expanded: Vec<i64>,
     /// When each environment last had an event published, or sent to
     /// `first_turns`; entries older than `FIRST_TURN_GAP` may linger.
     published_at: std::collections::HashMap<EnvironmentId, std::time::Instant>,
@@ -114,10 +119,39 @@ impl OutboxOffers {
         rx
     }
 
+    /// Whether this process's relay takes offers and is not catching up on
+    /// a backlog: an event may then be expanded at publish (`app::at_publish`).
+    pub fn relay_keeps_up(&self) -> bool {
+        let o = self.0.lock().expect("unpoisoned");
+        o.open && !o.catching_up && !o.overflowed
+    }
+
+    /// An event expanded at publish needs no publishing, only its mark.
+    /// True for the first since the relay last took them: the caller wakes
+    /// the relay, which then writes them with its next marks (the rest
+    /// join them meanwhile, with no wake-up each).
+    pub fn mark_expanded(&self, seq: i64) -> bool {
+        let mut o = self.0.lock().expect("unpoisoned");
+        let first = o.expanded.is_empty();
+        if o.expanded.len() < MAX_OFFERS {
+            o.expanded.push(seq);
+        }
+        // Past the bound a mark is dropped: a look publishes that event
+        // again, and its expansion is a duplicate the ledger ignores.
+        first
+    }
+
+    /// The events expanded at publish since the last take, to be marked.
+    pub fn take_expanded(&self) -> Vec<i64> {
+        std::mem::take(&mut self.0.lock().expect("unpoisoned").expanded)
+    }
+
     /// Whether the relay's last pass left it catching up on a backlog, and
     /// whether the stream may take events past its limit.
     pub fn set_backlogged(&self, backlogged: bool, room_past_the_limit: bool) {
-        self.0.lock().expect("unpoisoned").backlogged = backlogged && room_past_the_limit;
+        let mut o = self.0.lock().expect("unpoisoned");
+        o.backlogged = backlogged && room_past_the_limit;
+        o.catching_up = backlogged;
     }
 
     /// The relay publishes events of these environments now (`Some`), or

@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use relay_contracts::relay::dispatch::v1::{self as pb, dispatch_service_server::DispatchService};
 use relay_domain::{EndpointId, EnvironmentId, EventId, Reason};
+use tokio_stream::StreamExt as _;
 use tonic::{Request, Response, Status};
 use tracing::field::Empty;
 
@@ -281,8 +282,26 @@ impl DispatchApi {
     }
 }
 
+/// What `TakeAttempts` streams: each batch of attempts sent to this
+/// dispatcher, for as long as it reads; its place among the takers goes
+/// when the stream is dropped.
+pub type TakenStream = std::pin::Pin<Box<dyn futures::Stream<Item = Result<pb::TakeAttemptsResponse, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl DispatchService for DispatchApi {
+    type TakeAttemptsStream = TakenStream;
+
+    async fn take_attempts(&self, req: Request<pb::TakeAttemptsRequest>) -> Result<Response<Self::TakeAttemptsStream>, Status> {
+        let req = req.into_inner();
+        let claim = in_hand_claim(&req.claimant, req.hold_ms)
+            .and_then(|c| c.ok_or_else(|| invalid(Reason::MissingField, "claimant is required".to_owned())))
+            .map_err(status)?;
+        let (joined, rx) = self.app.at_publish().join(claim);
+        let taken = crate::app::at_publish::Taken::new(self.app.clone(), joined, rx, claim)
+            .map(|attempts| Ok(pb::TakeAttemptsResponse { attempts: attempts.into_iter().map(material_message).collect() }));
+        Ok(Response::new(Box::pin(taken)))
+    }
+
     async fn expand(&self, req: Request<pb::ExpandRequest>) -> Result<Response<pb::ExpandResponse>, Status> {
         let (metadata, _, item) = req.into_parts();
         let mut answers = self.expand_items(vec![item], Some(&metadata), None, false).await?;

@@ -249,11 +249,25 @@ impl OutboxRelay {
     async fn pass(&self, held: &mut KeptConnection) -> Result<usize> {
         self.last_published.store(0, Ordering::Relaxed);
         let (offered, overflowed) = self.app.outbox_offers().take();
+        // Expanded at publish: marked with the rest (and before any look).
+        let expanded = self.app.outbox_offers().take_expanded();
+        if !expanded.is_empty() {
+            self.mark_later(&expanded);
+        }
         let woke_for_marks = std::mem::take(&mut self.unmarked.lock().expect("not poisoned").woke_for_marks);
-        if offered.is_empty() && woke_for_marks && !overflowed && !self.backlogged.load(Ordering::Relaxed) {
-            // Nothing new: the marks were what the relay slept for.
-            self.write_marks(held, true).await?;
-            return Ok(0);
+        let look_due = self.last_look.lock().expect("not poisoned").is_none_or(|at| at.elapsed() >= self.idle);
+        if offered.is_empty() && !overflowed && !self.backlogged.load(Ordering::Relaxed) {
+            if woke_for_marks {
+                // Nothing new: the marks were what the relay slept for.
+                self.write_marks(held, true).await?;
+                return Ok(0);
+            }
+            if !expanded.is_empty() && !look_due {
+                // Woken by events expanded at publish: their marks wait
+                // for company (`MARK_DELAY`), and nothing else is to do.
+                self.write_marks(held, false).await?;
+                return Ok(0);
+            }
         }
         if overflowed {
             self.backlogged.store(true, Ordering::Relaxed);
@@ -266,7 +280,6 @@ impl OutboxRelay {
             self.write_marks(held, false).await?;
             return Ok(0);
         }
-        let look_due = self.last_look.lock().expect("not poisoned").is_none_or(|at| at.elapsed() >= self.idle);
         let shortcut = !offered.is_empty() && !look_due && !self.backlogged.load(Ordering::Relaxed) && offered.len() as i64 <= limit;
         let rows = if shortcut {
             self.held_back.store(false, Ordering::Relaxed);

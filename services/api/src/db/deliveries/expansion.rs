@@ -329,3 +329,23 @@ pub async fn release_unsent_first_attempts(db: &PgPool, ids: &[DeliveryId]) -> A
     .await?
     .rows_affected())
 }
+
+/// First attempts claimed for a dispatcher that could not take them (see
+/// `app::at_publish`): unclaimed, due now and unleased, for the relay. Only
+/// while still that dispatcher's first attempt: one sent meanwhile by
+/// whoever took it is left alone.
+pub async fn release_untaken_first_attempts(db: &PgPool, ids: &[DeliveryId], claimant: DispatcherId) -> AppResult<u64> {
+    Ok(sqlx::query!(
+        "WITH unclaimed AS (
+           DELETE FROM attempt_claims WHERE delivery_id = ANY ($1) AND claimant = $2 AND generation = 0 AND attempt = 1
+           RETURNING delivery_id)
+         UPDATE webhook_deliveries SET dispatched_at = NULL, next_attempt_at = now()
+         WHERE id IN (SELECT delivery_id FROM unclaimed)
+           AND state = 'pending' AND generation = 0 AND attempt = 1 AND dispatched_at IS NOT NULL",
+        ids as _,
+        claimant as _,
+    )
+    .execute(db)
+    .await?
+    .rows_affected())
+}
