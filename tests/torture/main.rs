@@ -336,6 +336,16 @@ async fn random_kill_9_of_apis_dispatchers_and_the_broker_loses_nothing() -> Res
             "torture: {path}: (attempts recorded, pairs) {by_attempts:?}; its last event first arrived {after:.1} s after the last kill"
         );
     }
+    // The schedule, for reading a failure against: which process went down
+    // when, and for how long (seconds since the killing began).
+    let schedule: Vec<String> = kills
+        .iter()
+        .map(|k| {
+            let at = k.at.saturating_duration_since(started).as_secs_f64();
+            format!("{:?}@{at:.1}+{:.1}", k.victim, k.back.saturating_duration_since(k.at).as_secs_f64())
+        })
+        .collect();
+    println!("torture: kills {}", schedule.join(" "));
     let mut explained: Vec<(String, usize)> = counted.duplicates.iter().map(|(v, n)| (format!("{v:?}"), *n)).collect();
     explained.sort();
     println!("torture: repeats by the kill that explains them: {explained:?}");

@@ -92,26 +92,42 @@ pub async fn release_refused<'e>(db: impl sqlx::PgExecutor<'e>, seqs: &[i64]) ->
         .rows_affected())
 }
 
-/// Puts back in the outbox (unpublished, unclaimed) up to `limit` events at
-/// or after outbox place `from_seq`, published at least `min_age` ago, that
-/// no expansion has taken: the broker acknowledged them and then lost them,
-/// or holds them where its consumer will not deliver them. Returns their
-/// places. The walk follows `seq` from `from_seq`: it reads every event
-/// since then, which is why it runs only after the broker came back.
-pub async fn unpublish_unexpanded<'e>(db: impl sqlx::PgExecutor<'e>, from_seq: i64, min_age: Duration, limit: i64) -> AppResult<Vec<i64>> {
-    let min_age = super::interval(min_age)?;
+/// Puts back in the outbox (unpublished, unclaimed) up to `limit` events
+/// published between `window` and `min_age` ago that no expansion has
+/// taken: the broker acknowledged them and then lost them, or holds them
+/// where its consumer will not deliver them. Returns their places.
+///
+/// Whichever api published them: the one that did may have died before it
+/// looked (its replacement remembers nothing). The walk follows `seq` from
+/// the lower of `from_seq` (where this process's own publishing in the
+/// window began, if it published) and the last `tail` places of the
+/// outbox, so it reads a bounded stretch, once per look; it runs only when
+/// the broker came back and when an api starts.
+pub async fn unpublish_unexpanded<'e>(
+    db: impl sqlx::PgExecutor<'e>,
+    from_seq: Option<i64>,
+    tail: i64,
+    window: Duration,
+    min_age: Duration,
+    limit: i64,
+) -> AppResult<Vec<i64>> {
+    let (window, min_age) = (super::interval(window)?, super::interval(min_age)?);
     Ok(sqlx::query_scalar!(
         "WITH lost AS (
            SELECT e.seq FROM events e
-           WHERE e.seq >= $1 AND e.published_at IS NOT NULL AND e.published_at < now() - $2::interval
+           WHERE e.seq >= LEAST($1, (SELECT coalesce(max(seq), 0) FROM events) - $2)
+             AND e.published_at IS NOT NULL AND e.published_at < now() - $3::interval
+             AND e.published_at >= now() - $4::interval
              AND NOT EXISTS (SELECT 1 FROM consumed_events c
                              WHERE c.consumer = 'expand' AND c.environment_id = e.environment_id AND c.event_id = e.id)
-           ORDER BY e.seq LIMIT $3)
+           ORDER BY e.seq LIMIT $5)
          UPDATE events SET published_at = NULL, relay_claim_until = NULL
          WHERE seq IN (SELECT seq FROM lost) AND published_at IS NOT NULL
          RETURNING seq",
-        from_seq,
+        from_seq.unwrap_or(i64::MAX),
+        tail,
         min_age,
+        window,
         limit,
     )
     .fetch_all(db)

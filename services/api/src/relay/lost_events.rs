@@ -19,7 +19,12 @@
 //! outbox relay publishes them under their own message ids; an event that
 //! was only slow is expanded once either way (the expansion ledger). The
 //! streams are created again first, should the broker have come back
-//! without them. A consumer that stops delivering altogether after the
+//! without them. Each look reads the events published in its window by
+//! any api, not only this one's: the api that published them may have died
+//! before it looked (a kill within seconds of the broker's), and its
+//! replacement remembers nothing of them — so an api also looks when it
+//! starts, as far back as a return would and `START_LOOKBACK` more. A
+//! consumer that stops delivering altogether after the
 //! return (nats-server issue #5412 and others) is not this module's to
 //! mend: what it publishes again would wait behind that consumer too.
 
@@ -40,6 +45,13 @@ const AT_RISK_BEFORE: Duration = Duration::from_secs(30);
 const FIRST_LOOK: Duration = Duration::from_secs(5);
 /// Events put back in the outbox by one look, at most.
 const PER_LOOK: i64 = 100_000;
+/// How far before its start an api looks: a broker lost what it had acknowledged,
+/// and every api that saw it come back died before looking, within this.
+const START_LOOKBACK: Duration = Duration::from_secs(300);
+/// The outbox's last places a look reads, besides this process's own
+/// publishing since the loss: a bound on its cost that covers the window
+/// at several thousand events a second.
+const LOOK_TAIL: i64 = 200_000;
 
 pub struct LostEvents {
     pub app: App,
@@ -51,17 +63,24 @@ pub struct LostEvents {
 
 impl LostEvents {
     pub async fn run(mut self, mut stop: watch::Receiver<bool>) {
-        // The broker came back again while the last return was looked at.
-        let mut returned_again = false;
+        let started = Instant::now();
+        // The first round is this process's start: the processes before it
+        // may have seen the broker come back and died before they looked
+        // (the crash torture killed an api within seconds of a broker kill),
+        // and nothing of theirs is remembered here, so the start looks as
+        // far back as a return would, and `START_LOOKBACK` more.
+        let mut at_risk_from = Some(RiskFrom::Start(started));
         loop {
-            if !std::mem::take(&mut returned_again) {
-                tokio::select! {
-                    changed = self.link.changed() => if changed.is_err() { return },
-                    _ = stop.changed() => return,
+            let from = match at_risk_from.take() {
+                Some(from) => from,
+                None => {
+                    tokio::select! {
+                        changed = self.link.changed() => if changed.is_err() { return },
+                        _ = stop.changed() => return,
+                    }
+                    RiskFrom::Loss(self.link.borrow_and_update().lost_at.unwrap_or_else(Instant::now))
                 }
-            }
-            let lost_at = self.link.borrow_and_update().lost_at.unwrap_or_else(Instant::now);
-            let since = lost_at.checked_sub(AT_RISK_BEFORE).unwrap_or(lost_at);
+            };
             // Soon, then once a re-publish is no longer a duplicate; a
             // further return starts over. Each look takes events at least as
             // old as the wait before it: published before that look's wait
@@ -70,12 +89,14 @@ impl LostEvents {
                 tokio::select! {
                     _ = tokio::time::sleep(wait) => {}
                     changed = self.link.changed() => {
-                        returned_again = changed.is_ok();
+                        if changed.is_ok() {
+                            at_risk_from = Some(RiskFrom::Loss(self.link.borrow_and_update().lost_at.unwrap_or_else(Instant::now)));
+                        }
                         break;
                     }
                     _ = stop.changed() => return,
                 }
-                if let Err(e) = self.look(since, wait).await {
+                if let Err(e) = self.look(from, wait).await {
                     tracing::warn!(
                         error = format!("{e:#}"),
                         "looking for events the broker lost failed; the next return of the broker looks again"
@@ -85,21 +106,39 @@ impl LostEvents {
         }
     }
 
-    /// Puts back in the outbox what this process published since `since`
-    /// (at least `min_age` ago) and no expansion took.
-    async fn look(&self, since: Instant, min_age: Duration) -> anyhow::Result<()> {
+    /// Puts back in the outbox what was published since `from` (at least
+    /// `min_age` ago) and no expansion took, whichever api published it.
+    async fn look(&self, from: RiskFrom, min_age: Duration) -> anyhow::Result<()> {
         broker::ensure_streams(&self.js, &self.names, self.replicas).await.context("creating the streams again")?;
-        let Some(from_seq) = self.app.outbox_offers().lowest_published_since(since) else {
-            return Ok(());
+        let (since, window) = match from {
+            RiskFrom::Loss(lost_at) => (lost_at.checked_sub(AT_RISK_BEFORE), lost_at.elapsed() + AT_RISK_BEFORE),
+            RiskFrom::Start(started) => (None, started.elapsed() + AT_RISK_BEFORE + START_LOOKBACK),
         };
-        let again = db::events::unpublish_unexpanded(self.app.db(), from_seq, min_age, PER_LOOK)
+        // Whole milliseconds: an interval holds microseconds, and a
+        // duration finer than that does not convert.
+        let window = Duration::from_millis(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
+        let from_seq = since.and_then(|since| self.app.outbox_offers().lowest_published_since(since));
+        let again = db::events::unpublish_unexpanded(self.app.db(), from_seq, LOOK_TAIL, window, min_age, PER_LOOK)
             .await
             .context("putting events the broker lost back in the outbox")?;
         if !again.is_empty() {
-            tracing::warn!(count = again.len(), from_seq, "events the broker had acknowledged were never expanded; publishing them again");
+            tracing::warn!(
+                count = again.len(),
+                from_seq,
+                at_start = matches!(from, RiskFrom::Start(_)),
+                "events the broker had acknowledged were never expanded; publishing them again"
+            );
             self.app.outbox_offers().look_at_outbox();
             self.app.outbox_wake().wake();
         }
         Ok(())
     }
+}
+
+/// Where the events at risk begin: shortly before the broker connection was
+/// lost, or (at this process's start) a while before it.
+#[derive(Debug, Clone, Copy)]
+enum RiskFrom {
+    Loss(Instant),
+    Start(Instant),
 }
