@@ -24,20 +24,7 @@ async fn events_the_broker_lost_after_acknowledging_them_are_published_again_whe
     let receiver = Receiver::start().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     rest.endpoint(&receiver.url("/lost"), &["l"]).await?;
-    let mut published = HashSet::new();
-    for i in 0..5 {
-        published.insert(rest.publish("l", json!({"i": i})).await?);
-    }
-    let pg = stack.pg().await?;
-    let marked = eventually(Duration::from_secs(20), || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE published_at IS NOT NULL").fetch_one(&pg).await.ok()?;
-        (n == 5).then_some(n)
-    })
-    .await;
-    assert_eq!(marked, Some(5), "the broker acknowledged all five and the outbox marked them");
-    let js = jetstream::new(async_nats::connect(nats.url()).await?);
-    let names = StreamNames::new(&stack.prefix).map_err(anyhow::Error::msg)?;
-    js.get_stream(names.events_stream()).await?.purge().await?;
+    let (published, pg) = publish_five_and_lose_them(&stack, &nats, &rest).await?;
     nats.kill9().await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
     nats.resume().await?;
@@ -67,20 +54,7 @@ async fn events_the_broker_lost_arrive_when_the_api_that_published_them_died_bef
     let receiver = Receiver::start().await?;
     let rest = Rest::new(&stack.rest_url, Some(&tenant.api_key));
     rest.endpoint(&receiver.url("/lost"), &["l"]).await?;
-    let mut published = HashSet::new();
-    for i in 0..5 {
-        published.insert(rest.publish("l", json!({"i": i})).await?);
-    }
-    let pg = stack.pg().await?;
-    let marked = eventually(Duration::from_secs(20), || async {
-        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE published_at IS NOT NULL").fetch_one(&pg).await.ok()?;
-        (n == 5).then_some(n)
-    })
-    .await;
-    assert_eq!(marked, Some(5), "the broker acknowledged all five and the outbox marked them");
-    let js = jetstream::new(async_nats::connect(nats.url()).await?);
-    let names = StreamNames::new(&stack.prefix).map_err(anyhow::Error::msg)?;
-    js.get_stream(names.events_stream()).await?.purge().await?;
+    let (published, pg) = publish_five_and_lose_them(&stack, &nats, &rest).await?;
     stack.stop_api().await?;
     nats.kill9().await?;
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -128,4 +102,24 @@ async fn a_broker_back_without_its_streams_gets_them_again_and_events_flow() -> 
     .await;
     assert!(arrived.is_some(), "events published after the return arrived: got {:?} of {published:?}", arrivals(&receiver, "/w").1);
     stack.stop().await
+}
+
+/// Publishes five events, waits for the outbox to mark them published (the
+/// broker acknowledged them), then empties EVENTS: the loss made certain.
+async fn publish_five_and_lose_them(stack: &Stack, nats: &PrivateNats, rest: &Rest) -> anyhow::Result<(HashSet<String>, sqlx::PgPool)> {
+    let mut published = HashSet::new();
+    for i in 0..5 {
+        published.insert(rest.publish("l", json!({"i": i})).await?);
+    }
+    let pg = stack.pg().await?;
+    let marked = eventually(Duration::from_secs(20), || async {
+        let n: i64 = sqlx::query_scalar("SELECT count(*) FROM events WHERE published_at IS NOT NULL").fetch_one(&pg).await.ok()?;
+        (n == 5).then_some(n)
+    })
+    .await;
+    assert_eq!(marked, Some(5), "the broker acknowledged all five and the outbox marked them");
+    let js = jetstream::new(async_nats::connect(nats.url()).await?);
+    let names = StreamNames::new(&stack.prefix).map_err(anyhow::Error::msg)?;
+    js.get_stream(names.events_stream()).await?.purge().await?;
+    Ok((published, pg))
 }

@@ -110,8 +110,11 @@ pub mod primary;
 pub mod retention;
 pub mod statistics;
 
-/// A duration as a statement's interval parameter.
+/// A duration as a statement's interval parameter, in whole microseconds:
+/// an interval holds no finer, and `PgInterval` refuses a duration that is
+/// (one measured with `Instant::elapsed`, say) rather than round it.
 pub fn interval(d: Duration) -> crate::error::AppResult<sqlx::postgres::types::PgInterval> {
+    let d = Duration::from_micros(u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
     Ok(sqlx::postgres::types::PgInterval::try_from(d).map_err(|e| anyhow::anyhow!("{d:?} is not an interval: {e}"))?)
 }
 

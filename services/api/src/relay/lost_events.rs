@@ -78,7 +78,7 @@ impl LostEvents {
                         changed = self.link.changed() => if changed.is_err() { return },
                         _ = stop.changed() => return,
                     }
-                    RiskFrom::Loss(self.link.borrow_and_update().lost_at.unwrap_or_else(Instant::now))
+                    self.returned()
                 }
             };
             // Soon, then once a re-publish is no longer a duplicate; a
@@ -90,7 +90,7 @@ impl LostEvents {
                     _ = tokio::time::sleep(wait) => {}
                     changed = self.link.changed() => {
                         if changed.is_ok() {
-                            at_risk_from = Some(RiskFrom::Loss(self.link.borrow_and_update().lost_at.unwrap_or_else(Instant::now)));
+                            at_risk_from = Some(self.returned());
                         }
                         break;
                     }
@@ -106,6 +106,11 @@ impl LostEvents {
         }
     }
 
+    /// The broker came back: the events at risk begin before its loss.
+    fn returned(&mut self) -> RiskFrom {
+        RiskFrom::Loss(self.link.borrow_and_update().lost_at.unwrap_or_else(Instant::now))
+    }
+
     /// Puts back in the outbox what was published since `from` (at least
     /// `min_age` ago) and no expansion took, whichever api published it.
     async fn look(&self, from: RiskFrom, min_age: Duration) -> anyhow::Result<()> {
@@ -114,9 +119,6 @@ impl LostEvents {
             RiskFrom::Loss(lost_at) => (lost_at.checked_sub(AT_RISK_BEFORE), lost_at.elapsed() + AT_RISK_BEFORE),
             RiskFrom::Start(started) => (None, started.elapsed() + AT_RISK_BEFORE + START_LOOKBACK),
         };
-        // Whole milliseconds: an interval holds microseconds, and a
-        // duration finer than that does not convert.
-        let window = Duration::from_millis(u64::try_from(window.as_millis()).unwrap_or(u64::MAX));
         let from_seq = since.and_then(|since| self.app.outbox_offers().lowest_published_since(since));
         let again = db::events::unpublish_unexpanded(self.app.db(), from_seq, LOOK_TAIL, window, min_age, PER_LOOK)
             .await
